@@ -1,0 +1,1 @@
+"""Gyre meta-package: CLI and pipeline assembly."""
