@@ -1,0 +1,207 @@
+"""Wire types of gyre-train: what the stream packing buffer hands to training cells and what cells send back.
+
+A batch (one optimizer step) is B complete rollout groups of N executions. The packing buffer turns the batch's
+selected trajectories into **micro-steps**; a micro-step holds one packed :class:`Shard` per data-parallel rank of a
+cell (all cells share one parallel layout) plus the table of executions whose target tokens it contains.
+
+Token alignment inside a shard (T tokens, R rows packed back to back, no padding):
+
+- ``input_ids[p]`` is the model input at packed position p; rows are delimited by ``cu_seqlens`` ([R+1], starts at 0,
+  ends at T) and positions restart at 0 in each row (``Shard.position_ids()``), so rows never attend across boundaries.
+- ``labels[p]`` is the token predicted at position p (``input_ids[p+1]`` of the same row) or -100 where nothing is
+  predicted (last position of a row).
+- ``exec_slot[p]`` >= 0 marks a training target: ``labels[p]`` is a policy-sampled token of execution
+  ``executions[exec_slot[p]]``; -1 marks context. ``behavior_logprobs[p]`` is the engine's log-prob of that token
+  (0.0 at context positions).
+
+Every execution-level quantity of DESIGN §7.2 that must be exact across any split is carried in
+:class:`ExecutionInfo`: ``num_targets`` = |T_i| over the whole batch and, once the forward-only pre-pass is done,
+``log_ratio_sum`` = sum over T_i of (sg(l_t) - b_t), reduced over every row, rank, micro-step and cell.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+IGNORE_LABEL = -100
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    schema_version: Literal[1] = 1
+
+
+class ExecutionInfo(_Wire):
+    """One execution of the batch, as seen by every micro-step that holds some of its target tokens."""
+
+    execution_id: str = Field(min_length=1)
+    """Unique id of the execution (from the trajectory records)."""
+    group_id: str = Field(min_length=1)
+    """Rollout group the execution belongs to."""
+    advantage: float
+    """Group-relative advantage A_i."""
+    num_targets: int = Field(ge=0)
+    """|T_i|: target tokens of this execution in the whole batch (union over its admitted trajectories)."""
+    staleness: int = Field(ge=0)
+    """d = v_t - v_d of the execution's group."""
+    log_ratio_sum: float | None = None
+    """sum_{t in T_i} (sg(l_t) - b_t) over the whole batch; filled after the pre-pass (None before)."""
+
+
+class Shard(_Wire):
+    """Packed rows for one data-parallel rank: all per-token lists have length T."""
+
+    input_ids: list[int]
+    cu_seqlens: list[int]
+    labels: list[int]
+    exec_slot: list[int]
+    behavior_logprobs: list[float]
+
+    @model_validator(mode="after")
+    def _check(self) -> Shard:
+        t = len(self.input_ids)
+        for name in ("labels", "exec_slot", "behavior_logprobs"):
+            if len(getattr(self, name)) != t:
+                raise ValueError(f"{name} has length {len(getattr(self, name))}, input_ids has {t}")
+        cu = self.cu_seqlens
+        if not cu or cu[0] != 0 or cu[-1] != t:
+            raise ValueError(f"cu_seqlens must start at 0 and end at {t}, got {cu[:3]}...{cu[-3:]}")
+        if any(b <= a for a, b in itertools.pairwise(cu)):
+            raise ValueError("cu_seqlens must be strictly increasing (no empty rows)")
+        for p, (slot, lab) in enumerate(zip(self.exec_slot, self.labels, strict=True)):
+            if slot < -1:
+                raise ValueError(f"exec_slot[{p}] = {slot} < -1")
+            if slot >= 0 and lab < 0:
+                raise ValueError(f"position {p} is a target but has no label")
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def position_ids(self) -> list[int]:
+        """Positions restarting at 0 in every row."""
+        out: list[int] = []
+        for a, b in itertools.pairwise(self.cu_seqlens):
+            out.extend(range(b - a))
+        return out
+
+
+class MicroStep(_Wire):
+    """Data for one cell's data-parallel ranks (one shard per rank), claimed atomically by one cell."""
+
+    batch: int = Field(ge=0)
+    """Index of the batch (optimizer step) this micro-step belongs to."""
+    index: int = Field(ge=0)
+    """Sequence number of the micro-step inside its batch."""
+    norm: int = Field(gt=0)
+    """N * B: the fixed number of executions of the batch (the 1/(N*B) of DESIGN §7.2)."""
+    temperature: float = Field(gt=0)
+    """Rollout sampling temperature T (l_t = log_softmax(logits / T)[y_t])."""
+    executions: list[ExecutionInfo]
+    shards: list[Shard] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> MicroStep:
+        n = len(self.executions)
+        for r, shard in enumerate(self.shards):
+            bad = [s for s in shard.exec_slot if s >= n]
+            if bad:
+                raise ValueError(
+                    f"shard {r} refers to execution slot {bad[0]} but only {n} executions are listed"
+                )
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.shards)
+
+    @property
+    def num_targets(self) -> int:
+        return sum(1 for s in self.shards for e in s.exec_slot if e >= 0)
+
+
+class WorkItem(_Wire):
+    """One claim from the shared queue: a forward-only pre-pass or a forward-backward of a micro-step."""
+
+    kind: Literal["prepass", "train"]
+    microstep: MicroStep
+
+
+class ExecutionPartial(_Wire):
+    """Pre-pass partial sums of one execution over the target tokens of one micro-step."""
+
+    execution_id: str
+    log_ratio_sum: float
+    """sum (sg(l_t) - b_t) over this micro-step's targets of the execution."""
+    count: int = Field(ge=0)
+
+
+class PrepassResult(_Wire):
+    """What a cell returns for a pre-pass item."""
+
+    batch: int
+    index: int
+    cell: int = Field(ge=0)
+    partials: list[ExecutionPartial]
+
+
+class TokenStats(_Wire):
+    """Additive token-level loss statistics (sums, so micro-steps and cells combine by adding)."""
+
+    loss: float = 0.0
+    """Sum of this micro-step's loss terms (the batch loss is the sum over micro-steps)."""
+    surrogate: float = 0.0
+    """sum_t m_i A_i w_t / (N B |T_i|): the logged surrogate (sum w_t A, not sum w_t l_t)."""
+    num_targets: int = 0
+    num_capped: int = 0
+    """Target tokens with rho_t > C (truncated or masked)."""
+    weight_sum: float = 0.0
+    weight_max: float = 0.0
+
+    def __add__(self, other: TokenStats) -> TokenStats:
+        return TokenStats(
+            loss=self.loss + other.loss,
+            surrogate=self.surrogate + other.surrogate,
+            num_targets=self.num_targets + other.num_targets,
+            num_capped=self.num_capped + other.num_capped,
+            weight_sum=self.weight_sum + other.weight_sum,
+            weight_max=max(self.weight_max, other.weight_max),
+        )
+
+
+class TrainResult(_Wire):
+    """What a cell returns for a train item (its gradients stay in its backend until the batch ends)."""
+
+    batch: int
+    index: int
+    cell: int = Field(ge=0)
+    stats: TokenStats
+
+
+class StepReport(_Wire):
+    """Summary of one optimizer step, written by the core."""
+
+    step: int = Field(ge=0)
+    """Index of the step (the policy version before the update)."""
+    policy_version: int = Field(ge=0)
+    """Policy version after the update."""
+    loss: float
+    surrogate: float
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    num_groups: int
+    num_executions: int
+    num_target_tokens: int
+    num_microsteps: int
+    microsteps_by_cell: dict[int, int]
+    """How many train micro-steps each cell processed."""
+    group_ids: list[str]
+    staleness: list[int]
+    """Staleness d of each group, aligned with group_ids."""
+    metrics: dict[str, float]
+    """Clip fractions, capped-token fraction, weight stats, mean(l-b) by staleness, |s-1| (see loss.batch_metrics)."""
+    seconds: float = 0.0
