@@ -1,0 +1,1 @@
+"""Training backends: the protocol (base) and its torch implementation (the Megatron one lives in gyre_train.megatron)."""
