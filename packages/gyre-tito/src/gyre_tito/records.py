@@ -1,0 +1,229 @@
+"""Durable per-execution call-record logs (DESIGN §4.1-4.2).
+
+API summary
+-----------
+- ``RecordLog(path, config=RecordLogConfig())``: opens (creating) an append-only log. On open it reads what is there:
+  a torn last record (partial line, or a last line whose checksum or JSON is bad) is dropped with a logged warning and
+  cut off the file so later appends start clean; damage anywhere before the last line raises ``RecordLogCorrupt``
+  (never skipped, never merged). ``log.records`` holds what was loaded; ``log.append(record)`` writes one record and
+  fsyncs before returning; ``log.dropped_bytes`` says how much torn tail was removed.
+- ``read_log(path) -> LogContents(records, valid_bytes, torn_bytes)`` reads without modifying the file.
+- ``ExecutionRecords(directory, execution_id, config)``: the log and the ``ExecutionTree`` of one execution kept in
+  step; ``append(record)`` assigns ``seq``, checks the record against the tree, makes it durable, then adds it to the
+  tree (thread-safe). Reopening rebuilds the identical tree from the log.
+- ``RecordStore(directory, config)``: one ``ExecutionRecords`` per execution id under a directory (``open(id)``,
+  ``execution_ids()``, ``close()``).
+
+File format (one file per execution, ``<quoted execution id>.tito.jsonl``): UTF-8 lines
+``<crc32 of the JSON bytes, 8 lowercase hex digits> <CallRecord JSON>\\n``. Readable with any JSON library: strip the
+first 9 characters of each line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+import orjson
+import pydantic
+
+from gyre_tito.tree import ExecutionTree
+from gyre_tito.types import CallRecord
+
+__all__ = [
+    "LOG_SUFFIX",
+    "ExecutionRecords",
+    "LogContents",
+    "RecordLog",
+    "RecordLogConfig",
+    "RecordLogCorrupt",
+    "RecordStore",
+    "encode_line",
+    "read_log",
+]
+
+log = logging.getLogger(__name__)
+
+LOG_SUFFIX = ".tito.jsonl"
+
+
+class RecordLogCorrupt(RuntimeError):
+    """A record log is damaged somewhere other than its last record (not a torn append)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecordLogConfig:
+    fsync: bool = True
+    """fsync after every append (and the directory on create); turn off only for benchmarks and throwaway runs."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogContents:
+    records: list[CallRecord]
+    valid_bytes: int
+    """length of the intact prefix of the file"""
+    torn_bytes: int
+    """bytes after the intact prefix that belong to a torn last record (0 if none)"""
+
+
+def encode_line(record: CallRecord) -> bytes:
+    body = record.model_dump_json().encode()
+    return b"%08x " % zlib.crc32(body) + body + b"\n"
+
+
+def _decode_line(line: bytes) -> CallRecord | None:
+    """The record of one complete line (without newline), or None if its checksum/JSON is bad."""
+    if len(line) < 10 or line[8:9] != b" ":
+        return None
+    body = line[9:]
+    try:
+        crc = int(line[:8], 16)
+    except ValueError:
+        return None
+    if zlib.crc32(body) != crc:
+        return None
+    try:
+        return CallRecord.model_validate(orjson.loads(body))
+    except (orjson.JSONDecodeError, pydantic.ValidationError):
+        return None
+
+
+def read_log(path: str | os.PathLike[str]) -> LogContents:
+    """Read a record log; a torn last record is reported in ``torn_bytes``; earlier damage raises."""
+    data = Path(path).read_bytes()
+    records: list[CallRecord] = []
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:  # a partial last line: the append never completed
+            break
+        record = _decode_line(data[pos:nl])
+        if record is None:
+            if data[nl + 1 :].strip(b"\x00 \n"):
+                raise RecordLogCorrupt(f"{path}: damaged record at byte {pos} followed by more records")
+            break  # the last line is damaged: a torn write
+        records.append(record)
+        pos = nl + 1
+    return LogContents(records, pos, len(data) - pos)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class RecordLog:
+    """Append-only durable log of ``CallRecord``s (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike[str], config: RecordLogConfig | None = None) -> None:
+        self.path = Path(path)
+        self.config = config or RecordLogConfig()
+        created = not self.path.exists()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        if created and self.config.fsync:
+            _fsync_dir(self.path.parent)
+        contents = read_log(self.path)
+        self.records: list[CallRecord] = contents.records
+        self.dropped_bytes = contents.torn_bytes
+        if contents.torn_bytes:
+            log.warning(
+                "%s: dropped a torn last record (%d bytes after %d intact records)",
+                self.path,
+                contents.torn_bytes,
+                len(contents.records),
+            )
+            os.ftruncate(self._fd, contents.valid_bytes)
+            os.fsync(self._fd)
+
+    def append(self, record: CallRecord) -> None:
+        """Write ``record``; when this returns (with fsync on) the record survives a crash."""
+        if self._fd < 0:
+            raise ValueError(f"{self.path}: log is closed")
+        line = memoryview(encode_line(record))
+        while line:
+            written = os.write(self._fd, line)
+            line = line[written:]
+        if self.config.fsync:
+            os.fsync(self._fd)
+        self.records.append(record)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> RecordLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def log_path(directory: str | os.PathLike[str], execution_id: str) -> Path:
+    """Where the log of ``execution_id`` lives under ``directory`` (ids are percent-quoted into a file name)."""
+    return Path(directory) / (quote(execution_id, safe="") + LOG_SUFFIX)
+
+
+class ExecutionRecords:
+    """One execution's durable log and trajectory tree, kept in step."""
+
+    def __init__(
+        self, directory: str | os.PathLike[str], execution_id: str, config: RecordLogConfig | None = None
+    ) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.execution_id = execution_id
+        self.log = RecordLog(log_path(directory, execution_id), config)
+        self.tree = ExecutionTree.from_records(execution_id, self.log.records)
+        self._lock = threading.Lock()
+
+    def match(self, context_ids) -> tuple[str | None, int]:
+        return self.tree.match(context_ids)
+
+    def append(self, record: CallRecord) -> CallRecord:
+        """Assign ``seq``, validate against the tree, write durably, add to the tree; return the stored record."""
+        with self._lock:
+            if record.seq != len(self.tree):
+                record = record.model_copy(update={"seq": len(self.tree)})
+            self.tree.check(record)
+            self.log.append(record)
+            self.tree.add(record)
+            return record
+
+    def close(self) -> None:
+        self.log.close()
+
+
+class RecordStore:
+    """Record logs of many executions under one directory (``RUN/records/``)."""
+
+    def __init__(self, directory: str | os.PathLike[str], config: RecordLogConfig | None = None) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.config = config or RecordLogConfig()
+        self._open: dict[str, ExecutionRecords] = {}
+        self._lock = threading.Lock()
+
+    def open(self, execution_id: str) -> ExecutionRecords:
+        with self._lock:
+            if execution_id not in self._open:
+                self._open[execution_id] = ExecutionRecords(self.directory, execution_id, self.config)
+            return self._open[execution_id]
+
+    def execution_ids(self) -> list[str]:
+        """Ids of every execution with a log in the directory (sorted)."""
+        names = (p.name[: -len(LOG_SUFFIX)] for p in self.directory.glob("*" + LOG_SUFFIX))
+        return sorted(unquote(n) for n in names)
+
+    def close(self) -> None:
+        with self._lock:
+            for records in self._open.values():
+                records.close()
+            self._open.clear()

@@ -1,0 +1,93 @@
+"""Record logs: durable appends, torn last record dropped with a warning, reload rebuilds the identical tree."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from gyre_tito.records import ExecutionRecords, RecordLog, RecordLogCorrupt, RecordStore, log_path, read_log
+from gyre_tito.synthetic import SessionDriver, make_record
+
+
+def _fill(records: ExecutionRecords) -> None:
+    d = SessionDriver(records)
+    d.call([1, 2, 3], [4, 5])
+    d.call([*d.context("c0").tolist(), 6], [7])
+    d.call([1, 2, 9], [8], role_class="sub/task", agent_id="sub-1")
+    d.call([*d.context("c1").tolist(), 6, 6], [9, 9, 9], role_class="main/summary")
+
+
+def _snapshot(records: ExecutionRecords):
+    tree = records.tree
+    return [(r, tree.path_tokens(r.call_id).tolist()) for r in tree.records()], tree.leaves()
+
+
+def test_reload_rebuilds_identical_tree(tmp_path):
+    rec = ExecutionRecords(tmp_path, "exec/1")
+    _fill(rec)
+    before = _snapshot(rec)
+    rec.close()
+    again = ExecutionRecords(tmp_path, "exec/1")
+    assert _snapshot(again) == before
+    assert again.match([*again.tree.path_tokens("c3").tolist(), 0]) == ("c3", 12)
+    assert RecordStore(tmp_path).execution_ids() == ["exec/1"]
+
+
+def test_append_assigns_seq_and_refuses_unknown_parent(tmp_path):
+    rec = ExecutionRecords(tmp_path, "ex")
+    stored = rec.append(make_record(call_id="a", seq=42, input_ids=[1], output_ids=[2]))
+    assert stored.seq == 0
+    with pytest.raises(ValueError, match="unknown parent"):
+        rec.append(make_record(call_id="b", parent_id="zz", input_ids=[1]))
+    rec.close()
+    assert [r.call_id for r in read_log(log_path(tmp_path, "ex")).records] == ["a"]  # nothing half-written
+
+
+@pytest.mark.parametrize("cut", [1, 9, 30, -1])
+def test_torn_last_record_is_dropped_with_warning(tmp_path, caplog, cut):
+    rec = ExecutionRecords(tmp_path, "ex")
+    _fill(rec)
+    rec.close()
+    path = log_path(tmp_path, "ex")
+    data = path.read_bytes()
+    last_start = data.rstrip(b"\n").rfind(b"\n") + 1
+    path.write_bytes(data[: last_start + cut] if cut > 0 else data[:-1])  # a partial last line
+    with caplog.at_level(logging.WARNING):
+        again = ExecutionRecords(tmp_path, "ex")
+    assert "torn" in caplog.text
+    assert [r.call_id for r in again.tree.records()] == ["c0", "c1", "c2"]
+    assert again.log.dropped_bytes > 0
+    assert path.stat().st_size == last_start  # cut off, so the next append starts clean
+    d = SessionDriver(again)
+    d.call([*again.tree.path_tokens("c1").tolist(), 6, 6], [9])
+    again.close()
+    assert [r.call_id for r in read_log(path).records] == ["c0", "c1", "c2", "c3"]
+
+
+def test_damaged_last_line_with_newline_is_torn_but_damage_in_the_middle_raises(tmp_path, caplog):
+    rec = ExecutionRecords(tmp_path, "ex")
+    _fill(rec)
+    rec.close()
+    path = log_path(tmp_path, "ex")
+    lines = path.read_bytes().splitlines(keepends=True)
+    flipped = lines[-1].replace(b'"seq":3', b'"seq":4')  # checksum no longer matches
+    path.write_bytes(b"".join(lines[:-1]) + flipped)
+    with caplog.at_level(logging.WARNING):
+        assert len(RecordLog(path).records) == 3
+    assert "torn" in caplog.text
+    bad = lines[1].replace(b'"seq":1', b'"seq":7')
+    path.write_bytes(lines[0] + bad + b"".join(lines[2:]))
+    with pytest.raises(RecordLogCorrupt, match="damaged record"):
+        RecordLog(path)
+
+
+def test_log_lines_are_plain_json_after_the_checksum(tmp_path):
+    import orjson
+
+    rec = ExecutionRecords(tmp_path, "ex")
+    _fill(rec)
+    rec.close()
+    for line in log_path(tmp_path, "ex").read_bytes().splitlines():
+        obj = orjson.loads(line[9:])
+        assert obj["execution_id"] == "ex" and obj["schema_version"] == 1
