@@ -1,0 +1,152 @@
+"""CPU compatibility layer for megatron-core 0.19 (the only place Gyre works around CUDA assumptions).
+
+megatron-core builds and runs a GPTModel on CPU except for four CUDA assumptions (platform.md, "megatron-core on
+CPU"): the rotary embedding moves ``inv_freq`` to ``torch.cuda.current_device()``, the RNG tracker saves and
+restores CUDA RNG state, the no-pipelining schedule allocates its token counter with ``device="cuda"``, and with
+SGLang installed ``attention.py`` imports ``flash_mla``, whose CUDA library raises ``OSError`` (not ImportError)
+on a CPU machine.
+
+``apply()`` fixes them without touching ``torch`` itself: each affected megatron module gets its module-level
+``torch`` name rebound to a proxy that forwards everything to the real ``torch`` except ``torch.cuda``'s device
+and RNG functions and the ``device="cuda"`` argument of tensor factories. Code outside those modules (the torch
+backend, tests, other packages in the same process) sees the unmodified ``torch``. ``apply()`` is idempotent and
+does nothing on a machine with CUDA; ``revert()`` undoes it (for tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from typing import Any
+
+import torch
+
+__all__ = ["PATCHED_MODULES", "apply", "is_applied", "needed", "revert"]
+
+# The megatron modules whose module-level ``torch`` is replaced (found by running forward/backward on CPU).
+PATCHED_MODULES = (
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.utils",
+)
+_FACTORIES = ("zeros", "ones", "empty", "full", "arange", "tensor")
+_RNG_HELPERS = ("_get_cuda_rng_state", "_set_cuda_rng_state")
+
+
+def _cpu_device(device: Any) -> Any:
+    """Map any CUDA device spec ("cuda", "cuda:0", 0, torch.device("cuda")) to CPU; keep others."""
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return "cpu"
+    return device
+
+
+class _CpuCuda(types.ModuleType):
+    """``torch.cuda`` as megatron sees it on CPU: the current device is the CPU, RNG state is the CPU RNG."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` with ``cuda`` replaced and tensor factories taking ``device="cuda"`` to CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+        self.originals: dict[str, Any] = {}
+        for name in _FACTORIES:
+            setattr(self, name, self._factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def _factory(fn: Any) -> Any:
+        def on_cpu(*args: Any, **kwargs: Any) -> Any:
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return fn(*args, **kwargs)
+
+        return on_cpu
+
+
+def needed() -> bool:
+    """True on a machine without CUDA (the only place the layer is applied)."""
+    return not torch.cuda.is_available()
+
+
+def is_applied() -> bool:
+    mod = sys.modules.get(PATCHED_MODULES[0])
+    return mod is not None and isinstance(getattr(mod, "torch", None), _CpuTorch)
+
+
+def _hide_flash_mla() -> None:
+    # ``None`` in sys.modules makes ``import flash_mla`` raise ImportError, which megatron handles as "absent".
+    if "flash_mla" not in sys.modules and importlib.util.find_spec("flash_mla") is not None:
+        sys.modules["flash_mla"] = None  # type: ignore[assignment]
+
+
+def apply(force: bool = False) -> bool:
+    """Patch megatron-core for CPU. Returns True if the layer is active. Call before building a model.
+
+    ``force`` applies it even where CUDA exists (tests of CPU behaviour on a GPU machine).
+    """
+    if not (needed() or force):
+        return False
+    if is_applied():
+        return True
+    _hide_flash_mla()
+    cpu_torch = _CpuTorch()
+    for name in PATCHED_MODULES:
+        mod = importlib.import_module(name)
+        mod.torch = cpu_torch  # type: ignore[attr-defined]
+    random_mod = sys.modules["megatron.core.tensor_parallel.random"]
+    # The tracker's save/restore helpers call CUDA generator internals directly; route them to the CPU RNG.
+    # The originals are kept on the proxy (not in a module global) so revert() can restore them.
+    cpu_torch.originals = {name: getattr(random_mod, name) for name in _RNG_HELPERS}
+    random_mod._get_cuda_rng_state = _get_cpu_rng_state
+    random_mod._set_cuda_rng_state = _set_cpu_rng_state
+    return True
+
+
+def _get_cpu_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def revert() -> None:
+    """Undo ``apply()`` (the flash_mla marker stays: megatron's attention module already imported without it)."""
+    if not is_applied():
+        return
+    random_mod = sys.modules["megatron.core.tensor_parallel.random"]
+    for name, fn in random_mod.torch.originals.items():
+        setattr(random_mod, name, fn)
+    for name in PATCHED_MODULES:
+        sys.modules[name].torch = torch  # type: ignore[attr-defined]
