@@ -1,0 +1,415 @@
+"""The torch engine: a scheduler thread that steps every running sequence together (continuous batching).
+
+Requests join between steps: each step admits waiting requests (prefix-cache lookup, then prefill of the
+uncached part) and runs them in the same forward as the decoding ones. Control operations (abort, pause,
+release/resume, weight updates) take the same lock as a step, so they always land between two steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import EngineConfig
+from .kv_cache import KVCacheFullError, PagedKVCache
+from .model_runner import ModelRunner, StepInput
+from .request import EngineInputError, EngineStateError, Request, SamplingSpec, Sink
+from .sampling import sample_token
+from .weights import WeightStore, load_checkpoint_dir
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class TorchEngine:
+    """Token-in/token-out generation engine for a local HF causal LM."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        dtype = getattr(torch, config.dtype)
+        hf_cfg = AutoConfig.from_pretrained(config.model_path)
+        model = AutoModelForCausalLM.from_pretrained(
+            config.model_path, dtype=dtype, attn_implementation="sdpa"
+        )
+        self.model = model.to(self.device).eval()
+        self.runner = ModelRunner(self.model)
+        self.vocab_size = self.runner.vocab_size
+        self.context_len = int(getattr(hf_cfg, "max_position_embeddings", 4096))
+        self.eos_ids = self._eos_ids(hf_cfg)
+        self.tokenizer = self._load_tokenizer(config.model_path)
+        self.weights = WeightStore(self.model, device=self.device, backup=self._backup_mode())
+        self.kv = PagedKVCache(
+            num_layers=self.runner.num_layers,
+            kv_heads=self.runner.num_kv_heads,
+            head_dim=self.runner.head_dim,
+            block_size=config.kv_block_size,
+            max_total_tokens=config.max_total_tokens,
+            dtype=dtype,
+            device=self.device,
+        )
+        self.model_path = config.model_path
+        self.weight_version = config.weight_version
+        self.released: set[str] = set()
+        self.paused = False
+        self.update_session_open = False
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._by_rid: dict[str, Request] = {}
+        self._cond = threading.Condition(threading.RLock())
+        self._stop = False
+        self._gen = torch.Generator().manual_seed(config.seed)
+        self._tokens_generated = 0
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
+        self._thread.start()
+
+    # ---- setup helpers -----------------------------------------------------------------------
+    def _backup_mode(self) -> str:
+        if self.config.weights_backup != "auto":
+            return self.config.weights_backup
+        return "cpu" if self.device.type == "cuda" else "disk"
+
+    @staticmethod
+    def _eos_ids(hf_cfg: Any) -> set[int]:
+        ids: set[int] = set()
+        eos = getattr(hf_cfg, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return ids
+
+    def _load_tokenizer(self, path: str) -> Any | None:
+        """The checkpoint's tokenizer when it has one (for `text` and stop strings), else None."""
+        if (
+            not (Path(path) / "tokenizer.json").exists()
+            and not (Path(path) / "tokenizer_config.json").exists()
+        ):
+            return None
+        from transformers import AutoTokenizer, GenerationConfig
+
+        try:
+            gen_cfg = GenerationConfig.from_pretrained(path)
+            eos = gen_cfg.eos_token_id
+            self.eos_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        except OSError:
+            pass
+        return AutoTokenizer.from_pretrained(path)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+        self.weights.close()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def submit(
+        self,
+        *,
+        rid: str,
+        input_ids: list[int],
+        sampling: SamplingSpec,
+        return_logprob: bool,
+        stream: bool,
+        sink: Sink,
+    ) -> None:
+        """Queue a request; raises EngineInputError for bad input."""
+        if not input_ids:
+            raise EngineInputError("input_ids must not be empty")
+        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineInputError(f"input_ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if len(input_ids) >= self.context_len:
+            raise EngineInputError(
+                f"prompt of {len(input_ids)} tokens does not fit context {self.context_len}"
+            )
+        sampling.validate(self.vocab_size)
+        if sampling.stop and self.tokenizer is None:
+            raise EngineInputError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        if len(input_ids) + 1 > self.kv.capacity_tokens:
+            raise EngineInputError(f"prompt of {len(input_ids)} tokens exceeds the KV pool")
+        gen = None
+        if sampling.sampling_seed is not None:
+            gen = torch.Generator().manual_seed(sampling.sampling_seed)
+        req = Request(rid, list(input_ids), sampling, return_logprob, stream, sink, gen)
+        with self._cond:
+            if rid in self._by_rid:
+                raise EngineInputError(f"rid {rid!r} is already running")
+            self._by_rid[rid] = req
+            self.waiting.append(req)
+            self._cond.notify_all()
+
+    def abort(self, rid: str | None = None, *, abort_all: bool = False, message: str = "Aborted") -> int:
+        """Finish requests with finish_reason abort and their partial output; returns how many."""
+        with self._cond:
+            if abort_all:
+                targets = list(self._by_rid.values())
+            else:
+                if rid not in self._by_rid:
+                    raise EngineInputError(f"unknown rid {rid!r}")
+                targets = [self._by_rid[rid]]
+            for req in targets:
+                self._finish(
+                    req, {"type": "abort", "message": message, "status_code": None, "err_type": None}
+                )
+            return len(targets)
+
+    # ---- pause / memory ----------------------------------------------------------------------
+    def pause(self, mode: str = "abort") -> None:
+        with self._cond:
+            if mode == "abort":
+                self.abort(abort_all=True, message="Aborted by pause_generation")
+            elif mode == "retract":
+                for req in reversed(self.running):
+                    self._retract(req)
+            elif mode != "in_place":
+                raise EngineInputError(f"unknown pause mode {mode!r} (abort, retract, in_place)")
+            self.paused = True
+
+    def resume_generation(self) -> None:
+        with self._cond:
+            self.paused = False
+            self._cond.notify_all()
+
+    def _retract(self, req: Request) -> None:
+        """Free a running request's KV and requeue it at the front; it re-prefills input + output."""
+        assert req.seq is not None
+        self.kv.free_sequence(req.seq, req.all_tokens()[: req.seq.num_tokens])
+        req.seq, req.pending = None, []
+        req.num_retractions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def release_memory(self, tags: list[str] | None) -> None:
+        tags = self._check_tags(tags)
+        with self._cond:
+            if self.running:
+                raise EngineStateError(
+                    f"release_memory_occupation needs an idle engine ({len(self.running)} requests running): "
+                    "pause_generation first"
+                )
+            if "weights" in tags:
+                self.weights.release()
+            if "kv_cache" in tags:
+                self.kv.release()
+            self.released.update(tags)
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        tags = self._check_tags(tags)
+        with self._cond:
+            if "weights" in tags:
+                self.weights.resume()
+            if "kv_cache" in tags and not self.kv.allocated:
+                self.kv.allocate()
+            self.released.difference_update(tags)
+            self._cond.notify_all()
+
+    @staticmethod
+    def _check_tags(tags: list[str] | None) -> list[str]:
+        if tags is None:
+            return list(MEMORY_TAGS)
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise EngineInputError(f"unknown memory tags {unknown} (known: {list(MEMORY_TAGS)})")
+        return list(tags)
+
+    def flush_cache(self) -> None:
+        with self._cond:
+            if self.running or self.waiting:
+                raise EngineStateError("flush_cache refused: requests are running or waiting")
+            if self.kv.allocated:
+                self.kv.flush()
+
+    # ---- weights -----------------------------------------------------------------------------
+    def update_weights(
+        self,
+        named: Mapping[str, torch.Tensor],
+        *,
+        weight_version: str | None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        strict: bool = False,
+        model_path: str | None = None,
+    ) -> int:
+        """Apply tensors by HF name between two steps; running requests continue on the new weights."""
+        with self._cond:
+            if abort_all_requests:
+                self.abort(abort_all=True, message="Aborted by weight update")
+            n = self.weights.apply(named, strict=strict)
+            if flush_cache and self.kv.allocated:
+                self.kv.flush()  # cached prefixes were computed with the old weights
+            if weight_version is not None:
+                self.weight_version = weight_version
+            if model_path is not None:
+                self.model_path = model_path
+            return n
+
+    def update_weights_from_disk(self, model_path: str, **kw: Any) -> int:
+        return self.update_weights(load_checkpoint_dir(model_path), strict=True, model_path=model_path, **kw)
+
+    def begin_weight_update(self) -> None:
+        with self._cond:
+            if self.update_session_open:
+                raise EngineStateError("a weight update session is already open")
+            self.update_session_open = True
+
+    def end_weight_update(self) -> None:
+        with self._cond:
+            if not self.update_session_open:
+                raise EngineStateError("no weight update session is open: call /begin_weight_update first")
+            self.update_session_open = False
+
+    def check_update_session(self) -> None:
+        if self.config.require_update_session and not self.update_session_open:
+            raise EngineStateError("weight update outside a session: call /begin_weight_update first")
+
+    def set_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
+        with self._cond:
+            if abort_all_requests:
+                self.abort(abort_all=True, message="Aborted by update_weight_version")
+            self.weight_version = version
+
+    # ---- introspection -----------------------------------------------------------------------
+    def load(self) -> dict[str, Any]:
+        with self._cond:
+            used = self.kv.used_tokens() if self.kv.allocated else 0
+            cap = self.kv.capacity_tokens
+            elapsed = max(time.monotonic() - self._started, 1e-9)
+            return {
+                "dp_rank": 0,
+                "num_running_reqs": len(self.running),
+                "num_waiting_reqs": len(self.waiting),
+                "num_used_tokens": used,
+                "max_total_num_tokens": cap,
+                "token_usage": used / cap,
+                "gen_throughput": self._tokens_generated / elapsed,
+                "memory": {"weights_bytes": self.weights.nbytes(), "kv_cache_bytes": self.kv.nbytes()},
+            }
+
+    def is_idle(self) -> bool:
+        with self._cond:
+            return not self.running and not self.waiting
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _runnable(self) -> bool:
+        return not self.paused and not self.released and bool(self.running or self.waiting)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._runnable():
+                    self._cond.wait()
+                if self._stop:
+                    return
+                try:
+                    self._step()
+                except Exception as e:  # never let the loop die: fail the batch, keep serving
+                    for req in list(self.running) + list(self.waiting):
+                        self._finish(req, {"type": "abort", "message": f"engine error: {e!r}"})
+
+    def _admit(self) -> None:
+        budget = self.config.max_prefill_tokens
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            tokens = req.all_tokens()
+            seq = self.kv.new_sequence(tokens, reuse_prefix=self.config.enable_prefix_cache)
+            new = len(tokens) - seq.num_tokens
+            over_budget = new > budget and self.running
+            if over_budget or self.kv.blocks_needed(seq, new) > self.kv.available_blocks():
+                self.kv.free_sequence(seq, None)
+                return
+            budget -= new
+            self.waiting.popleft()
+            req.seq, req.pending = seq, tokens[seq.num_tokens :]
+            if not req.output_ids:
+                req.cached_tokens = seq.num_cached
+            self.running.append(req)
+
+    def _step(self) -> None:
+        self._admit()
+        batch: list[StepInput] = []
+        for req in list(self.running):
+            while True:
+                try:
+                    start = req.seq.num_tokens
+                    write = self.kv.reserve(req.seq, len(req.pending))
+                    break
+                except KVCacheFullError:
+                    victim = self.running[-1]  # preempt the youngest; it recomputes later
+                    self._retract(victim)
+                    if victim is req:
+                        if not self.running:  # alone and still too long for the whole pool
+                            self._finish(req, {"type": "abort", "message": "KV cache too small for request"})
+                        break
+            if req in self.running:
+                batch.append(StepInput(req.pending, start, write, self.kv.slots_of(req.seq)))
+        if not batch:
+            return
+        stepped = [r for r in self.running]
+        logits_BV = self.runner.step(batch, self.kv)
+        for req, logits_V in zip(stepped, logits_BV, strict=True):
+            sp = req.sampling
+            token, lp = sample_token(
+                logits_V,
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                top_k=sp.top_k,
+                generator=req.generator or self._gen,
+            )
+            req.append(token, lp, self.weight_version)
+            req.pending = [token]
+            self._tokens_generated += 1
+            finish = self._check_finish(req, token)
+            if finish is not None:
+                self._finish(req, finish)
+            elif req.stream:
+                req.sink(self._response(req), False)
+
+    def _check_finish(self, req: Request, token: int) -> dict[str, Any] | None:
+        sp = req.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
+            return {"type": "stop", "matched": token}
+        if sp.stop:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens)
+            for s in sp.stop:
+                if s and s in text:
+                    return {"type": "stop", "matched": s}
+        if (
+            len(req.output_ids) >= sp.max_new_tokens
+            or len(req.input_ids) + len(req.output_ids) >= self.context_len
+        ):
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _finish(self, req: Request, finish: dict[str, Any]) -> None:
+        req.finish = finish
+        if req.seq is not None:
+            self.kv.free_sequence(req.seq, req.all_tokens()[: req.seq.num_tokens])
+            req.seq = None
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._by_rid.pop(req.rid, None)
+        req.sink(self._response(req), True)
+
+    def _response(self, req: Request) -> dict[str, Any]:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+            matched = (req.finish or {}).get("matched")
+            if isinstance(matched, str) and not req.sampling.no_stop_trim and matched in text:
+                text = text[: text.index(matched)]
+        return req.response(text=text, weight_version=self.weight_version)

@@ -1,0 +1,110 @@
+"""One generation request inside the torch engine, and its SGLang-shaped response."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .kv_cache import SeqBlocks
+
+
+class EngineInputError(ValueError):
+    """A request the engine refuses (bad ids, bad sampling params, unknown rid); maps to HTTP 400."""
+
+
+class EngineStateError(RuntimeError):
+    """An operation not allowed in the engine's current state (e.g. release while busy); HTTP 400."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingSpec:
+    """The subset of SGLang sampling_params the engine implements."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+    def validate(self, vocab_size: int) -> None:
+        if self.max_new_tokens <= 0:
+            raise EngineInputError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise EngineInputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise EngineInputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise EngineInputError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise EngineInputError(f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}")
+
+
+Sink = Callable[[dict[str, Any], bool], None]
+"""Receives (response snapshot, finished). Called from the engine thread."""
+
+
+@dataclass(slots=True)
+class Request:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingSpec
+    return_logprob: bool
+    stream: bool
+    sink: Sink
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    seq: SeqBlocks | None = None
+    cached_tokens: int = 0
+    pending: list[int] = field(default_factory=list)
+    """Tokens whose KV is not written yet; the last one's logits give the next token."""
+    version_spans: list[list[Any]] = field(default_factory=list)
+    """[version, start, end) over output positions (SGLang 0.5.23 `weight_versions`)."""
+    num_retractions: int = 0
+
+    def all_tokens(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    def append(self, token: int, logprob: float, version: str) -> None:
+        n = len(self.output_ids)
+        if self.version_spans and self.version_spans[-1][0] == version:
+            self.version_spans[-1][2] = n + 1
+        else:
+            self.version_spans.append([version, n, n + 1])
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+
+    def response(self, *, text: str | None, weight_version: str) -> dict[str, Any]:
+        """SGLang's /generate response (cumulative output, as SGLang streams it by default)."""
+        n = len(self.output_ids)
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish,
+            "prompt_tokens": len(self.input_ids),
+            "weight_version": self.version_spans[-1][0] if self.version_spans else weight_version,
+            "num_retractions": self.num_retractions,
+            "completion_tokens": n,
+            "cached_tokens": self.cached_tokens,
+        }
+        if self.version_spans:
+            meta["weight_versions"] = [{"version": v, "start": s, "end": e} for v, s, e in self.version_spans]
+        if self.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(self.logprobs, self.output_ids, strict=True)
+            ]
+        out: dict[str, Any] = {}
+        if text is not None:
+            out["text"] = text
+        out["output_ids"] = list(self.output_ids)
+        out["meta_info"] = meta
+        return out

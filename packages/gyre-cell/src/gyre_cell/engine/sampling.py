@@ -1,0 +1,42 @@
+"""Sampling and behaviour log-probs with SGLang's semantics.
+
+The returned log-prob of a sampled token is `log_softmax(logits / T)[token]`, taken *before* top-p/top-k
+truncation (what the trainer's `l_t` recomputes). Greedy (T == 0) reports `log_softmax(logits)[token]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def truncated_probs(logits_V: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """Sampling distribution after temperature, top-k and top-p (float32, sums to 1)."""
+    probs_V = torch.softmax(logits_V / temperature, dim=-1)
+    if 0 < top_k < probs_V.numel():
+        kth = torch.topk(probs_V, top_k).values[-1]
+        probs_V = torch.where(probs_V >= kth, probs_V, torch.zeros_like(probs_V))
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs_V, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        keep_sorted = (cum - sorted_p) < top_p  # keep the smallest prefix whose mass reaches top_p
+        keep = torch.zeros_like(keep_sorted)
+        keep[order] = keep_sorted
+        probs_V = torch.where(keep, probs_V, torch.zeros_like(probs_V))
+    return probs_V / probs_V.sum()
+
+
+def sample_token(
+    logits_V: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    generator: torch.Generator | None,
+) -> tuple[int, float]:
+    """Draw one token from float32 logits `[V]`; returns (token id, behaviour log-prob)."""
+    if temperature <= 0.0:
+        token = int(torch.argmax(logits_V))
+        return token, float(torch.log_softmax(logits_V, dim=-1)[token])
+    probs_V = truncated_probs(logits_V, temperature, top_p, top_k)
+    token = int(torch.multinomial(probs_V.cpu(), 1, generator=generator))
+    return token, float(torch.log_softmax(logits_V / temperature, dim=-1)[token])

@@ -1,0 +1,266 @@
+"""HTTP server of the torch engine: SGLang's native endpoints with SGLang's response shapes.
+
+Errors follow SGLang: `{"error": {"message": ...}}` with status 400 for generation/control errors, and
+`{"success": false, "message": ...}` with 400 for weight updates. The server survives every bad request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from ..protocol import (
+    AbortBody,
+    ContinueBody,
+    GenerateBody,
+    MemoryTagsBody,
+    PauseBody,
+)
+from .core import TorchEngine
+from .request import EngineInputError, EngineStateError, SamplingSpec
+from .server_weights import add_weight_routes
+
+HEALTH_TIMEOUT_S = 20.0
+
+
+class BadRequest(Exception):
+    """Raised by handlers; rendered as SGLang's 400 error body."""
+
+
+def error_response(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+async def parse_body[B: BaseModel](request: Request, model: type[B]) -> B:
+    raw = await request.body()
+    try:
+        data = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"body is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise BadRequest("body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        details = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        raise BadRequest(f"invalid {model.__name__}: {details}") from e
+
+
+def _sampling_spec(body: GenerateBody) -> SamplingSpec:
+    sp = body.sampling_params
+    if sp.n != 1:
+        raise BadRequest("sampling_params.n > 1 is not supported by the torch engine")
+    if sp.json_schema is not None or sp.regex is not None:
+        raise BadRequest("constrained decoding (json_schema, regex) is not supported by the torch engine")
+    if body.top_logprobs_num:
+        raise BadRequest("top_logprobs_num > 0 is not supported by the torch engine")
+    stop = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
+    return SamplingSpec(
+        max_new_tokens=sp.max_new_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        stop=stop,
+        stop_token_ids=tuple(sp.stop_token_ids or ()),
+        ignore_eos=sp.ignore_eos,
+        skip_special_tokens=sp.skip_special_tokens,
+        no_stop_trim=sp.no_stop_trim,
+        sampling_seed=sp.sampling_seed,
+    )
+
+
+def _input_ids(engine: TorchEngine, body: GenerateBody) -> list[int]:
+    if body.input_ids is not None:
+        if body.input_ids and isinstance(body.input_ids[0], list):
+            raise BadRequest("batched input_ids are not supported: send one request per sequence")
+        return list(body.input_ids)  # type: ignore[arg-type]
+    if isinstance(body.text, str):
+        if engine.tokenizer is None:
+            raise BadRequest("text input needs a tokenizer; this model has none (send input_ids)")
+        return engine.tokenizer.encode(body.text, add_special_tokens=False)
+    raise BadRequest("give input_ids (a list of ints) or text (a string)")
+
+
+def create_app(engine: TorchEngine) -> FastAPI:
+    app = FastAPI(title="gyre-cell torch engine")
+    app.state.engine = engine
+
+    @app.exception_handler(BadRequest)
+    async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
+        return error_response(str(exc))
+
+    @app.exception_handler(EngineInputError)
+    async def _bad_input(_: Request, exc: EngineInputError) -> JSONResponse:
+        return error_response(str(exc))
+
+    @app.exception_handler(EngineStateError)
+    async def _bad_state(_: Request, exc: EngineStateError) -> JSONResponse:
+        return error_response(str(exc))
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        body = await parse_body(request, GenerateBody)
+        rid = body.rid or uuid.uuid4().hex
+        spec = _sampling_spec(body)
+        ids = _input_ids(engine, body)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[dict[str, Any], bool]] = asyncio.Queue()
+
+        def sink(out: dict[str, Any], finished: bool) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (out, finished))
+
+        engine.submit(
+            rid=rid,
+            input_ids=ids,
+            sampling=spec,
+            return_logprob=body.return_logprob,
+            stream=body.stream,
+            sink=sink,
+        )
+        if not body.stream:
+            try:
+                while True:
+                    out, finished = await queue.get()
+                    if finished:
+                        return Response(orjson.dumps(out), media_type="application/json")
+            except asyncio.CancelledError:  # client went away: do not leave the request running
+                _abort_quietly(engine, rid)
+                raise
+
+        async def frames():
+            finished = False
+            try:
+                while not finished:
+                    out, finished = await queue.get()
+                    yield b"data: " + orjson.dumps(out) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            finally:
+                if not finished:
+                    _abort_quietly(engine, rid)
+
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await parse_body(request, AbortBody)
+        if not body.abort_all and not body.rid:
+            raise BadRequest("give rid or abort_all=true")
+        engine.abort(body.rid, abort_all=body.abort_all)
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> JSONResponse:
+        body = await parse_body(request, PauseBody)
+        await asyncio.to_thread(engine.pause, body.mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> JSONResponse:
+        await parse_body(request, ContinueBody)
+        await asyncio.to_thread(engine.resume_generation)
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory(request: Request) -> Response:
+        body = await parse_body(request, MemoryTagsBody)
+        await asyncio.to_thread(engine.release_memory, body.tags)
+        return Response(b"null", media_type="application/json")
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory(request: Request) -> Response:
+        body = await parse_body(request, MemoryTagsBody)
+        await asyncio.to_thread(engine.resume_memory, body.tags)
+        return Response(b"null", media_type="application/json")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        try:
+            await asyncio.to_thread(engine.flush_cache)
+        except EngineStateError as e:
+            return Response(f"{e}\n", status_code=400)
+        return Response("Cache flushed.\n", status_code=200)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if engine.released or engine.paused:
+            return Response(status_code=503)
+        if not engine.is_idle():
+            return Response(status_code=200)  # like SGLang: a busy engine is evidently generating
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bool] = loop.create_future()
+
+        def sink(_: dict[str, Any], finished: bool) -> None:
+            if finished:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(True))
+
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+        spec = SamplingSpec(max_new_tokens=1, temperature=0.0)
+        engine.submit(rid=rid, input_ids=[0], sampling=spec, return_logprob=False, stream=False, sink=sink)
+        try:
+            await asyncio.wait_for(done, HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            _abort_quietly(engine, rid)
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        cfg = engine.model.config
+        return {
+            "model_path": engine.model_path,
+            "served_model_name": engine.config.served_model_name or engine.config.model_path,
+            "tokenizer_path": engine.config.model_path if engine.tokenizer is not None else None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": engine.weight_version,
+            "load_format": "safetensors",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": cfg.model_type,
+            "architectures": getattr(cfg, "architectures", None),
+        }
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return {
+            **engine.config.model_dump(),
+            "device": str(engine.device),
+            "paused": engine.paused,
+            "released_tags": sorted(engine.released),
+            "weight_update_session_open": engine.update_session_open,
+            "context_length": engine.context_len,
+            "version": "gyre-cell",
+        }
+
+    @app.get("/v1/loads")
+    async def loads() -> dict[str, Any]:
+        return {
+            "timestamp": datetime.now(UTC).isoformat(),
+            "version": "gyre-cell",
+            "accelerator": str(engine.device),
+            "num_accelerators": 1,
+            "loads": [engine.load()],
+        }
+
+    add_weight_routes(app, engine, parse_body)
+    return app
+
+
+def _abort_quietly(engine: TorchEngine, rid: str) -> None:
+    with contextlib.suppress(EngineInputError):  # already finished
+        engine.abort(rid)

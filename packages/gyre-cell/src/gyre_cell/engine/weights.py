@@ -1,0 +1,133 @@
+"""Model weights of the torch engine: loading, in-place updates by HF name, release and restore.
+
+Release really frees memory: every parameter's storage is swapped for an empty tensor after a backup is
+taken (a CPU copy on CUDA, a temporary safetensors file on CPU, or nothing with `none`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+class WeightError(ValueError):
+    """A weight operation that cannot be applied (bad names, shapes, or state); maps to HTTP 400."""
+
+
+def load_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the safetensors files in a Hugging Face checkpoint directory."""
+    p = Path(path)
+    if not p.is_dir():
+        raise WeightError(f"model_path {str(p)!r} is not a directory")
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"no *.safetensors files in {str(p)!r}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+class WeightStore:
+    """Owns the parameters of one model: update by name, release, resume."""
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, backup: str) -> None:
+        self.model = model
+        self.device = device
+        self.backup = backup
+        self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        # A tied checkpoint may carry lm_head.weight or not; both names reach the same tensor.
+        self._aliases = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
+        self.released = False
+        self._cpu_backup: dict[str, torch.Tensor] | None = None
+        self._disk_backup: Path | None = None
+        self._meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
+
+    def _resolve(self, name: str) -> torch.nn.Parameter:
+        return self._params[self._resolve_name(name)]
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self._params.values())
+
+    def expected_shape(self, name: str) -> tuple[int, ...]:
+        if self.released:
+            return tuple(self._meta[self._resolve_name(name)][0])
+        return tuple(self._resolve(name).shape)
+
+    def _resolve_name(self, name: str) -> str:
+        if name in self._params:
+            return name
+        alias = self._aliases.get(name)
+        if alias is None:
+            raise WeightError(f"unknown parameter name {name!r}")
+        return alias
+
+    @torch.inference_mode()
+    def apply(self, named: Mapping[str, torch.Tensor], *, strict: bool = False) -> int:
+        """Copy tensors into parameters by HF name; all-or-nothing (validated before any copy).
+        `strict` also requires every parameter to be present (a full checkpoint load)."""
+        if self.released:
+            raise WeightError("weights are released: resume_memory_occupation(['weights']) first")
+        if not named:
+            raise WeightError("no tensors given")
+        targets = []
+        for name, t in named.items():
+            p = self._resolve(name)
+            if tuple(t.shape) != tuple(p.shape):
+                raise WeightError(
+                    f"shape mismatch for {name!r}: got {list(t.shape)}, expected {list(p.shape)}"
+                )
+            targets.append((p, t))
+        if strict:
+            given = {self._resolve_name(n) for n in named}
+            missing = sorted(set(self._params) - given)
+            if missing:
+                raise WeightError(f"checkpoint lacks parameters: {missing[:5]}")
+        for p, t in targets:
+            p.data.copy_(t.to(device=p.device, dtype=p.dtype))
+        return len(targets)
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self._meta = {n: (p.shape, p.dtype) for n, p in self._params.items()}
+        mode = self.backup
+        if mode == "cpu":
+            self._cpu_backup = {n: p.detach().to("cpu", copy=True) for n, p in self._params.items()}
+        elif mode == "disk":
+            fd, name = tempfile.mkstemp(prefix="gyre-weights-", suffix=".safetensors")
+            os.close(fd)
+            save_file({n: p.detach().to("cpu").contiguous() for n, p in self._params.items()}, name)
+            self._disk_backup = Path(name)
+        for p in self._params.values():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.released = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume(self) -> None:
+        if not self.released:
+            return
+        saved: Mapping[str, torch.Tensor] | None = self._cpu_backup
+        if self._disk_backup is not None:
+            saved = load_file(str(self._disk_backup))
+        for n, p in self._params.items():
+            shape, dtype = self._meta[n]
+            if saved is not None:
+                p.data = saved[n].to(device=self.device, dtype=dtype)
+            else:  # like SGLang without a CPU backup: memory is back, contents need a weight update
+                p.data = torch.zeros(shape, dtype=dtype, device=self.device)
+        if self._disk_backup is not None:
+            self._disk_backup.unlink(missing_ok=True)
+        self._cpu_backup, self._disk_backup = None, None
+        self.released = False
+
+    def close(self) -> None:
+        if self._disk_backup is not None:
+            self._disk_backup.unlink(missing_ok=True)
