@@ -1,0 +1,184 @@
+"""Admin API (needs the admin token as `Authorization: Bearer <token>` or `x-admin-token`).
+
+| method + path | body | answer |
+|---|---|---|
+| `POST /admin/executions` | `{execution_id?, group_id?, route?: [url], metadata?}` | `{execution_id, group_id, credential}` |
+| `GET /admin/executions/{id}` | | `{execution_id, group_id, ended, calls, route}` |
+| `POST /admin/executions/{id}/end` | | `{execution_id, ended: true}` |
+| `PUT /admin/executions/{id}/route` | `{engines: [url] \\| null}` | `{execution_id, route}` |
+| `POST /admin/executions/{id}/export` | `{j_max?, seed?, include_other?, path?}` | `{trajectories: [...]}` (and JSONL/Parquet at `path`) |
+| `GET /admin/engines` / `PUT /admin/routes` | `{engines: [url]}` | engine list |
+| `POST /admin/engines/drain` | `{engine, abort_inflight?: true, timeout_s?}` | `{engine, inflight_at_drain}` |
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from gyre_tito.conversation import ProtocolError
+
+__all__ = ["admin_router", "export_trajectories"]
+
+
+def _err(e: ProtocolError) -> JSONResponse:
+    return JSONResponse(
+        {"type": "error", "error": {"type": e.kind, "message": e.message}}, status_code=e.status
+    )
+
+
+def export_trajectories(proxy, execution_id: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Select and materialise an execution's trajectories with gyre-tito's selection (J_max admission)."""
+    from gyre_tito import export, selection
+
+    ex = proxy.get(execution_id)
+    j_max = int(body.get("j_max", 5))
+    seed = int(body.get("seed", 0))
+    trajs = selection.select_trajectories(
+        ex.records.tree,
+        group_id=ex.group_id,
+        j_max=j_max,
+        seed=seed,
+        include_other=bool(body.get("include_other")),
+    )
+    path = body.get("path")
+    if path:
+        if str(path).endswith(".parquet"):
+            export.write_parquet(trajs, path)
+        else:
+            export.write_jsonl(trajs, path)
+    return [orjson.loads(t.model_dump_json()) for t in trajs]
+
+
+def admin_router(proxy) -> APIRouter:
+    r = APIRouter(prefix="/admin")
+
+    async def guard(req: Request) -> dict[str, Any]:
+        token = proxy.config.admin_token
+        given = req.headers.get("x-admin-token") or ""
+        auth = req.headers.get("authorization", "")
+        if not given and auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        if not token or not hmac.compare_digest(given.encode(), token.encode()):
+            raise ProtocolError(401, "authentication_error", "admin token missing or wrong")
+        raw = await req.body()
+        if not raw:
+            return {}
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise ProtocolError(400, "invalid_request_error", f"body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise ProtocolError(400, "invalid_request_error", "body must be a JSON object")
+        return body
+
+    def _urls(v: Any, field: str) -> list[str] | None:
+        if v is None:
+            return None
+        if not isinstance(v, list) or not all(isinstance(u, str) and u.startswith("http") for u in v):
+            raise ProtocolError(
+                400, "invalid_request_error", f"{field}: must be a list of http(s) URLs or null"
+            )
+        return [u.rstrip("/") for u in v]
+
+    def summary(ex) -> dict[str, Any]:
+        return {
+            "execution_id": ex.id,
+            "group_id": ex.group_id,
+            "ended": ex.ended,
+            "calls": len(ex.records.tree),
+            "route": ex.route,
+        }
+
+    @r.post("/executions")
+    async def register(req: Request):
+        try:
+            body = await guard(req)
+            eid, gid = body.get("execution_id"), body.get("group_id")
+            for name, v in (("execution_id", eid), ("group_id", gid)):
+                if v is not None and (not isinstance(v, str) or not v):
+                    raise ProtocolError(400, "invalid_request_error", f"{name}: must be a non-empty string")
+            meta = body.get("metadata") or {}
+            if not isinstance(meta, dict):
+                raise ProtocolError(400, "invalid_request_error", "metadata: must be an object")
+            ex, cred = proxy.register(eid, gid, _urls(body.get("route"), "route"), meta)
+            return summary(ex) | {"credential": cred}
+        except ProtocolError as e:
+            return _err(e)
+
+    @r.get("/executions/{eid}")
+    async def info(eid: str, req: Request):
+        try:
+            await guard(req)
+            return summary(proxy.get(eid))
+        except ProtocolError as e:
+            return _err(e)
+
+    @r.post("/executions/{eid}/end")
+    async def end(eid: str, req: Request):
+        try:
+            await guard(req)
+            return summary(proxy.end(eid))
+        except ProtocolError as e:
+            return _err(e)
+
+    @r.put("/executions/{eid}/route")
+    async def route(eid: str, req: Request):
+        try:
+            body = await guard(req)
+            proxy.set_route(eid, _urls(body.get("engines"), "engines"))
+            return summary(proxy.get(eid))
+        except ProtocolError as e:
+            return _err(e)
+
+    @r.post("/executions/{eid}/export")
+    async def export_(eid: str, req: Request):
+        try:
+            body = await guard(req)
+            return {"execution_id": eid, "trajectories": export_trajectories(proxy, eid, body)}
+        except ProtocolError as e:
+            return _err(e)
+        except (ValueError, TypeError) as e:
+            return _err(ProtocolError(400, "invalid_request_error", str(e)))
+
+    @r.get("/engines")
+    async def engines(req: Request):
+        try:
+            await guard(req)
+            return {"engines": proxy.pool.engines()}
+        except ProtocolError as e:
+            return _err(e)
+
+    @r.put("/routes")
+    async def routes(req: Request):
+        try:
+            body = await guard(req)
+            urls = _urls(body.get("engines"), "engines")
+            proxy.pool.set_engines(urls or [])
+            proxy.config.engines = urls or []
+            return {"engines": proxy.pool.engines()}
+        except ProtocolError as e:
+            return _err(e)
+
+    @r.post("/engines/drain")
+    async def drain(req: Request):
+        try:
+            body = await guard(req)
+            url = body.get("engine")
+            if not isinstance(url, str):
+                raise ProtocolError(400, "invalid_request_error", "engine: required URL string")
+            try:
+                n = await proxy.pool.drain(
+                    url, bool(body.get("abort_inflight", True)), float(body.get("timeout_s", 30))
+                )
+            except KeyError:
+                raise ProtocolError(404, "not_found_error", f"no engine {url!r}") from None
+            return {"engine": url.rstrip("/"), "inflight_at_drain": n}
+        except ProtocolError as e:
+            return _err(e)
+
+    return r

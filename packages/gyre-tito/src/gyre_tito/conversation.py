@@ -1,0 +1,146 @@
+"""Protocol-neutral conversation: what the Anthropic and OpenAI layers parse requests into, and what gets rendered.
+
+`Conversation.template_messages(recorded_for)` produces the chat-template message list. `recorded_for(turn)` returns
+an index into the recorded outputs when an assistant turn is one of our own recorded responses (recognised by the
+tool-call payload cache: its tool-call ids, or its text), and that turn is rendered as a placeholder that the encoder
+replaces by the recorded tokens verbatim (see `render.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "DEFAULT_VOLATILE_PATTERNS",
+    "Conversation",
+    "ProtocolError",
+    "Reply",
+    "Sampling",
+    "ToolCall",
+    "Turn",
+    "strip_volatile",
+]
+
+# Claude Code's first system block is a per-version, per-agent billing line; it is metadata, not prompt content.
+DEFAULT_VOLATILE_PATTERNS: tuple[str, ...] = (r"^x-anthropic-billing-header:[^\n]*\n?",)
+
+
+class ProtocolError(Exception):
+    """A client error, rendered by each API layer in its own error shape."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind  # e.g. invalid_request_error, authentication_error, not_found_error
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass
+class Turn:
+    role: str  # system | user | assistant | tool
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Conversation:
+    system: str | None
+    turns: list[Turn]
+    tools: list[dict[str, Any]]  # OpenAI function form: {"type": "function", "function": {...}}
+    volatile: list[str] = field(
+        default_factory=list
+    )  # text removed from the system prompt (kept as metadata)
+    enable_thinking: bool | None = None
+
+    def template_messages(self, recorded_for: Callable[[Turn], int | None]) -> list[dict[str, Any]]:
+        from gyre_tito.render import recorded_marker
+
+        msgs: list[dict[str, Any]] = []
+        if self.system:
+            msgs.append({"role": "system", "content": self.system})
+        for t in self.turns:
+            if t.role == "assistant":
+                k = recorded_for(t)
+                if k is not None:
+                    msgs.append({"role": "assistant", "content": recorded_marker(k)})
+                    continue
+                m: dict[str, Any] = {"role": "assistant", "content": t.content}
+                if t.reasoning:
+                    m["reasoning_content"] = t.reasoning
+                if t.tool_calls:
+                    m["tool_calls"] = [
+                        {
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments},
+                        }
+                        for c in t.tool_calls
+                    ]
+                msgs.append(m)
+            elif t.role == "tool":
+                msgs.append({"role": "tool", "content": t.content, "tool_call_id": t.tool_call_id})
+            else:
+                msgs.append({"role": t.role, "content": t.content})
+        return msgs
+
+    def check_tool_results(self) -> None:
+        """Every tool result must answer a tool call of the latest assistant turn before it (as both APIs require)."""
+        open_ids: set[str] = set()
+        for i, t in enumerate(self.turns):
+            if t.role == "assistant":
+                open_ids = {c.id for c in t.tool_calls}
+            elif t.role == "tool" and t.tool_call_id not in open_ids:
+                raise ProtocolError(
+                    400,
+                    "invalid_request_error",
+                    f"messages: tool result at turn {i} refers to unknown tool call id {t.tool_call_id!r} "
+                    "(no matching tool call in the preceding assistant message)",
+                )
+
+
+def strip_volatile(text: str, patterns: tuple[str, ...] | list[str]) -> tuple[str, list[str]]:
+    """Remove volatile lines (multi-line regexes) from system text; returns the kept text and what was removed."""
+    removed: list[str] = []
+    for pat in patterns:
+        rx = re.compile(pat, re.M)
+        removed.extend(m.group(0).rstrip("\n") for m in rx.finditer(text))
+        text = rx.sub("", text)
+    return text, removed
+
+
+@dataclass
+class Reply:
+    """One generated answer, ready for either API layer to serialise."""
+
+    id: str
+    model: str
+    reasoning: str | None
+    text: str
+    tool_calls: list[ToolCall]
+    finish: str  # stop | length | stop_sequence
+    stop_sequence: str | None
+    input_tokens: int
+    output_tokens: int
+    logprobs: list[float] = field(default_factory=list)
+    token_strings: list[str] = field(default_factory=list)

@@ -1,0 +1,329 @@
+"""The proxy core, independent of HTTP: executions and credentials, incremental encoding, generation, records.
+
+One call (`Proxy.complete`):
+1. Restore: assistant turns that are our own recorded responses are recognised through the tool-call payload cache
+   (the tool-call ids we issued, or the reply text) and rendered as placeholders; the harness's copy (maybe with
+   reformatted arguments, dropped thinking) is ignored, its ids only associate tool results.
+2. Render with the chat template and encode: matched content reuses memoised pieces; recorded outputs are spliced in
+   verbatim (never re-tokenized). Volatile system lines were removed by the API layer.
+3. Match the full context against the execution's tree; the record's input is the context after the matched path.
+4. Generate on the engine pool (retries continue partial outputs; one segment per engine/weight version).
+5. Append the `CallRecord` durably (fsync) and index its tool-call ids, then return the reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, Field
+
+from gyre_tito.conversation import (
+    DEFAULT_VOLATILE_PATTERNS,
+    Conversation,
+    ProtocolError,
+    Reply,
+    Sampling,
+    ToolCall,
+    Turn,
+)
+from gyre_tito.engine_client import EngineError, EnginePool, EnginePoolConfig
+from gyre_tito.parse import parse_output
+from gyre_tito.records import ExecutionRecords, RecordLogConfig, RecordStore
+from gyre_tito.render import ChatTokenizer
+from gyre_tito.roles import RoleClassifier, make_classifier
+from gyre_tito.types import CallRecord, OutputSegment, Timings, runs_from_mask
+
+__all__ = ["Execution", "Proxy", "ProxyConfig"]
+
+
+class ProxyConfig(BaseModel):
+    engines: list[str] = Field(default_factory=list, description="engine base URLs (SGLang /generate)")
+    tokenizer: str = Field(description="tokenizer directory with tokenizer.json and a chat template")
+    store: str = Field(description="directory for executions, records and the resolved config")
+    model_name: str = Field("gyre-policy", description="model name reported to harnesses")
+    admin_token: str | None = Field(None, description="token for /admin endpoints (None: admin API disabled)")
+    max_context_tokens: int = Field(131072, description="model context limit (prompt + max new tokens)")
+    volatile_patterns: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_VOLATILE_PATTERNS),
+        description="system lines dropped before rendering",
+    )
+    classifier: str = Field(
+        "claude-code", description="role classifier for Anthropic requests (roles.CLASSIFIERS)"
+    )
+    openai_classifier: str = Field("static", description="role classifier for OpenAI requests")
+    fsync: bool = Field(True, description="fsync every record (off only for benchmarks)")
+    engine: EnginePoolConfig = Field(default_factory=EnginePoolConfig, description="engine pool settings")
+
+
+def _text_key(text: str) -> str:
+    return hashlib.sha256(text.strip().encode()).hexdigest()[:32]
+
+
+def _hash(credential: str) -> str:
+    return hashlib.sha256(credential.encode()).hexdigest()
+
+
+@dataclass
+class Execution:
+    id: str
+    group_id: str
+    records: ExecutionRecords
+    route: list[str] | None = None
+    ended: bool = False
+    tool_index: dict[str, str] = field(default_factory=dict)  # tool-call id we issued -> call id
+    text_index: dict[str, str] = field(default_factory=dict)  # reply text key -> call id (text-only replies)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def index(self, rec: CallRecord) -> None:
+        for tid in rec.metadata.get("tool_call_ids", []):
+            self.tool_index[tid] = rec.call_id
+        if rec.metadata.get("text_key"):
+            self.text_index[rec.metadata["text_key"]] = rec.call_id
+
+
+class Proxy:
+    """Executions, their trees and the engine pool; `complete` serves one model call."""
+
+    def __init__(self, config: ProxyConfig, classifiers: dict[str, RoleClassifier] | None = None):
+        self.config = config
+        self.store_dir = Path(config.store)
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.chat = ChatTokenizer(config.tokenizer)
+        self.records = RecordStore(self.store_dir / "records", RecordLogConfig(fsync=config.fsync))
+        self.pool = EnginePool(config.engine.model_copy(update={"engines": config.engines}))
+        self.classifiers: dict[str, RoleClassifier] = classifiers or {
+            "anthropic": make_classifier(config.classifier),
+            "openai": make_classifier(config.openai_classifier),
+        }
+        self.executions: dict[str, Execution] = {}
+        self._by_credential: dict[str, str] = {}  # sha256(credential) -> execution id
+        self._registry = self.store_dir / "executions.jsonl"
+        self.stats: dict[str, float] = {"calls": 0, "input_tokens": 0, "output_tokens": 0, "overhead_s": 0.0}
+        self._load_registry()
+
+    # ---- executions ------------------------------------------------------------------------------------------
+    def _log_event(self, ev: dict[str, Any]) -> None:
+        with open(self._registry, "ab") as f:
+            f.write(orjson.dumps(ev) + b"\n")
+            f.flush()
+            if self.config.fsync:
+                import os
+
+                os.fsync(f.fileno())
+
+    def _load_registry(self) -> None:
+        if not self._registry.is_file():
+            return
+        for line in self._registry.read_bytes().splitlines():
+            try:
+                ev = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue  # a torn last line: the registration was never acknowledged
+            if ev.get("ev") == "register":
+                self._open(
+                    ev["execution_id"],
+                    ev["group_id"],
+                    ev["credential_sha256"],
+                    ev.get("route"),
+                    ev.get("metadata"),
+                )
+            elif ev.get("ev") == "end" and ev.get("execution_id") in self.executions:
+                self.executions[ev["execution_id"]].ended = True
+            elif ev.get("ev") == "route" and ev.get("execution_id") in self.executions:
+                self.executions[ev["execution_id"]].route = ev.get("route")
+
+    def _open(self, eid: str, group: str, cred_hash: str, route, metadata) -> Execution:
+        ex = Execution(eid, group, self.records.open(eid), route, metadata=metadata or {})
+        for rec in ex.records.tree.records():
+            ex.index(rec)
+        self.executions[eid] = ex
+        self._by_credential[cred_hash] = eid
+        return ex
+
+    def register(
+        self,
+        execution_id: str | None = None,
+        group_id: str | None = None,
+        route: list[str] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> tuple[Execution, str]:
+        eid = execution_id or f"ex-{uuid.uuid4().hex[:12]}"
+        if eid in self.executions:
+            raise ProtocolError(409, "invalid_request_error", f"execution {eid!r} already exists")
+        credential = "tito-" + secrets.token_urlsafe(24)
+        ev = {
+            "ev": "register",
+            "execution_id": eid,
+            "group_id": group_id or eid,
+            "credential_sha256": _hash(credential),
+            "route": route,
+            "metadata": metadata or {},
+            "t": time.time(),
+        }
+        self._log_event(ev)
+        return self._open(eid, ev["group_id"], ev["credential_sha256"], route, metadata), credential
+
+    def end(self, execution_id: str) -> Execution:
+        ex = self.get(execution_id)
+        if not ex.ended:
+            self._log_event({"ev": "end", "execution_id": execution_id, "t": time.time()})
+            ex.ended = True
+        return ex
+
+    def set_route(self, execution_id: str, route: list[str] | None) -> None:
+        ex = self.get(execution_id)
+        self._log_event({"ev": "route", "execution_id": execution_id, "route": route, "t": time.time()})
+        ex.route = route
+
+    def get(self, execution_id: str) -> Execution:
+        ex = self.executions.get(execution_id)
+        if ex is None:
+            raise ProtocolError(404, "not_found_error", f"no execution {execution_id!r}")
+        return ex
+
+    def authenticate(self, credential: str | None) -> Execution:
+        if not credential:
+            raise ProtocolError(
+                401, "authentication_error", "missing credential (x-api-key or Authorization: Bearer)"
+            )
+        eid = self._by_credential.get(_hash(credential))
+        if eid is None:
+            raise ProtocolError(401, "authentication_error", "invalid credential: no such execution")
+        ex = self.executions[eid]
+        if ex.ended:
+            raise ProtocolError(401, "authentication_error", f"execution {eid} has ended")
+        return ex
+
+    # ---- one call --------------------------------------------------------------------------------------------
+    def encode(self, ex: Execution, conv: Conversation) -> tuple[list[int], list[bool]]:
+        """Full context ids of a request (recorded outputs spliced in) and the per-token policy flags."""
+        tree = ex.records.tree
+        recorded: list[Any] = []
+        slots: dict[str, int] = {}
+
+        def recorded_for(t: Turn) -> int | None:
+            cid = next((ex.tool_index[c.id] for c in t.tool_calls if c.id in ex.tool_index), None)
+            if cid is None and not t.tool_calls:
+                cid = ex.text_index.get(_text_key(t.content))
+            if cid is None or cid not in tree:
+                return None
+            if cid not in slots:
+                slots[cid] = len(recorded)
+                recorded.append(tree.node(cid).output_ids)
+            return slots[cid]
+
+        messages = conv.template_messages(recorded_for)
+        kwargs = {} if conv.enable_thinking is None else {"enable_thinking": conv.enable_thinking}
+        text = self.chat.render(messages, conv.tools, add_generation_prompt=True, **kwargs)
+        enc = self.chat.encode_rendered(text, recorded)
+        return enc.ids, enc.policy
+
+    def count_tokens(self, ex: Execution, conv: Conversation) -> int:
+        return len(self.encode(ex, conv)[0])
+
+    async def complete(
+        self,
+        ex: Execution,
+        conv: Conversation,
+        sampling: Sampling,
+        api: str,
+        meta: dict[str, Any],
+        body: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[Reply, CallRecord]:
+        t0 = time.time()
+        ids, policy = self.encode(ex, conv)
+        if len(ids) + sampling.max_new_tokens > self.config.max_context_tokens:
+            raise ProtocolError(
+                400,
+                "invalid_request_error",
+                f"prompt is too long: {len(ids)} tokens + {sampling.max_new_tokens} max tokens > "
+                f"{self.config.max_context_tokens} maximum",
+            )
+        parent, n = ex.records.match(ids)
+        agent_id, role_class, call_kind = self.classifiers[api].classify(body or {}, headers)
+        sp = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "stop_token_ids": self.chat.eos_ids,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if sampling.stop:
+            sp["stop"] = sampling.stop
+        t_engine = time.time()
+        try:
+            res = await self.pool.generate(ids, sp, route=ex.route)
+        except EngineError as e:
+            raise ProtocolError(529, "overloaded_error", f"no engine available: {e}") from e
+        t_done = time.time()
+        raw = self.chat.decode(res.output_ids)
+        parsed = parse_output(raw)
+        prefix = "toolu_" if api == "anthropic" else "call_"
+        calls = [ToolCall(prefix + secrets.token_hex(12), c.name, c.arguments) for c in parsed.tool_calls]
+        finish = res.finish
+        if finish == "stop" and isinstance(res.matched, str):
+            finish = "stop_sequence"
+        msg_id = ("msg_" if api == "anthropic" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        rec = CallRecord(
+            execution_id=ex.id,
+            call_id=f"{ex.id}/{uuid.uuid4().hex[:16]}",
+            seq=len(ex.records.tree),
+            parent_id=parent,
+            input_ids=ids[n:],
+            input_provenance=runs_from_mask(policy[n:]),
+            output_ids=res.output_ids,
+            output_logprobs=res.logprobs,
+            output_segments=[
+                OutputSegment(engine_id=s.engine, weight_version=s.weight_version, start=s.start, end=s.end)
+                for s in res.segments
+            ],
+            agent_id=agent_id,
+            role_class=role_class,
+            call_kind=call_kind,
+            finish_reason=finish,
+            timings=Timings(request_at=t0, first_token_at=res.first_token_at, end_at=time.time()),
+            metadata={
+                "api": api,
+                "message_id": msg_id,
+                "tool_call_ids": [c.id for c in calls],
+                "text_key": _text_key(parsed.text) if parsed.text and not calls else None,
+                "volatile": conv.volatile,
+                "attempts": res.attempts,
+                **meta,
+            },
+        )
+        rec = await asyncio.to_thread(ex.records.append, rec)  # durable before the harness sees anything
+        ex.index(rec)
+        self.stats["calls"] += 1
+        self.stats["input_tokens"] += len(ids)
+        self.stats["output_tokens"] += len(res.output_ids)
+        self.stats["overhead_s"] += (t_engine - t0) + (time.time() - t_done)
+        reply = Reply(
+            id=msg_id,
+            model=meta.get("model") or self.config.model_name,
+            reasoning=parsed.reasoning,
+            text=parsed.text,
+            tool_calls=calls,
+            finish=finish,
+            stop_sequence=res.matched if finish == "stop_sequence" else None,
+            input_tokens=len(ids),
+            output_tokens=len(res.output_ids),
+            logprobs=list(res.logprobs),
+            token_strings=self.chat.token_strings(res.output_ids) if api == "openai" else [],
+        )
+        return reply, rec
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+        self.records.close()

@@ -1,0 +1,176 @@
+"""Chat rendering with the model's own chat template, and encoding that never re-tokenizes recorded outputs.
+
+`ChatTokenizer` loads a Hugging Face tokenizer directory with `tokenizers` + `jinja2` only (no transformers, so
+no torch): `tokenizer.json` and the chat template from `tokenizer_config.json` or `chat_template.jinja`.
+
+Encoding is exact and incremental:
+- Added tokens (`<|im_start|>`, `<tool_call>`, ...) split the text before the pre-tokenizer runs, so encoding the
+  pieces between them one by one gives the same ids as encoding the whole string. Pieces are memoised (bounded LRU),
+  so a growing conversation only pays for its new pieces.
+- An assistant turn that replays one of our recorded outputs is rendered as a sentinel (`recorded_marker(k)`) and
+  replaced by the recorded token ids verbatim, whatever the template would re-render for it (Qwen3 drops earlier
+  `<think>` blocks; harnesses reformat tool-call JSON). Those ids are flagged as policy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+__all__ = ["ChatTokenizer", "EncodedContext", "TemplateError", "recorded_marker"]
+
+_MARK_OPEN = "\ue000R"
+_MARK_CLOSE = "\ue001"
+_MARK_RE = re.compile(re.escape(_MARK_OPEN) + r"(\d+)" + re.escape(_MARK_CLOSE))
+
+
+class TemplateError(ValueError):
+    """The chat template rejected the conversation (it raised, or the input had no renderable shape)."""
+
+
+def recorded_marker(k: int) -> str:
+    """Content placeholder for the k-th recorded output spliced into a render (private-use code points)."""
+    return f"{_MARK_OPEN}{k}{_MARK_CLOSE}"
+
+
+@dataclass
+class EncodedContext:
+    """Token ids of one rendered request plus a per-token policy flag (True = a recorded output of our engine)."""
+
+    ids: list[int] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)
+    text_chars: int = 0
+
+
+def _raise(msg: str) -> None:
+    raise TemplateError(msg)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+) -> str:
+    # Same defaults as transformers' chat-template `tojson`, so renders match apply_chat_template exactly.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class ChatTokenizer:
+    """A tokenizer directory's tokenizer + chat template, with memoised exact encoding."""
+
+    def __init__(self, path: str | Path, cache_entries: int = 65536):
+        p = Path(path)
+        tj = p / "tokenizer.json"
+        if not tj.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {p}")
+        self.path = p
+        self.tokenizer = Tokenizer.from_file(str(tj))
+        cfg: dict[str, Any] = {}
+        if (p / "tokenizer_config.json").is_file():
+            cfg = json.loads((p / "tokenizer_config.json").read_text())
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (p / "chat_template.jinja").is_file():
+            template = (p / "chat_template.jinja").read_text()
+        if not template:
+            raise ValueError(f"{p} has no chat template")
+        self.template_source: str = template
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._template = env.from_string(template)
+        added = self.tokenizer.get_added_tokens_decoder()
+        self.added: dict[str, int] = {t.content: i for i, t in added.items()}
+        alts = sorted(self.added, key=len, reverse=True)
+        self._split_re = re.compile("(" + "|".join(re.escape(a) for a in alts) + ")") if alts else None
+        self.im_end_id = self.added.get("<|im_end|>")
+        self.eos_ids = [i for t, i in self.added.items() if t in ("<|im_end|>", "<|endoftext|>")]
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cache_entries = cache_entries
+
+    # ---- rendering -------------------------------------------------------------------------------------------
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render with the chat template (transformers' `apply_chat_template(tokenize=False)` semantics)."""
+        try:
+            return self._template.render(
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except TemplateError:
+            raise
+        except Exception as e:  # a template bug or odd input must surface as a 4xx, not a 500
+            raise TemplateError(f"chat template failed: {e}") from e
+
+    # ---- encoding --------------------------------------------------------------------------------------------
+    def encode_text(self, text: str) -> list[int]:
+        """Exact ids of `text` (added tokens parsed), memoised per piece between added tokens."""
+        out: list[int] = []
+        pieces = self._split_re.split(text) if self._split_re is not None else [text]
+        for piece in pieces:
+            if not piece:
+                continue
+            sid = self.added.get(piece)
+            if sid is not None:
+                out.append(sid)
+                continue
+            ids = self._cache.get(piece)
+            if ids is None:
+                ids = tuple(self.tokenizer.encode(piece, add_special_tokens=False).ids)
+                self._cache[piece] = ids
+                if len(self._cache) > self._cache_entries:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(piece)
+            out.extend(ids)
+        return out
+
+    def encode_rendered(self, text: str, recorded: Sequence[Sequence[int]]) -> EncodedContext:
+        """Encode a render whose recorded assistant turns are `recorded_marker(k)` placeholders.
+
+        Each marker becomes `recorded[k]` verbatim (policy tokens). When that output ended with `<|im_end|>`, the
+        template's own `<|im_end|>` right after the marker is the same token and is not added twice."""
+        enc = EncodedContext(text_chars=len(text))
+        pos = 0
+        im_end = "<|im_end|>"
+        for m in _MARK_RE.finditer(text):
+            pre = self.encode_text(text[pos : m.start()])
+            enc.ids.extend(pre)
+            enc.policy.extend([False] * len(pre))
+            k = int(m.group(1))
+            if k >= len(recorded):
+                raise TemplateError(f"render refers to recorded output {k} that does not exist")
+            out = list(recorded[k])
+            enc.ids.extend(out)
+            enc.policy.extend([True] * len(out))
+            pos = m.end()
+            if out and out[-1] == self.im_end_id and text.startswith(im_end, pos):
+                pos += len(im_end)
+        rest = self.encode_text(text[pos:])
+        enc.ids.extend(rest)
+        enc.policy.extend([False] * len(rest))
+        return enc
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Per-token text (for OpenAI logprobs): each id decoded alone."""
+        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]

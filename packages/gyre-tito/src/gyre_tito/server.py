@@ -1,0 +1,180 @@
+"""The FastAPI app: Anthropic Messages, OpenAI Chat Completions, models, health, metrics and the admin API.
+
+Every harness endpoint authenticates the execution credential (`x-api-key` or `Authorization: Bearer`); errors are
+returned in the calling protocol's own shape (Anthropic `{"type": "error", "error": {...}}`, OpenAI
+`{"error": {...}}`) with a 4xx status (529 when no engine can serve), never a 500. Streaming responses are produced
+after the call is recorded durably, so a stream the harness sees always corresponds to a stored record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gyre_tito import anthropic_api, openai_api
+from gyre_tito.admin import admin_router
+from gyre_tito.conversation import ProtocolError
+from gyre_tito.proxy import Proxy
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("gyre_tito.server")
+
+
+def _credential(req: Request) -> str | None:
+    key = req.headers.get("x-api-key")
+    if key:
+        return key
+    auth = req.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+
+
+async def _json(req: Request) -> Any:
+    raw = await req.body()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(400, "invalid_request_error", f"request body is not valid JSON: {e}") from e
+
+
+def _anthropic_error(e: ProtocolError) -> JSONResponse:
+    return JSONResponse(anthropic_api.error_body(e.kind, e.message), status_code=e.status)
+
+
+def _openai_error(e: ProtocolError) -> JSONResponse:
+    return JSONResponse(openai_api.error_body(e.kind, e.message, e.status), status_code=e.status)
+
+
+def _headers_meta(req: Request, body: dict[str, Any]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"model": body.get("model")}
+    sid = req.headers.get("x-claude-code-session-id")
+    if sid:
+        meta["session_id"] = sid
+    ua = req.headers.get("user-agent")
+    if ua:
+        meta["user_agent"] = ua[:200]
+    return meta
+
+
+def create_app(proxy: Proxy) -> FastAPI:
+    app = FastAPI(title="gyre-tito", docs_url=None, redoc_url=None)
+    app.state.proxy = proxy
+    counters: dict[tuple[str, int], int] = {}
+
+    def count(api: str, status: int) -> None:
+        counters[(api, status)] = counters.get((api, status), 0) + 1
+
+    @app.exception_handler(Exception)
+    async def _unexpected(
+        req: Request, exc: Exception
+    ) -> JSONResponse:  # last resort: still the protocol's shape
+        log.exception("unexpected error on %s", req.url.path)
+        e = ProtocolError(500, "api_error", f"internal error: {type(exc).__name__}")
+        return _openai_error(e) if req.url.path.startswith("/v1/chat") else _anthropic_error(e)
+
+    @app.post("/v1/messages")
+    async def messages(req: Request) -> Response:
+        try:
+            ex = proxy.authenticate(_credential(req))
+            body = await _json(req)
+            conv, sampling, stream = anthropic_api.parse_request(body, proxy.config.volatile_patterns)
+            reply, _ = await proxy.complete(
+                ex, conv, sampling, "anthropic", _headers_meta(req, body), body, dict(req.headers)
+            )
+        except ProtocolError as e:
+            count("anthropic", e.status)
+            return _anthropic_error(e)
+        count("anthropic", 200)
+        if stream:
+            return StreamingResponse(anthropic_api.sse_events(reply), media_type="text/event-stream")
+        return JSONResponse(anthropic_api.response_body(reply))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: Request) -> Response:
+        try:
+            ex = proxy.authenticate(_credential(req))
+            body = await _json(req)
+            if isinstance(body, dict):
+                body = {"max_tokens": 1, **body}
+            conv, _, _ = anthropic_api.parse_request(body, proxy.config.volatile_patterns)
+            return JSONResponse({"input_tokens": proxy.count_tokens(ex, conv)})
+        except ProtocolError as e:
+            return _anthropic_error(e)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: Request) -> Response:
+        try:
+            ex = proxy.authenticate(_credential(req))
+            body = await _json(req)
+            conv, sampling, stream, opts = openai_api.parse_request(body, proxy.config.volatile_patterns)
+            reply, _ = await proxy.complete(
+                ex, conv, sampling, "openai", _headers_meta(req, body), body, dict(req.headers)
+            )
+        except ProtocolError as e:
+            count("openai", e.status)
+            return _openai_error(e)
+        count("openai", 200)
+        if stream:
+            return StreamingResponse(openai_api.stream_chunks(reply, opts), media_type="text/event-stream")
+        return JSONResponse(openai_api.response_body(reply, opts))
+
+    @app.get("/v1/models")
+    async def models(req: Request) -> Response:
+        name = proxy.config.model_name
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "type": "model",
+                        "display_name": name,
+                        "created": 0,
+                        "owned_by": "gyre",
+                    }
+                ],
+            }
+        )
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "engines": proxy.pool.engines(), "executions": len(proxy.executions)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        s = proxy.stats
+        lines = [
+            "# TYPE gyre_tito_calls_total counter",
+            f"gyre_tito_calls_total {int(s['calls'])}",
+            "# TYPE gyre_tito_input_tokens_total counter",
+            f"gyre_tito_input_tokens_total {int(s['input_tokens'])}",
+            "# TYPE gyre_tito_output_tokens_total counter",
+            f"gyre_tito_output_tokens_total {int(s['output_tokens'])}",
+            "# TYPE gyre_tito_overhead_seconds_total counter",
+            f"gyre_tito_overhead_seconds_total {s['overhead_s']:.6f}",
+            "# TYPE gyre_tito_engine_retries_total counter",
+            f"gyre_tito_engine_retries_total {proxy.pool.retries}",
+            "# TYPE gyre_tito_executions gauge",
+            f'gyre_tito_executions{{state="active"}} {sum(not e.ended for e in proxy.executions.values())}',
+            f'gyre_tito_executions{{state="ended"}} {sum(e.ended for e in proxy.executions.values())}',
+            "# TYPE gyre_tito_engine_inflight gauge",
+        ]
+        lines += [
+            f'gyre_tito_engine_inflight{{engine="{e["url"]}"}} {e["inflight"]}' for e in proxy.pool.engines()
+        ]
+        lines.append("# TYPE gyre_tito_requests_total counter")
+        lines += [
+            f'gyre_tito_requests_total{{api="{a}",status="{st}"}} {n}'
+            for (a, st), n in sorted(counters.items())
+        ]
+        lines.append(f"# generated {time.time():.3f}")
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    app.include_router(admin_router(proxy))
+    return app
