@@ -1,0 +1,162 @@
+"""The process that becomes a sandboxed check: ``python -m gyre_eval._sandbox_child SPEC_JSON STATUS_FD``.
+
+Runs single-threaded (so namespace and mount calls are safe, unlike a ``preexec_fn`` in a threaded server), uses only
+the standard library, and reports its setup result on STATUS_FD: ``ok`` just before ``exec`` (the fd is close-on-exec),
+or ``error: ...`` when isolation could not be established, in which case the check never runs (fail closed).
+
+With isolation it creates new mount, network and PID namespaces (plus a user namespace when not root), then:
+makes every mount read-only except the sandbox root (the private copy, its tmp and output), mounts a fresh read-only
+/proc for the new PID namespace, and drops privileges (root: setuid to ``run_as``; otherwise a nested user namespace
+that holds no capability over the mounts). The check is PID 1 of its namespace: when it exits or is killed, the kernel
+kills every process it left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import resource
+import signal
+import sys
+import warnings  # noqa: F401  (os.execvpe imports it lazily; after dropping privileges the stdlib may be unreadable)
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 32, 1024, 2048, 4096, 16384
+MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+# Flags a bind remount must repeat: inside a user namespace the kernel refuses to clear locked ones.
+_KEEP = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+    "strictatime": MS_STRICTATIME,
+}
+
+
+class SetupError(Exception):
+    pass
+
+
+def _mount(libc: ctypes.CDLL, src: str | None, target: str, fstype: str | None, flags: int) -> None:
+    def enc(s: str | None) -> bytes | None:
+        return s.encode() if s is not None else None
+
+    if libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+
+def _mountpoints() -> list[tuple[str, int]]:
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            # Mount points escape space, tab, newline and backslash as octal.
+            point = fields[4].encode().decode("unicode_escape")
+            flags = 0
+            for opt in fields[5].split(","):
+                flags |= _KEEP.get(opt, 0)
+            points.append((point, flags))
+    return points
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _isolate(spec: dict) -> None:
+    """Namespaces and read-only mounts; called in the namespace's PID 1 before exec."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    root = spec["root"]
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do propagates back to the host
+    _mount(libc, root, root, None, MS_BIND | MS_REC)
+    # Some containers forbid a new procfs; the host /proc is then made read-only below.
+    with contextlib.suppress(OSError):
+        _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for point, flags in _mountpoints():
+        if point == root or point.startswith(root.rstrip("/") + "/"):
+            continue
+        try:
+            _mount(libc, None, point, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
+        except OSError as e:
+            if not os.path.exists(point):
+                continue  # covered by a later mount on a parent; unreachable from inside
+            raise SetupError(f"cannot make {point} read-only: {e}") from e
+
+
+def _drop_privileges(spec: dict, in_userns: bool) -> None:
+    run_as = spec.get("run_as")
+    if not in_userns and run_as is not None:
+        os.setgroups([])
+        os.setgid(run_as)
+        os.setuid(run_as)
+    else:
+        # A new user namespace owns no mount or network namespace: no capability in it can undo the isolation.
+        os.unshare(os.CLONE_NEWUSER)
+
+
+def _limits(spec: dict) -> None:
+    lim = spec["limits"]
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if lim.get("cpu_s"):
+        resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1))
+    if lim.get("memory_bytes"):
+        resource.setrlimit(resource.RLIMIT_AS, (lim["memory_bytes"], lim["memory_bytes"]))
+    if lim.get("file_bytes"):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim["file_bytes"], lim["file_bytes"]))
+    if lim.get("nproc"):
+        resource.setrlimit(resource.RLIMIT_NPROC, (lim["nproc"], lim["nproc"]))
+
+
+def _exec(spec: dict, status_fd: int) -> None:
+    os.chdir(spec["cwd"])
+    os.set_inheritable(status_fd, False)
+    os.write(status_fd, b"ok")  # exec closes the fd; if exec fails, main() appends the error
+    os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
+
+
+def _forward_exit(pid: int) -> None:
+    """The outer process mirrors PID 1's fate, so the parent sees the check's exit code or signal."""
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    status_fd = int(sys.argv[2])
+    try:
+        if spec["isolate"]:
+            in_userns = os.geteuid() != 0
+            uid, gid = os.geteuid(), os.getegid()
+            flags = os.CLONE_NEWNS | os.CLONE_NEWNET | os.CLONE_NEWPID
+            os.unshare(flags | (os.CLONE_NEWUSER if in_userns else 0))
+            if in_userns:
+                _write("/proc/self/setgroups", "deny")
+                _write("/proc/self/uid_map", f"0 {uid} 1")
+                _write("/proc/self/gid_map", f"0 {gid} 1")
+            pid = os.fork()
+            if pid:
+                os.close(status_fd)
+                _forward_exit(pid)
+            _isolate(spec)
+            _drop_privileges(spec, in_userns)
+        _limits(spec)
+        _exec(spec, status_fd)
+    except Exception as e:  # report, never run the check half-isolated
+        try:
+            os.write(status_fd, f"error: {type(e).__name__}: {e}".encode()[:4000])
+        finally:
+            os._exit(126)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""``gyre-eval``: run the reward service, or one evaluator once against a workspace."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+CONFIG_FILE = "gyre-eval.config.json"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gyre-eval", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the assessment API on a store directory (the run directory)")
+    serve.add_argument("--store", required=True, type=Path, help="run directory; holds assessments.sqlite")
+    serve.add_argument("--port", required=True, type=int, help="TCP port (0 picks a free one)")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    serve.add_argument(
+        "--config", type=Path, help="service config (JSON or TOML): evaluators, retries, advantages"
+    )
+    serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    check = sub.add_parser(
+        "check", help="run one configured evaluator once on a workspace and print the verdict"
+    )
+    check.add_argument("--config", required=True, type=Path)
+    check.add_argument("--evaluator", default="task")
+    check.add_argument("--workspace", required=True, type=Path)
+    check.add_argument("--timeout", type=float, default=600.0, help="seconds from now until the deadline")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from gyre_eval.config import load_config
+
+    try:
+        config = load_config(args.config)
+    except FileNotFoundError:
+        print(f"gyre-eval: config file {args.config} not found", file=sys.stderr)
+        return 2
+    except (ValidationError, ValueError) as e:
+        print(f"gyre-eval: invalid config {args.config}: {e}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        return _serve(args, config)
+    return asyncio.run(_check(args, config))
+
+
+def _serve(args: argparse.Namespace, config) -> int:
+    import uvicorn
+
+    from gyre_eval.server import create_app
+
+    args.store.mkdir(parents=True, exist_ok=True)
+    # The resolved config comes first, secrets masked (the run's own config.json belongs to the run).
+    (args.store / CONFIG_FILE).write_text(json.dumps(config.redacted(), indent=2) + "\n")
+    try:
+        app = create_app(args.store, config)
+    except ValueError as e:
+        print(f"gyre-eval: cannot build evaluators: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+async def _check(args: argparse.Namespace, config) -> int:
+    from gyre_eval.config import build_evaluator
+    from gyre_eval.evaluator import EvaluationRequest
+
+    spec = config.evaluators.get(args.evaluator)
+    if spec is None:
+        print(f"gyre-eval: no evaluator {args.evaluator!r} in {args.config}", file=sys.stderr)
+        return 2
+    if not args.workspace.is_dir():
+        print(f"gyre-eval: workspace {args.workspace} is not a directory", file=sys.stderr)
+        return 2
+    evaluator = build_evaluator(spec)
+    request = EvaluationRequest(
+        execution_id="cli",
+        workspace=args.workspace,
+        artifact_version="cli",
+        branch="main",
+        deadline=time.time() + args.timeout,
+    )
+    try:
+        verdict = await evaluator.evaluate(request)
+    except Exception as e:
+        print(json.dumps({"status": "unresolved", "error": f"{type(e).__name__}: {e}"}))
+        return 1
+    finally:
+        await evaluator.aclose()
+    print(
+        json.dumps(
+            {
+                "status": "valid",
+                "score": verdict.score,
+                "critique": verdict.critique,
+                "details": verdict.details,
+            },
+            default=str,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Group accounting: when a rollout group is ready, when it is dropped, and its advantages (DESIGN §5.1, §6, §7.2).
+
+Selection is by dispatch index, never by completion order: walking the group's executions in dispatch order and skipping
+excluded ones, the first N form the group. The group is ready once all of those have valid rewards (``no_work``
+placeholders count as valid zeros), and dropped once more executions were excluded than there are spares
+(``excluded > dispatched - N``). Faster executions therefore never displace slower ones that are still running.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from gyre_eval.types import AdvantageMode, Assessment, GroupStatus, MemberReward
+
+GRPO_EPS = 1e-6
+
+
+def group_advantages(rewards: Sequence[float], mode: AdvantageMode = "grpo") -> list[float]:
+    """GRPO: ``(r - mean) / (std + 1e-6)`` with the population std; ``mean``: ``r - mean``."""
+    if not rewards:
+        return []
+    mean = math.fsum(rewards) / len(rewards)
+    centered = [r - mean for r in rewards]
+    if mode == "mean":
+        return centered
+    if mode != "grpo":
+        raise ValueError(f"unknown advantage mode {mode!r} (expected 'grpo' or 'mean')")
+    std = math.sqrt(math.fsum(c * c for c in centered) / len(rewards))
+    return [c / (std + GRPO_EPS) for c in centered]
+
+
+def group_status(
+    group_id: str,
+    size: int,
+    dispatched: int,
+    designated: Iterable[Assessment],
+    mode: AdvantageMode = "grpo",
+) -> GroupStatus:
+    """Readiness of a group from its executions' designated assessments (at most one per execution)."""
+    by_index: dict[int, Assessment] = {}
+    for a in designated:
+        if a.dispatch_index in by_index:
+            raise ValueError(
+                f"group {group_id}: two designated assessments at dispatch index {a.dispatch_index}"
+            )
+        by_index[a.dispatch_index] = a
+    valid = sum(1 for a in by_index.values() if a.status in ("valid", "no_work"))
+    excluded = sum(1 for a in by_index.values() if a.excluded)
+    pending = dispatched - valid - excluded
+    common = dict(group_id=group_id, size=size, dispatched=dispatched, valid=valid, excluded=excluded)
+    if excluded > dispatched - size:
+        reason = (
+            f"{excluded} of {dispatched} executions excluded; at most {dispatched - size} may be (N={size})"
+        )
+        return GroupStatus(**common, pending=pending, state="dropped", advantage_mode=mode, reason=reason)
+    chosen: list[Assessment] = []
+    for index in range(dispatched):
+        a = by_index.get(index)
+        if a is not None and a.excluded:
+            continue
+        if a is None or a.status == "unresolved":
+            # The earliest live execution has no reward yet: a later one may not jump ahead of it.
+            return GroupStatus(**common, pending=pending, state="pending", advantage_mode=mode)
+        chosen.append(a)
+        if len(chosen) == size:
+            break
+    rewards = [float(a.score) for a in chosen]  # valid and no_work scores are never None
+    advantages = group_advantages(rewards, mode)
+    members = [
+        MemberReward(
+            execution_id=a.execution_id,
+            dispatch_index=a.dispatch_index,
+            status=a.status,
+            reward=r,
+            advantage=adv,
+        )
+        for a, r, adv in zip(chosen, rewards, advantages, strict=True)
+    ]
+    return GroupStatus(**common, pending=pending, state="ready", members=members, advantage_mode=mode)
