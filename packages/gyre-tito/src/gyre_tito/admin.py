@@ -32,25 +32,22 @@ def _err(e: ProtocolError) -> JSONResponse:
 
 
 def export_trajectories(proxy, execution_id: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """Select and materialise an execution's trajectories with gyre-tito's selection (J_max admission)."""
-    from gyre_tito import export, selection
+    """Select (J_max admission) and materialise an execution's trajectories; optionally write them to `path`."""
+    from gyre_tito.export import write_trajectories
+    from gyre_tito.materialize import placeholder_trajectory, select_trajectories
+    from gyre_tito.selection import SelectionConfig
+    from gyre_tito.types import ROLE_PRIORITY
 
     ex = proxy.get(execution_id)
-    j_max = int(body.get("j_max", 5))
-    seed = int(body.get("seed", 0))
-    trajs = selection.select_trajectories(
-        ex.records.tree,
-        group_id=ex.group_id,
-        j_max=j_max,
-        seed=seed,
-        include_other=bool(body.get("include_other")),
-    )
+    priority = (*ROLE_PRIORITY, "other") if body.get("include_other") else ROLE_PRIORITY
+    cfg = SelectionConfig(j_max=int(body.get("j_max", 5)), seed=int(body.get("seed", 0)), priority=priority)
+    if body.get("no_work"):
+        trajs = [placeholder_trajectory(ex.id, ex.group_id)]
+    else:
+        trajs = select_trajectories(ex.records.tree, ex.group_id, cfg)
     path = body.get("path")
     if path:
-        if str(path).endswith(".parquet"):
-            export.write_parquet(trajs, path)
-        else:
-            export.write_jsonl(trajs, path)
+        write_trajectories(path, trajs)
     return [orjson.loads(t.model_dump_json()) for t in trajs]
 
 
