@@ -7,8 +7,8 @@ or ``error: ...`` when isolation could not be established, in which case the che
 With isolation it creates new mount, network and PID namespaces (plus a user namespace when not root), then:
 makes every mount read-only except the sandbox root (the private copy, its tmp and output), mounts a fresh read-only
 /proc for the new PID namespace, and drops privileges (root: setuid to ``run_as``; otherwise a nested user namespace
-that holds no capability over the mounts). The check is PID 1 of its namespace: when it exits or is killed, the kernel
-kills every process it left behind.
+that holds no capability over the mounts). The check runs under a small init (PID 1 of the namespace): when the
+check ends, init exits and the kernel kills every process the check left behind.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _write(path: str, text: str) -> None:
 
 
 def _isolate(spec: dict) -> None:
-    """Namespaces and read-only mounts; called in the namespace's PID 1 before exec."""
+    """Read-only mounts and a fresh /proc; called in the namespace's PID 1."""
     libc = ctypes.CDLL(None, use_errno=True)
     root = spec["root"]
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do propagates back to the host
@@ -121,18 +121,35 @@ def _exec(spec: dict, status_fd: int) -> None:
 
 
 def _forward_exit(pid: int) -> None:
-    """The outer process mirrors PID 1's fate, so the parent sees the check's exit code or signal."""
+    """The outer process mirrors the namespace's fate, so the parent sees the check's exit code."""
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
+        os._exit(128 + sig)  # only reached if the signal's default action does not end this process
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _init(pid: int, status_fd: int) -> None:
+    """PID 1 of the namespace: wait for the check and report a fatal signal on the status fd.
+
+    The check is not PID 1 itself because PID 1 ignores signals it has no handler for (SIGXCPU, SIGTERM, ...).
+    PID 1 cannot re-raise a signal on itself either, hence the report."""
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        os.write(status_fd, f"\nsignal:{os.WTERMSIG(status)}".encode())
+        os._exit(128 + os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status))
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
     status_fd = int(sys.argv[2])
+    resource.setrlimit(
+        resource.RLIMIT_CORE, (0, 0)
+    )  # mirroring a fatal signal must not dump this process's core
     try:
         if spec["isolate"]:
             in_userns = os.geteuid() != 0
@@ -149,6 +166,9 @@ def main() -> None:
                 _forward_exit(pid)
             _isolate(spec)
             _drop_privileges(spec, in_userns)
+            pid = os.fork()
+            if pid:
+                _init(pid, status_fd)
         _limits(spec)
         _exec(spec, status_fd)
     except Exception as e:  # report, never run the check half-isolated

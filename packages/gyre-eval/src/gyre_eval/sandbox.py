@@ -201,13 +201,17 @@ class Sandbox:
                 os.close(status_w)
         if "error:" in setup:
             raise SandboxError(f"sandbox could not start the check: {setup.split('error:', 1)[1].strip()}")
+        returncode = proc.returncode
+        if "signal:" in setup:  # the namespace's init reports a check killed by a signal
+            returncode = -int(setup.rsplit("signal:", 1)[1].strip() or 0)
+            setup = setup.split("\n", 1)[0]
         if not timed_out and setup != "ok":
             raise SandboxError(
                 f"sandbox child exited {proc.returncode} before running the check: {_tail(err_path)}"
             )
         score = score_path.read_text(errors="replace")[:_TAIL] if score_path.is_file() else None
         return SandboxResult(
-            returncode=None if timed_out else proc.returncode,
+            returncode=None if timed_out else returncode,
             timed_out=timed_out,
             stdout_tail=_tail(out_path),
             stderr_tail=_tail(err_path),

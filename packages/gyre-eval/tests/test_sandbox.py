@@ -1,0 +1,162 @@
+"""The sandbox: private copy, no writes outside it, no network, group kill on timeout, rlimits, scrubbed env."""
+
+import os
+import shutil
+import signal
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+from eval_helpers import run
+
+from gyre_eval.contract import tree_digest
+from gyre_eval.sandbox import Sandbox, SandboxConfig, SandboxError
+
+ISOLATED = Sandbox().isolated()
+needs_isolation = pytest.mark.skipif(
+    not ISOLATED, reason="no namespace isolation on this platform (see README)"
+)
+
+
+def _sandbox(**kw) -> Sandbox:
+    return Sandbox(SandboxConfig(**{"timeout_s": 10, **kw}))
+
+
+def test_check_runs_on_a_private_copy_and_the_preserved_workspace_is_untouched(workspace):
+    before = tree_digest(workspace)
+    cmd = [
+        "bash",
+        "-c",
+        'cat main.py; echo changed > main.py; rm README.md; echo new > new.txt; pwd; echo "$HOME"',
+    ]
+    result = run(_sandbox().run(cmd, workspace))
+    assert result.returncode == 0, result.stderr_tail
+    out = result.stdout_tail.splitlines()
+    assert out[0] == "print('hello')"
+    assert out[1] != str(workspace) and out[1].endswith("/work")
+    assert tree_digest(workspace) == before
+    assert not Path(out[1]).exists(), "the private copy is removed after the run"
+
+
+@needs_isolation
+def test_sandbox_cannot_write_outside_its_copy(workspace):
+    # A world-writable directory reachable by anyone: only the read-only mount stops the write, not permissions.
+    outside = Path(tempfile.mkdtemp(prefix="gyre-outside-"))
+    os.chmod(outside, 0o777)
+    (outside / "existing.txt").write_text("original\n")
+    os.chmod(outside / "existing.txt", 0o666)
+    target, existing = outside / "escaped.txt", outside / "existing.txt"
+    script = f"""
+        echo x > {target} && echo WROTE_NEW
+        echo y >> {existing} && echo APPENDED
+        touch {workspace}/planted && echo PLANTED_IN_PRESERVED
+        ln -s {outside} link && echo z > link/via_symlink && echo VIA_LINK
+        echo fine > inside.txt && echo INSIDE_OK
+    """
+    result = run(_sandbox().run(["bash", "-c", script], workspace))
+    assert "INSIDE_OK" in result.stdout_tail
+    for marker in ("WROTE_NEW", "APPENDED", "PLANTED_IN_PRESERVED", "VIA_LINK"):
+        assert marker not in result.stdout_tail, (marker, result.stderr_tail)
+    assert "Read-only file system" in result.stderr_tail
+    assert not target.exists() and not (outside / "via_symlink").exists()
+    assert existing.read_text() == "original\n"
+    assert not (workspace / "planted").exists()
+    assert result.guarantees["read_only_outside_copy"] is True
+    shutil.rmtree(outside)
+
+
+@needs_isolation
+def test_sandbox_has_no_network(workspace):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    result = run(
+        _sandbox().run(["bash", "-c", f"echo hi > /dev/tcp/127.0.0.1/{port} && echo CONNECTED"], workspace)
+    )
+    # A completed handshake would sit in the backlog even without accept(): there must be none.
+    listener.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    listener.close()
+    assert "CONNECTED" not in result.stdout_tail
+    assert result.guarantees["no_network"] is True
+
+
+def _processes_with(token: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if token in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_timeout_kills_the_whole_process_group(workspace):
+    token = "4242.125"  # a unique sleep duration to find stray processes by
+    cmd = ["bash", "-c", f"sleep {token} & sleep {token} & wait"]
+    result = run(_sandbox(timeout_s=0.5).run(cmd, workspace))
+    assert result.timed_out and result.returncode is None
+    assert result.wall_s < 5
+    assert _processes_with(token) == []
+
+
+def test_background_processes_do_not_outlive_a_finished_check(workspace):
+    token = "4343.125"
+    result = run(_sandbox().run(["bash", "-c", f"(sleep {token} &) ; echo started"], workspace))
+    assert result.returncode == 0 and "started" in result.stdout_tail
+    assert _processes_with(token) == []
+
+
+def test_deadline_caps_the_timeout(workspace):
+    import time
+
+    result = run(_sandbox(timeout_s=60).run(["sleep", "30"], workspace, deadline=time.time() + 0.5))
+    assert result.timed_out and result.wall_s < 5
+    with pytest.raises(SandboxError, match="no time left"):
+        run(_sandbox().run(["true"], workspace, deadline=time.time() - 1))
+
+
+def test_cpu_limit_kills_a_spinning_check(workspace):
+    result = run(_sandbox(cpu_s=1).run(["bash", "-c", "while :; do :; done"], workspace))
+    assert not result.timed_out
+    assert result.returncode == -signal.SIGXCPU
+
+
+def test_memory_limit_stops_a_large_allocation(workspace):
+    cmd = ["bash", "-c", 'x=$(head -c 300000000 /dev/zero | tr "\\0" a); echo "${#x}"; echo DONE']
+    result = run(_sandbox(memory_bytes=128 << 20).run(cmd, workspace))
+    assert "DONE" not in result.stdout_tail and result.returncode != 0
+    assert "cannot allocate" in result.stderr_tail
+
+
+def test_environment_is_scrubbed(workspace, monkeypatch):
+    monkeypatch.setenv("GYRE_TEST_SECRET_TOKEN", "sk-do-not-leak")
+    result = run(_sandbox(env={"EXTRA": "1"}).run(["bash", "-c", "env"], workspace))
+    assert "sk-do-not-leak" not in result.stdout_tail
+    assert "EXTRA=1" in result.stdout_tail and "GYRE_SCORE_FILE=" in result.stdout_tail
+
+
+def test_score_file_lives_outside_the_copy(workspace):
+    cmd = [
+        "bash",
+        "-c",
+        'case "$GYRE_SCORE_FILE" in "$GYRE_WORKSPACE"/*) exit 3;; esac; echo 0.25 > "$GYRE_SCORE_FILE"',
+    ]
+    result = run(_sandbox().run(cmd, workspace))
+    assert result.returncode == 0 and result.score_file.strip() == "0.25"
+
+
+def test_missing_command_is_a_sandbox_error_not_a_result(workspace):
+    with pytest.raises(SandboxError, match="could not start"):
+        run(_sandbox().run(["definitely-not-a-command-xyz"], workspace))
+
+
+def test_required_isolation_refuses_when_disabled_platform(workspace):
+    sb = Sandbox(SandboxConfig(isolation="off"))
+    assert sb.isolated() is False
+    assert sb.guarantees()["no_network"] is False
