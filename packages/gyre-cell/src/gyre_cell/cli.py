@@ -1,0 +1,83 @@
+"""`gyre-cell` command line: build the tiny model, serve the torch engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gyre-cell", description="Gyre cells: rollout engines and tools.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("tiny-model", help="write a tiny Qwen3 model + tokenizer (offline, deterministic)")
+    t.add_argument("out_dir", help="directory to write (created if missing)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the random init")
+
+    e = sub.add_parser("engine", help="the torch rollout engine")
+    esub = e.add_subparsers(dest="engine_cmd", required=True)
+    s = esub.add_parser("serve", help="serve SGLang's HTTP protocol subset with a torch engine")
+    s.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
+    s.add_argument("--host", default="127.0.0.1", help="bind address")
+    s.add_argument("--port", type=int, default=30000, help="HTTP port")
+    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    s.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights/KV dtype"
+    )
+    s.add_argument("--max-total-tokens", type=int, default=65536, help="KV pool capacity in tokens")
+    s.add_argument("--max-running-requests", type=int, default=64, help="most sequences per step")
+    s.add_argument("--weight-version", default="default", help="initial weight version")
+    s.add_argument(
+        "--weights-backup",
+        default="auto",
+        choices=["auto", "cpu", "disk", "none"],
+        help="where released weights go",
+    )
+    s.add_argument("--no-prefix-cache", action="store_true", help="disable prefix KV reuse")
+    s.add_argument("--seed", type=int, default=0, help="sampler seed")
+    return p
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .engine import EngineConfig, TorchEngine
+    from .engine.server import create_app
+
+    if not Path(args.model).is_dir():
+        print(f"gyre-cell: --model {args.model!r} is not a directory", file=sys.stderr)
+        return 2
+    cfg = EngineConfig(
+        model_path=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        weight_version=args.weight_version,
+        weights_backup=args.weights_backup,
+        enable_prefix_cache=not args.no_prefix_cache,
+        seed=args.seed,
+    )
+    print(cfg.model_dump_json(), flush=True)  # the resolved config, first
+    engine = TorchEngine(cfg)
+    try:
+        uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "tiny-model":
+        from .tiny_model import TinyModelConfig, build_tiny_model
+
+        out = build_tiny_model(args.out_dir, TinyModelConfig(seed=args.seed))
+        print(f"wrote tiny model to {out}")
+        return 0
+    return _serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

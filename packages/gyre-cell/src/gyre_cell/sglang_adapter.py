@@ -1,0 +1,138 @@
+"""SGLang adapter: launch an SGLang server with the flags RL needs, and talk to it as a RolloutEngine.
+
+SGLang (0.5.23) cannot run on CPU machines; everything here that needs a live server is exercised under
+the `gpu` marker. The request bodies are checked against SGLang's own request classes in CPU CI.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from .client import RolloutEngine
+from .protocol import UpdateFromTensorBody
+
+
+class SGLangLaunchConfig(BaseModel):
+    """How to start one SGLang server for rollout (one flag per field; extra_args for the rest)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: str
+    """Local Hugging Face checkpoint directory."""
+    host: str = "127.0.0.1"
+    """Bind address."""
+    port: int = 30000
+    """HTTP port."""
+    tp_size: int = 1
+    """Tensor-parallel size (one serialized tensor payload per TP rank in from_tensor updates)."""
+    mem_fraction_static: float | None = None
+    """GPU memory fraction for weights + KV (None: SGLang's default)."""
+    enable_memory_saver: bool = True
+    """Required for /release_memory_occupation (role switching)."""
+    enable_weights_cpu_backup: bool = False
+    """Keep a CPU copy of released weights (resume restores them without an update)."""
+    skip_tokenizer_init: bool = True
+    """Token-in/token-out: Gyre sends input_ids and reads output_ids; no `text` in responses."""
+    tool_call_parser: str | None = "qwen25"
+    """Parser for the OpenAI endpoints (qwen25 = Qwen2.5/Qwen3 JSON tool calls; qwen3_coder = XML form)."""
+    reasoning_parser: str | None = "qwen3"
+    """Reasoning parser for `<think>` blocks."""
+    served_model_name: str | None = None
+    """Name reported by /model_info."""
+    weight_version: str = "default"
+    """Initial weight version."""
+    random_seed: int | None = None
+    """Server sampling seed."""
+    load_format: Literal["auto", "dummy", "safetensors"] | None = None
+    """`dummy` skips reading weights (a publication follows immediately)."""
+    extra_args: tuple[str, ...] = ()
+    """Further raw flags appended as-is."""
+    python: str = sys.executable
+    """Interpreter that has sglang installed."""
+
+
+def build_launch_command(cfg: SGLangLaunchConfig) -> list[str]:
+    """argv of `python -m sglang.launch_server ...` for `cfg`."""
+    cmd = [cfg.python, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
+    cmd += ["--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp_size)]
+    cmd += ["--weight-version", cfg.weight_version]
+    if cfg.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if cfg.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    if cfg.enable_weights_cpu_backup:
+        cmd.append("--enable-weights-cpu-backup")
+    if cfg.skip_tokenizer_init:
+        cmd.append("--skip-tokenizer-init")
+    if cfg.tool_call_parser:
+        cmd += ["--tool-call-parser", cfg.tool_call_parser]
+    if cfg.reasoning_parser:
+        cmd += ["--reasoning-parser", cfg.reasoning_parser]
+    if cfg.served_model_name:
+        cmd += ["--served-model-name", cfg.served_model_name]
+    if cfg.random_seed is not None:
+        cmd += ["--random-seed", str(cfg.random_seed)]
+    if cfg.load_format is not None:
+        cmd += ["--load-format", cfg.load_format]
+    return cmd + list(cfg.extra_args)
+
+
+class SGLangServer:
+    """A launched SGLang server process (start, stop); talk to it through `client()`."""
+
+    def __init__(self, cfg: SGLangLaunchConfig) -> None:
+        self.cfg = cfg
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    def start(self, *, log_path: str | None = None) -> None:
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives with the process)
+        self.proc = subprocess.Popen(build_launch_command(self.cfg), stdout=out, stderr=subprocess.STDOUT)
+
+    def client(self) -> SGLangEngine:
+        return SGLangEngine(self.base_url, tp_size=self.cfg.tp_size)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class SGLangEngine(RolloutEngine):
+    """RolloutEngine over an SGLang server. `update_weights_from_tensor` uses SGLang's own serializer
+    (CUDA IPC handles: the caller must be on the same node and keep the tensors alive until it returns)."""
+
+    kind = "sglang"
+
+    def __init__(self, base_url: str, *, tp_size: int = 1, timeout_s: float = 600.0) -> None:
+        super().__init__(base_url, timeout_s=timeout_s)
+        self.tp_size = tp_size
+
+    def tensor_update_body(
+        self, named: Iterable[tuple[str, torch.Tensor]], *, weight_version: str | None
+    ) -> dict[str, Any]:
+        from sglang.srt.utils import MultiprocessingSerializer  # the [sglang] extra
+
+        payload = MultiprocessingSerializer.serialize(list(named), output_str=True)
+        fields: dict[str, Any] = {"serialized_named_tensors": [payload] * self.tp_size}
+        if weight_version is not None:
+            fields["weight_version"] = weight_version
+        return UpdateFromTensorBody(**fields).body()
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        # SGLang answers 200 (empty) even for an unknown rid; nothing else to adapt.
+        await super().abort(rid, abort_all=abort_all)
