@@ -44,6 +44,7 @@ __all__ = [
     "RecordLogCorrupt",
     "RecordStore",
     "encode_line",
+    "log_path",
     "read_log",
 ]
 
