@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from gyre_eval.types import Submission
 
@@ -66,3 +68,37 @@ def submission(workspace: Path | None, execution_id: str = "e0", **kw) -> Submis
 
 def run(coro):
     return asyncio.run(coro)
+
+
+JUDGE_KEY = "judge-key-123"
+
+
+def judge_app(replies: list | None = None) -> FastAPI:
+    """A minimal OpenAI-compatible judge: scores 0.75 when the artifact mentions hello, else 0.25."""
+    app = FastAPI()
+    app.state.requests = []
+    app.state.replies = list(replies or [])
+
+    @app.post("/v1/chat/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        app.state.requests.append({"auth": request.headers.get("authorization"), "body": body})
+        if app.state.replies:
+            status, content = app.state.replies.pop(0)
+            if status != 200:
+                return JSONResponse(status_code=status, content={"error": {"message": "overloaded"}})
+        else:
+            prompt = body["messages"][-1]["content"]
+            score = 0.75 if "hello" in prompt else 0.25
+            content = f'```json\n{{"score": {score}, "critique": "prints hello; no tests"}}\n```'
+        return {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": body["model"],
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+        }
+
+    return app
