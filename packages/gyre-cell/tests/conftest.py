@@ -75,3 +75,14 @@ def shared(tiny_model: Path) -> Iterator[Served]:
     """One engine for tests that leave no state behind."""
     with serve(tiny_model) as s:
         yield s
+
+
+@pytest.fixture
+def serve_engine():
+    """`with serve_engine(model, **EngineConfig fields) as served:` for tests that need their own config."""
+    return serve
+
+
+@pytest.fixture
+def port_factory():
+    return free_port

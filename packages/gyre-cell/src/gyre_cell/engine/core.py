@@ -45,7 +45,7 @@ class TorchEngine:
         model = AutoModelForCausalLM.from_pretrained(
             config.model_path, dtype=dtype, attn_implementation="sdpa"
         )
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device).eval().requires_grad_(False)
         self.runner = ModelRunner(self.model)
         self.vocab_size = self.runner.vocab_size
         self.context_len = int(getattr(hf_cfg, "max_position_embeddings", 4096))
