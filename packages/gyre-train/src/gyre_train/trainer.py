@@ -1,0 +1,180 @@
+"""The core's batch loop: trajectory buffer -> stream packing -> micro-step queue -> cells -> one optimizer update.
+
+One :class:`Trainer` lives in the core cell. Per step it opens a batch (the packing buffer selects B groups
+incrementally, oldest policy version first), keeps the shared queue fed ``queue_ahead`` micro-steps ahead of the
+cells, lets cells claim work, and when the stream is closed and drained, sums the pre-scaled gradients of every
+participating cell (plain sum), clips the global norm once, makes one Adam update and reports.
+
+``step()`` runs everything in this process: the core's own worker plus optional in-process satellite workers that
+join after the core has processed ``join_after`` items (they load the core's weight snapshot when they join). The
+multi-process version (``gyre_train.multicell``) uses the same open/pump/claim/finish pieces with satellites in
+other processes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gyre_train.buffer import TrajectoryBuffer
+from gyre_train.cell import CellWorker
+from gyre_train.loss import LossConfig
+from gyre_train.metrics import batch_metrics
+from gyre_train.packing import PackingConfig, StreamPackingBuffer
+from gyre_train.queue import MicroStepQueue
+from gyre_train.types import PrepassResult, StepReport, WorkItem
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerConfig:
+    """Settings of the core's training loop."""
+
+    packing: PackingConfig
+    """Stream packing buffer settings (N, B, shard size, dp size, temperature, advantage mode)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """GSPO objective settings."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip, applied once per step by the core."""
+    queue_ahead: int = 2
+    """Keep at least this many unclaimed micro-steps in the queue while groups are available."""
+
+
+class DataStarvation(RuntimeError):
+    """The batch needs more ready groups than the trajectory buffer holds (single-process loop cannot wait)."""
+
+
+class Trainer:
+    """The core's trainer (see the module docstring)."""
+
+    def __init__(self, cfg: TrainerConfig, core: CellWorker, buffer: TrajectoryBuffer) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.buffer = buffer
+        self.packer = StreamPackingBuffer(cfg.packing, buffer)
+        self.queue = MicroStepQueue(prepass=cfg.loss.ratio_reference == "behaviour")
+        self.version = 0
+        """Policy version = optimizer steps taken."""
+        self._opened_at = 0.0
+
+    # --- batch pieces ----------------------------------------------------------------------------------------
+
+    def open_batch(self) -> None:
+        self.queue.open(self.version)
+        self.packer.open_batch(self.version, self.version)
+        self._opened_at = time.perf_counter()
+        self.pump()
+
+    def pump(self) -> None:
+        """Feed the queue from the packing buffer; close the stream after the batch's last micro-step."""
+        while not self.packer.closed and self.queue.unclaimed < self.cfg.queue_ahead:
+            microsteps = self.packer.next_microsteps(max_microsteps=self.cfg.queue_ahead)
+            for ms in microsteps:
+                self.queue.put(ms)
+            if not microsteps:
+                break  # waiting for ready groups
+        if self.packer.closed:
+            self.queue.close()
+
+    def run_one(self, worker: CellWorker) -> bool:
+        """Claim and run one item on ``worker``; False if nothing was claimable."""
+        self.pump()
+        item = self.queue.claim(worker.cell)
+        if item is None:
+            return False
+        self.report(worker.run(item))
+        return True
+
+    def report(self, result) -> None:
+        if isinstance(result, PrepassResult):
+            self.queue.report_prepass(result)
+        else:
+            self.queue.report_train(result)
+        self.pump()
+
+    def claim(self, cell: int) -> WorkItem | None:
+        self.pump()
+        return self.queue.claim(cell)
+
+    @property
+    def starving(self) -> bool:
+        """Nothing claimable, stream open, and no ready group to pull."""
+        return (
+            not self.queue.finished
+            and self.queue.unclaimed == 0
+            and not self.packer.closed
+            and self.buffer.num_ready == 0
+        )
+
+    def finish(
+        self, other_grads: Sequence[torch.Tensor] = (), microsteps_by_cell: dict | None = None
+    ) -> StepReport:
+        """Sum gradients (core + others, plain fp32/fp64 sum), clip once, one update, report."""
+        if not self.queue.finished:
+            raise RuntimeError("the batch is not finished")
+        backend = self.core.backend
+        if other_grads:
+            total = backend.flat_grads()
+            for g in other_grads:
+                total = total + g.to(total.dtype)
+            backend.set_flat_grads(total)
+        grad_norm = backend.optimizer_step(self.cfg.max_grad_norm)
+        stats = self.queue.token_stats
+        execs = [
+            t.info.model_copy(update={"log_ratio_sum": t.log_ratio_sum})
+            for t in self.queue.tallies().values()
+        ]
+        known = {e.execution_id for e in execs}
+        execs += [
+            e for e in self.packer.executions if e.execution_id not in known
+        ]  # no targets (placeholders)
+        groups = self.packer.groups
+        report = StepReport(
+            step=self.version, policy_version=self.version + 1, loss=stats.loss, surrogate=stats.surrogate,
+            grad_norm=grad_norm, num_groups=len(groups), num_executions=len(self.packer.executions),
+            num_target_tokens=stats.num_targets, num_microsteps=sum(self.queue.train_claims.values()),
+            microsteps_by_cell=dict(microsteps_by_cell or self.queue.train_claims),
+            group_ids=[g.group_id for g in groups], staleness=[self.version - g.policy_version for g in groups],
+            metrics=batch_metrics(execs, stats, self.cfg.loss), seconds=time.perf_counter() - self._opened_at,
+        )  # fmt: skip
+        self.version += 1
+        return report
+
+    # --- all in this process ---------------------------------------------------------------------------------
+
+    def accumulate(self, satellites: Sequence[CellWorker] = (), join_after: int = 0) -> list[torch.Tensor]:
+        """Run one batch to the end of accumulation; returns the joined satellites' flat gradients.
+
+        Satellites join serially (by index) once the core has processed ``join_after`` items; a joining satellite
+        loads the core's weight snapshot (fixed during accumulation). Items are claimed round-robin.
+        """
+        self.open_batch()
+        joined: list[CellWorker] = []
+        done_by_core = 0
+        while not self.queue.finished:
+            if len(joined) < len(satellites) and done_by_core >= join_after:
+                sat = satellites[len(joined)]
+                sat.backend.zero_grad()
+                sat.backend.load_flat_params(self.core.backend.flat_params())  # the weight snapshot
+                joined.append(sat)
+            progressed = False
+            for worker in [self.core, *joined]:
+                if self.run_one(worker):
+                    progressed = True
+                    done_by_core += worker is self.core
+            if not progressed and not self.queue.finished:
+                if self.starving:
+                    raise DataStarvation(
+                        f"batch {self.version} needs more ready groups than the buffer holds"
+                    )
+                raise RuntimeError(f"batch {self.version}: no claimable work although groups are available")
+        grads = [s.backend.flat_grads() for s in joined]
+        for s in joined:
+            s.backend.zero_grad()
+        return grads
+
+    def step(self, satellites: Sequence[CellWorker] = (), join_after: int = 0) -> StepReport:
+        """One optimizer step in this process (core + in-process satellites, see ``accumulate``)."""
+        return self.finish(self.accumulate(satellites, join_after))
