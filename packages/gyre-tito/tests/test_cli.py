@@ -1,0 +1,64 @@
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from gyre_tito.cli import main
+from gyre_tito.tiny_tokenizer import build_tiny_tokenizer
+
+
+def test_serve_rejects_bad_arguments_with_a_message(tmp_path, capsys):
+    assert main(["serve", "--tokenizer", str(tmp_path), "--store", str(tmp_path / "s")]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
+    tok = build_tiny_tokenizer(tmp_path / "tok")
+    assert (
+        main(["serve", "--tokenizer", str(tok), "--store", str(tmp_path / "s"), "--engine", "localhost:1"])
+        == 2
+    )
+    assert "must be an http(s) URL" in capsys.readouterr().err
+
+
+def test_serve_writes_resolved_config_and_answers(tmp_path):
+    tok = build_tiny_tokenizer(tmp_path / "tok")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = tmp_path / "store"
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gyre_tito.cli",
+            "serve",
+            "--engine",
+            "http://127.0.0.1:9",
+            "--tokenizer",
+            str(tok),
+            "--store",
+            str(store),
+            "--port",
+            str(port),
+            "--admin-token",
+            "secret",
+        ],
+    )
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        cfg = json.loads((store / "config.json").read_text())
+        assert cfg["engines"] == ["http://127.0.0.1:9"] and cfg["port"] == port and "admin_token" not in cfg
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/admin/executions", json={}, headers={"Authorization": "Bearer secret"}
+        )
+        assert r.status_code == 200 and r.json()["credential"].startswith("tito-")
+    finally:
+        p.terminate()
+        p.wait(timeout=20)

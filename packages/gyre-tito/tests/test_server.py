@@ -1,0 +1,183 @@
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from gyre_tito.proxy import Proxy, ProxyConfig
+from gyre_tito.scripted_engine import ScriptedEngine, ScriptedEngineConfig, ScriptRule, scripted_logprob
+from gyre_tito.testing import ProxyServer
+from gyre_tito.tiny_tokenizer import build_tiny_tokenizer
+
+CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call>'
+TOOLS = [
+    {
+        "name": "Bash",
+        "description": "run",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture
+def engines(tok_dir):
+    rules = [ScriptRule(last_contains=["<tool_response>"], reply="finished " * 30), ScriptRule(reply=CALL)]
+    es = [
+        ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok_dir), rules=rules, weight_version=f"w{i}"))
+        for i in range(2)
+    ]
+    urls = [e.start() for e in es]
+    yield es, urls
+    for e in es:
+        e.stop()
+
+
+def _cfg(tok_dir, tmp_path, urls, **kw):
+    return ProxyConfig(
+        engines=urls, tokenizer=str(tok_dir), store=str(tmp_path / "store"), admin_token="adm", **kw
+    )
+
+
+def _msg(url, cred, messages, **kw):
+    body = {"model": "m", "max_tokens": 300, "messages": messages, "tools": TOOLS, **kw}
+    return httpx.post(url + "/v1/messages?beta=true", headers={"x-api-key": cred}, json=body, timeout=30)
+
+
+def test_auth_admin_and_basic_endpoints(tok_dir, tmp_path, engines):
+    _, urls = engines
+    with ProxyServer(_cfg(tok_dir, tmp_path, urls[:1])) as srv:
+        assert httpx.post(srv.url + "/admin/executions", json={}).status_code == 401
+        assert (
+            httpx.post(srv.url + "/admin/executions", json={}, headers={"x-admin-token": "no"}).status_code
+            == 401
+        )
+        assert srv.admin("POST", "/admin/executions", {"execution_id": 5}).status_code == 400
+        assert srv.admin("PUT", "/admin/routes", {"engines": ["ftp://x"]}).status_code == 400
+        _eid, cred = srv.register("e1")
+        assert srv.admin("POST", "/admin/executions", {"execution_id": "e1"}).status_code == 409
+        r = _msg(srv.url, "wrong", [{"role": "user", "content": "x"}])
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.post(
+            srv.url + "/v1/messages",
+            headers={"Authorization": f"Bearer {cred}"},
+            json={
+                "model": "m",
+                "max_tokens": 100,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": TOOLS,
+            },
+        )
+        assert r.status_code == 200 and r.json()["content"][0]["type"] == "tool_use"
+        r = httpx.post(
+            srv.url + "/v1/messages/count_tokens",
+            headers={"x-api-key": cred},
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS},
+        )
+        assert r.status_code == 200 and r.json()["input_tokens"] > 50
+        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] == "gyre-policy"
+        assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+        m = httpx.get(srv.url + "/metrics").text
+        assert (
+            "gyre_tito_calls_total 1" in m and 'gyre_tito_requests_total{api="anthropic",status="401"} 1' in m
+        )
+        info = srv.admin("GET", "/admin/executions/e1").json()
+        assert info["calls"] == 1 and not info["ended"]
+        assert srv.admin("GET", "/admin/executions/nope").status_code == 404
+
+
+def test_context_limit_and_no_engine_are_protocol_errors(tok_dir, tmp_path, engines):
+    _, urls = engines
+    cfg = _cfg(tok_dir, tmp_path, urls[:1], max_context_tokens=1000)
+    cfg.engine.max_attempts = 2
+    cfg.engine.retry_backoff_s = 0.01
+    with ProxyServer(cfg) as srv:
+        _, cred = srv.register()
+        r = _msg(srv.url, cred, [{"role": "user", "content": "word " * 1500}])
+        assert r.status_code == 400 and "prompt is too long" in r.json()["error"]["message"]
+        eid, cred = srv.register(route=["http://127.0.0.1:9"])  # nothing listens there
+        r = _msg(srv.url, cred, [{"role": "user", "content": "hi"}])
+        assert r.status_code == 529 and r.json()["error"]["type"] == "overloaded_error"
+        assert len(srv.proxy.executions[eid].records.tree) == 0
+
+
+def test_restart_reloads_executions_tree_and_tool_cache(tok_dir, tmp_path, engines):
+    _, urls = engines
+    cfg = _cfg(tok_dir, tmp_path, urls[:1])
+    with ProxyServer(cfg) as srv:
+        eid, cred = srv.register("keep")
+        msgs = [{"role": "user", "content": "go"}]
+        a = _msg(srv.url, cred, msgs).json()
+        first_id = srv.proxy.executions[eid].records.tree.nodes[0].call_id
+    with ProxyServer(cfg) as srv2:  # a fresh process on the same store
+        use = a["content"][0]
+        msgs += [
+            {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "ok"}]},
+        ]
+        r = _msg(srv2.url, cred, msgs)
+        assert r.status_code == 200, r.text
+        recs = list(srv2.proxy.executions[eid].records.tree.records())
+        assert len(recs) == 2 and recs[1].parent_id == first_id
+        srv2.admin("POST", f"/admin/executions/{eid}/end")
+    with ProxyServer(cfg) as srv3:
+        assert _msg(srv3.url, cred, [{"role": "user", "content": "x"}]).status_code == 401
+
+
+def test_drain_aborts_and_continues_on_other_engine(tok_dir, tmp_path, engines):
+    es, urls = engines
+    for e in es:
+        e.config.token_delay_s = 0.01
+    with ProxyServer(_cfg(tok_dir, tmp_path, urls)) as srv:
+        eid, cred = srv.register()
+        first = _msg(srv.url, cred, [{"role": "user", "content": "go"}]).json()["content"][0]
+        msgs = [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": [first]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": first["id"], "content": "ok"}],
+            },
+        ]
+        out = {}
+        th = threading.Thread(target=lambda: out.setdefault("r", _msg(srv.url, cred, msgs)))
+        th.start()
+        deadline = time.time() + 10
+        busy = None
+        while busy is None and time.time() < deadline:
+            busy = next((e["url"] for e in srv.proxy.pool.engines() if e["inflight"]), None)
+            time.sleep(0.005)
+        time.sleep(0.1)
+        r = srv.admin("POST", "/admin/engines/drain", {"engine": busy})
+        assert r.status_code == 200 and r.json()["inflight_at_drain"] == 1
+        th.join(30)
+        assert (
+            out["r"].status_code == 200
+            and out["r"].json()["content"][0]["text"] == ("finished " * 30).strip()
+        )
+        rec = list(srv.proxy.executions[eid].records.tree.records())[-1]
+        assert [s.engine_id for s in rec.output_segments] == [busy, next(u for u in urls if u != busy)]
+        assert rec.output_logprobs == [scripted_logprob(i, t) for i, t in enumerate(rec.output_ids)]
+        assert busy not in [e["url"] for e in srv.proxy.pool.engines()]
+
+
+def test_per_execution_route_and_least_loaded(tok_dir, tmp_path, engines):
+    es, urls = engines
+    with ProxyServer(_cfg(tok_dir, tmp_path, urls)) as srv:
+        eid, cred = srv.register()
+        assert srv.admin("PUT", f"/admin/executions/{eid}/route", {"engines": [urls[1]]}).status_code == 200
+        for _ in range(2):
+            assert _msg(srv.url, cred, [{"role": "user", "content": "go"}]).status_code == 200
+        assert len(es[1].requests) == 2 and len(es[0].requests) == 0
+        segs = [r.output_segments[0].weight_version for r in srv.proxy.executions[eid].records.tree.records()]
+        assert segs == ["w1", "w1"]
+
+    pool = Proxy(_cfg(tok_dir, tmp_path / "p2", urls)).pool
+    pool._engines[urls[0]].inflight["x"] = 0  # engine 0 is busy: the least-loaded pick is engine 1
+    assert pool._pick(None).url == urls[1]
+    asyncio.run(pool.aclose())
