@@ -47,7 +47,7 @@ def test_user_plugin_passes_the_contract(workspace):
 
 
 def test_plugin_references_are_validated():
-    with pytest.raises(ValueError, match="package.module:attribute"):
+    with pytest.raises(ValueError, match=r"package\.module:attribute"):
         build_evaluator(PluginConfig(factory="no_colon_here"))
     with pytest.raises(ValueError, match="cannot import"):
         build_evaluator(PluginConfig(factory="no_such_module_xyz:Thing"))

@@ -24,7 +24,7 @@ from typing import Any
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from gyre_eval.config import ServiceConfig, build_evaluator
-from gyre_eval.evaluator import EvaluationRequest, Evaluator, Verdict
+from gyre_eval.evaluator import EvaluationRequest, Evaluator, EvaluatorError, Verdict
 from gyre_eval.groups import group_status
 from gyre_eval.store import AssessmentStore
 from gyre_eval.types import (
@@ -209,7 +209,10 @@ class AssessmentService:
                 if evaluator is None:
                     raise UnknownEvaluatorError(f"evaluator {sub.evaluator!r} is no longer configured")
                 # The deadline binds every evaluator, including plug-ins that ignore it.
-                verdict = await asyncio.wait_for(evaluator.evaluate(request), sub.deadline - self.clock())
+                try:
+                    verdict = await asyncio.wait_for(evaluator.evaluate(request), sub.deadline - self.clock())
+                except TimeoutError as e:
+                    raise EvaluatorError("attempt cut off at the execution's overall budget deadline") from e
                 _check_verdict(verdict)
             except Exception as e:
                 error = e
