@@ -201,3 +201,32 @@ def test_selection_on_the_session_follows_the_priority():
     assert len(everything) == 6  # every non-`other` leaf; the title call is never admitted
     targets = sum(t.num_targets for t in everything)
     assert targets == sum(n.n_output for n in h.tree.nodes if n.role_class != "other")
+
+
+def test_long_token_level_session_rebuilds_every_context():
+    """The benchmark's generator at small scale: every call's context + output is exactly its root path."""
+    from gyre_tito.synthetic import LongSessionConfig, SessionDriver, long_session
+
+    cfg = LongSessionConfig(
+        calls=40,
+        max_context=4000,
+        sub_calls=3,
+        system_tokens=500,
+        sub_system_tokens=300,
+        output_tokens=50,
+        summary_tokens=100,
+    )
+    script = long_session(cfg)
+    driver = SessionDriver(ExecutionTree("long"))
+    for call in script:
+        rec = driver.call(
+            call.context, call.output.tolist(), role_class=call.role_class, agent_id=call.agent_id
+        )
+        assert driver.context(rec.call_id) == call.context + call.output
+    tree = driver.tree
+    assert len(tree) == 40 and max(len(c.context) for c in script) <= 4000
+    assert len(tree.children(None)) == cfg.compactions + 1 + cfg.subagents
+    summaries = [n for n in tree.nodes if n.role_class == "main/summary"]
+    assert len(summaries) == 2 and all(not n.children for n in summaries)
+    # Continuing calls store only what is new: input = previous tool result (+ the sub-agent's answer).
+    assert sum(len(n.tokens) for n in tree.nodes) < sum(len(c.context) + len(c.output) for c in script) / 3

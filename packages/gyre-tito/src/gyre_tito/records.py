@@ -5,8 +5,9 @@ API summary
 - ``RecordLog(path, config=RecordLogConfig())``: opens (creating) an append-only log. On open it reads what is there:
   a torn last record (partial line, or a last line whose checksum or JSON is bad) is dropped with a logged warning and
   cut off the file so later appends start clean; damage anywhere before the last line raises ``RecordLogCorrupt``
-  (never skipped, never merged). ``log.records`` holds what was loaded; ``log.append(record)`` writes one record and
-  fsyncs before returning; ``log.dropped_bytes`` says how much torn tail was removed.
+  (never skipped, never merged). ``log.records`` holds the records found at open (appended records are not kept in
+  memory: the tree holds them compactly); ``log.append(record)`` writes one record and fsyncs before returning;
+  ``log.dropped_bytes`` says how much torn tail was removed.
 - ``read_log(path) -> LogContents(records, valid_bytes, torn_bytes)`` reads without modifying the file.
 - ``ExecutionRecords(directory, execution_id, config)``: the log and the ``ExecutionTree`` of one execution kept in
   step; ``append(record)`` assigns ``seq``, checks the record against the tree, makes it durable, then adds it to the
@@ -154,7 +155,6 @@ class RecordLog:
             line = line[written:]
         if self.config.fsync:
             os.fsync(self._fd)
-        self.records.append(record)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -183,6 +183,7 @@ class ExecutionRecords:
         self.execution_id = execution_id
         self.log = RecordLog(log_path(directory, execution_id), config)
         self.tree = ExecutionTree.from_records(execution_id, self.log.records)
+        self.log.records = []  # the tree now holds them (4 bytes a token instead of a Python int list)
         self._lock = threading.Lock()
 
     def match(self, context_ids) -> tuple[str | None, int]:

@@ -80,8 +80,8 @@ class TreeNode:
         self.offset = offset  # root-path length before this node's tokens
         self.call_id = record.call_id
         self.seq = record.seq
-        self.tokens = as_tokens(record.input_ids)
-        self.tokens.extend(record.output_ids)
+        # Built in one go: exact size (extend() would over-allocate).
+        self.tokens = array(TOKEN_TYPECODE, record.input_ids + record.output_ids)
         self.n_input = len(record.input_ids)
         self.input_provenance: tuple[ProvenanceRun, ...] = tuple(record.input_provenance)
         self.output_logprobs = array("d", record.output_logprobs)
