@@ -57,6 +57,8 @@ class MegatronBackendConfig:
     """Parameter dtype; gradients accumulate in the parameters' dtype, so fp32 (bf16 needs megatron's DDP main_grad)."""
     seed: int = 0
     """Seed of megatron's RNG tracker."""
+    optimizer: bool = True
+    """Build the Adam optimizer (only the core cell needs one)."""
     lr: float = 1e-6
     """Adam learning rate (constant)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -64,7 +66,7 @@ class MegatronBackendConfig:
     eps: float = 1e-8
     """Adam epsilon."""
     weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW form; 0 = Adam)."""
+    """Adam (L2) weight decay, as torch.optim.Adam; 0 by default."""
 
 
 class MegatronBackend:
@@ -78,8 +80,11 @@ class MegatronBackend:
         self.thd = cfg.parallel.resolved_spec() == "te"
         self.device = next(self.model.parameters()).device
         self._params = [p for _, p in self.model.named_parameters()]
-        self.optimizer = torch.optim.AdamW(
-            self._params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        # Same optimizer as the torch backend (torch.optim.Adam), so both backends take identical steps.
+        self.optimizer = (
+            torch.optim.Adam(self._params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+            if cfg.optimizer
+            else None
         )
 
     def close(self) -> None:
@@ -209,27 +214,36 @@ class MegatronBackend:
             # TP-replicated tensors (norms) are identical on every TP rank: count them on rank 0 only.
             if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
                 sq += p.grad.double().pow(2).sum()
-        if parallel_state.get_model_parallel_world_size() > 1:
-            dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+        group = parallel_state.get_model_parallel_group()  # TP x PP ranks of this model replica
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)
         return float(sq.sqrt())
 
     def optimizer_step(self, max_grad_norm: float) -> float:
+        if self.optimizer is None:
+            raise RuntimeError("this backend has no optimizer (only the core updates weights)")
+        for p in self._params:  # params that saw no target still take a (zero-gradient) Adam step
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         norm = self.grad_norm()
-        if max_grad_norm > 0 and norm > max_grad_norm:
-            scale = max_grad_norm / (norm + 1e-6)
+        coef = max_grad_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+        if coef < 1.0:
             for p in self._params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+                p.grad.mul_(coef)
         self.optimizer.step()
         self.zero_grad()
         return norm
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
 
     # --- publication -------------------------------------------------------------------------------------------
 
