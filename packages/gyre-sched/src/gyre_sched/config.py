@@ -1,0 +1,289 @@
+"""Configuration: the policy parameters the core needs, and the simulator's cluster, workload and cost models.
+
+``PolicyParams`` is all the policy core sees (K, C_e, C_s, N, B, phi, mu, ...). ``SimConfig`` is what ``gyre-sched
+simulate`` reads (TOML or JSON); ``SimConfig.policy_params()`` derives the core's parameters once, explicitly, from the
+cluster shape (cell size regroups the same nodes: C_e and training speed scale with nodes per cell).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PolicyKind = Literal["elastic", "async", "colocate"]
+DispatchMode = Literal["boundary", "continuous"]
+
+
+class _Cfg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PolicyParams:
+    """Everything the event-driven policy core needs; derived from SimConfig or built by a real controller."""
+
+    kind: PolicyKind
+    K: int
+    """Elastic cells (cell 0 is the core)."""
+    C_e: int
+    """Concurrent executions one cell serves in rollout."""
+    C_s: int = 0
+    """Concurrent executions of the standalone rollout pool (0 = no pool)."""
+    N: int = 16
+    """Valid rewards per group."""
+    B: int = 32
+    """Groups per optimizer step."""
+    phi: float = 0.0
+    """Extra dispatch in units of B groups."""
+    mu: int = 1
+    """Steps per burst (between publications)."""
+    rho_min: float = 0.5
+    """Supply check: fraction of B the ready unassigned groups must cover."""
+    tau_s: float = 60.0
+    """Supply check: how long it must hold before a transition begins."""
+    k_spare: int = 0
+    """Oversampling: spare executions per group (N_d = N + k_spare)."""
+    streaming: bool = True
+    """True: groups join the batch lazily as they become ready; False: a step starts only with all B groups ready."""
+    dispatch: DispatchMode = "boundary"
+    q_c: int | None = None
+    """Continuous dispatch: unfinished groups kept in flight (default (phi + mu) * B)."""
+    async_train_cells: int = 1
+    """Async only: cells 0..async_train_cells-1 train for the whole run."""
+    harness_timeout_s: float = 4 * 3600.0
+    overall_budget_s: float = 5 * 3600.0
+
+    def __post_init__(self) -> None:
+        errs = []
+        if self.K < 1 or self.C_e < 1 or self.C_s < 0:
+            errs.append("need K >= 1, C_e >= 1, C_s >= 0")
+        if self.N < 1 or self.B < 1 or self.mu < 1 or self.k_spare < 0:
+            errs.append("need N >= 1, B >= 1, mu >= 1, k_spare >= 0")
+        if self.phi < 0 or abs(self.phi * self.B - round(self.phi * self.B)) > 1e-9:
+            errs.append(f"phi * B must be a non-negative whole number (phi={self.phi}, B={self.B})")
+        if not 0 < self.rho_min <= 1:
+            errs.append("rho_min must be in (0, 1]")
+        if self.tau_s < 0:
+            errs.append("tau_s must be >= 0")
+        if self.kind == "async" and not 1 <= self.async_train_cells < self.K + (1 if self.C_s > 0 else 0):
+            errs.append("async_train_cells must be in [1, K-1] (or K with a standalone pool)")
+        if self.kind == "colocate" and self.phi > 0 and self.C_s == 0:
+            errs.append(
+                "colocate with phi > 0 needs a standalone pool (C_s > 0) to serve executions while it trains"
+            )
+        if self.kind == "colocate" and self.dispatch == "continuous":
+            errs.append(
+                "colocate waits for its admitted executions to finish: continuous dispatch never lets it"
+            )
+        if self.dispatch == "continuous" and self.q_c is not None and self.q_c < 1:
+            errs.append("q_c must be >= 1")
+        if errs:
+            raise ValueError("; ".join(errs))
+
+    @property
+    def N_d(self) -> int:
+        return self.N + self.k_spare
+
+    @property
+    def phi_B(self) -> int:
+        return round(self.phi * self.B)
+
+    @property
+    def expected_staleness(self) -> float:
+        """Equation 2."""
+        return self.phi + (self.mu - 1) / 2
+
+
+class PolicyConfig(_Cfg):
+    """The algorithm and scheduling knobs (TOML table [policy])."""
+
+    kind: PolicyKind = "elastic"
+    N: int = Field(16, ge=1)
+    """Valid rewards per group."""
+    B: int = Field(32, ge=1)
+    """Groups per optimizer step."""
+    phi: float = Field(0.5, ge=0)
+    """Extra dispatch, in units of B groups (phi * B must be whole)."""
+    mu: int = Field(3, ge=1)
+    """Steps per burst."""
+    rho_min: float = Field(0.5, gt=0, le=1)
+    """Supply check fraction of B."""
+    tau_s: float = Field(60.0, ge=0)
+    """Supply check hold time in seconds."""
+    k_spare: int = Field(0, ge=0)
+    """Oversampling spares per group."""
+    streaming: bool = True
+    """False: a step starts only when all B groups are ready."""
+    dispatch: DispatchMode = "boundary"
+    """boundary (the paper) or continuous (appendix Q_c)."""
+    q_c: int | None = Field(None, ge=1)
+    """Continuous dispatch depth in groups (default (phi + mu) * B)."""
+    async_train_cells: int = Field(2, ge=1)
+    """Async: the fixed number of training cells."""
+
+
+class ClusterConfig(_Cfg):
+    """The cluster shape (TOML table [cluster]); cell size regroups the same nodes."""
+
+    nodes: int = Field(32, ge=1)
+    """Nodes forming the elastic cells."""
+    nodes_per_cell: int = Field(4, ge=1)
+    """Cell size; K = nodes // nodes_per_cell."""
+    slots_per_node: int = Field(36, ge=1)
+    """Concurrent executions one node serves in rollout (C_e = nodes_per_cell * slots_per_node)."""
+    standalone_nodes: int = Field(0, ge=0)
+    """Rollout-only nodes (C_s = standalone_nodes * slots_per_node unless C_s is given)."""
+    C_s: int | None = Field(None, ge=0)
+    """Explicit standalone capacity (overrides standalone_nodes)."""
+
+    @model_validator(mode="after")
+    def _whole_cells(self) -> ClusterConfig:
+        if self.nodes % self.nodes_per_cell:
+            raise ValueError(
+                f"nodes ({self.nodes}) must be a multiple of nodes_per_cell ({self.nodes_per_cell})"
+            )
+        return self
+
+    @property
+    def K(self) -> int:
+        return self.nodes // self.nodes_per_cell
+
+    @property
+    def C_e(self) -> int:
+        return self.nodes_per_cell * self.slots_per_node
+
+    @property
+    def C_s_resolved(self) -> int:
+        return self.C_s if self.C_s is not None else self.standalone_nodes * self.slots_per_node
+
+
+class WorkloadConfig(_Cfg):
+    """Execution durations and outcomes (TOML table [workload]); see README for the model."""
+
+    query_median_s: float = Field(5400.0, gt=0)
+    """Median per-query difficulty (median execution duration of a typical query)."""
+    query_sigma: float = Field(0.6, ge=0)
+    """Lognormal sigma of per-query difficulty across queries."""
+    exec_sigma: float = Field(0.35, ge=0)
+    """Lognormal sigma of executions within one query (the within-group tail)."""
+    hard_query_rate: float = Field(0.0, ge=0, le=1)
+    """Share of queries that are much harder (their executions mostly hit the harness timeout together)."""
+    hard_query_factor: float = Field(1.0, ge=1)
+    """Difficulty multiplier of a hard query."""
+    harness_timeout_s: float = Field(4 * 3600.0, gt=0)
+    """Common timeout budget: longer executions stop here (clustered terminations), assessed and trained."""
+    overall_budget_s: float = Field(5 * 3600.0, gt=0)
+    """Overall budget from launch: execution + evaluation retries."""
+    failed_rate: float = Field(0.0, ge=0, le=1)
+    """Executions that fail completely (no_work placeholder, a valid zero)."""
+    failed_at_s: float = Field(300.0, ge=0)
+    """When a complete failure terminates (e.g. an image pull error)."""
+    overall_timeout_rate: float = Field(0.0, ge=0, le=1)
+    """Executions that hang until the overall budget (excluded)."""
+    eval_latency_s: float = Field(120.0, ge=0)
+    """Mean evaluator latency per attempt (exponential)."""
+    eval_failure_rate: float = Field(0.0, ge=0, lt=1)
+    """Probability one evaluator attempt fails (retried within the overall budget)."""
+    cancel_latency_s: float = Field(0.0, ge=0)
+    """Time between a cancel order and the runner's termination report."""
+    trace: str | None = None
+    """Replay the execution durations/outcomes of a recorded trace.jsonl instead of sampling."""
+
+
+class CostConfig(_Cfg):
+    """Training, switching and publication costs (TOML table [cost]); see README for each assumption."""
+
+    train_node_s_per_group: float = Field(3600.0, gt=0)
+    """Node-seconds to train one group (forward+backward of its selected trajectories)."""
+    train_scaling: float = Field(1.0, gt=0, le=1)
+    """A cell of n nodes trains a group in train_node_s_per_group / n**train_scaling seconds."""
+    microsteps_per_group: int = Field(4, ge=1)
+    """Micro-steps a group is packed into (claims are per micro-step)."""
+    pipeline_startup_s: float = Field(30.0, ge=0)
+    """1F1B start-up per cell per batch."""
+    pipeline_drain_s: float = Field(30.0, ge=0)
+    """1F1B drain per cell per batch."""
+    optimizer_s: float = Field(20.0, ge=0)
+    """Gradient aggregation + clip + optimizer update on the core."""
+    broadcast_s: float = Field(10.0, ge=0)
+    """Core -> satellites parameter broadcast after a non-final update."""
+    switch_to_training_s: float = Field(8.52, ge=0)
+    """Rollout -> training switch (paper: 8.52 s at 122B on 4-node cells)."""
+    switch_to_rollout_s: float = Field(3.46, ge=0)
+    """Training -> rollout switch (paper: 3.46 s)."""
+    satellite_join_s: float = Field(20.0, ge=0)
+    """A satellite pulling the core's weights when joining (added to its switch)."""
+    publish_s: float = Field(60.0, ge=0)
+    """Publishing weights to all rollout engines (engines serve nothing new meanwhile)."""
+    reroute_penalty_s: float = Field(5.0, ge=0)
+    """Delay added to a rerouted execution (prefix recomputation at the destination)."""
+
+
+class SimConfig(_Cfg):
+    """A simulator run: `gyre-sched simulate CONFIG`."""
+
+    name: str = "sim"
+    seed: int = 0
+    steps: int = Field(48, ge=1)
+    """Optimizer steps to simulate."""
+    warmup_bursts: int = Field(1, ge=0)
+    """Bursts excluded from the steady-state staleness mean."""
+    policy: PolicyConfig = PolicyConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+    cost: CostConfig = CostConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> SimConfig:
+        self.policy_params()  # raises ValueError with every problem named
+        if self.workload.overall_budget_s < self.workload.harness_timeout_s:
+            raise ValueError("workload.overall_budget_s must be >= workload.harness_timeout_s")
+        return self
+
+    def policy_params(self) -> PolicyParams:
+        p, c = self.policy, self.cluster
+        return PolicyParams(
+            kind=p.kind,
+            K=c.K,
+            C_e=c.C_e,
+            C_s=c.C_s_resolved,
+            N=p.N,
+            B=p.B,
+            phi=p.phi,
+            mu=p.mu,
+            rho_min=p.rho_min,
+            tau_s=p.tau_s,
+            k_spare=p.k_spare,
+            streaming=p.streaming,
+            dispatch=p.dispatch,
+            q_c=p.q_c,
+            async_train_cells=p.async_train_cells,
+            harness_timeout_s=self.workload.harness_timeout_s,
+            overall_budget_s=self.workload.overall_budget_s,
+        )
+
+    def cell_train_s_per_group(self) -> float:
+        """Seconds one cell needs per group at this cell size."""
+        return self.cost.train_node_s_per_group / self.cluster.nodes_per_cell**self.cost.train_scaling
+
+
+def load_config_dict(path: str | Path) -> dict:
+    """Read a TOML or JSON config file into a dict (ValueError naming the problem on bad input)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read config {path}: {e.strerror}") from e
+    try:
+        if path.suffix == ".json":
+            return json.loads(text)
+        return tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(
+            f"config {path} is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}"
+        ) from e

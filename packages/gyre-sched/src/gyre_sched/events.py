@@ -1,0 +1,210 @@
+"""Events into the policy core and decisions out of it (in-process; the wire forms live in ``types``).
+
+The policy core is a pure state machine: ``decisions = policy.handle(event, now)``. It does no I/O and never reads a
+clock; the caller (the real controller or the simulator) executes the decisions and reports what happened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gyre_sched.types import AssessedStatus, CellRole, ExecutionSpec, Outcome
+
+# ---- events in ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Launched:
+    """The runner created the harness and sandbox of an execution the policy launched (acknowledgement)."""
+
+    execution_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Terminated:
+    """An execution ended (exactly once)."""
+
+    execution_id: str
+    outcome: Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Assessed:
+    """The designated assessment of a terminated execution is final: valid, no_work, or excluded."""
+
+    execution_id: str
+    status: AssessedStatus
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAssigned:
+    """The packing buffer took a ready group into the open batch (streaming: lazily, oldest first)."""
+
+    group_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class MicrostepClaimed:
+    """A training cell claimed a micro-step of an assigned group."""
+
+    cell: int
+    group_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    """The core finished the optimizer update; ``version`` is the new policy version."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransitionDone:
+    """A cell finished its role change (TO_TRAINING -> TRAINING or TO_ROLLOUT -> ROLLOUT)."""
+
+    cell: int
+
+
+@dataclass(frozen=True, slots=True)
+class PublishDone:
+    """Every rollout engine now serves ``version``."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Clock tick (the supply-check timer may have expired)."""
+
+
+Event = (
+    Launched
+    | Terminated
+    | Assessed
+    | GroupAssigned
+    | MicrostepClaimed
+    | StepDone
+    | TransitionDone
+    | PublishDone
+    | Tick
+)
+
+# ---- decisions out ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """A group entered the queue: its executions are queued entries recording v_d (no harness yet)."""
+
+    group_id: str
+    query_id: str
+    execution_ids: tuple[str, ...]
+    v_d: int
+    refill: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Start an execution now (eq. 4), on ``spec.engine``."""
+
+    spec: ExecutionSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Stop a running execution (surplus spare or dropped group); the runner reports Terminated(cancelled)."""
+
+    execution_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Withdraw:
+    """A queued entry leaves the queue without launching (counted in x)."""
+
+    execution_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reroute:
+    """Move an execution's model calls to another engine (its source cell is leaving rollout)."""
+
+    execution_id: str
+    engine: str
+
+
+@dataclass(frozen=True, slots=True)
+class BeginTransition:
+    """A cell starts a role change; the caller reports TransitionDone when it finished."""
+
+    cell: int
+    from_role: CellRole
+    to_role: CellRole
+
+
+@dataclass(frozen=True, slots=True)
+class EndTransition:
+    """Bookkeeping: the policy applied a finished role change (for the trace)."""
+
+    cell: int
+    from_role: CellRole
+    to_role: CellRole
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Push ``version`` to every rollout engine; the caller reports PublishDone."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpenBatch:
+    """Training may start the step that produces ``version + 1``."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupReady:
+    group_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDropped:
+    group_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AssessmentRecorded:
+    """Bookkeeping: an assessment was applied (for the trace)."""
+
+    execution_id: str
+    status: AssessedStatus
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecorded:
+    """Bookkeeping: a step consumed ``groups`` with these staleness values d = v_t - v_d."""
+
+    version: int
+    groups: tuple[str, ...]
+    staleness: tuple[int, ...]
+
+
+Decision = (
+    Dispatch
+    | Launch
+    | Cancel
+    | Withdraw
+    | Reroute
+    | BeginTransition
+    | EndTransition
+    | Publish
+    | OpenBatch
+    | GroupReady
+    | GroupDropped
+    | AssessmentRecorded
+    | StepRecorded
+)

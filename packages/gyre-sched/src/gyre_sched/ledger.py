@@ -1,0 +1,255 @@
+"""Dispatch accounting: counters d, p, f, x, the queue (entries record v_d), group completion, drops and refills.
+
+Counters are cumulative executions: d dispatched, p launched, f terminated, x withdrawn (queued entries removed before
+launch). Invariant: 0 <= f <= p <= d - x. A group is ready when the first N non-excluded executions in dispatch-index
+order all have valid rewards (spares replace excluded executions in that order, never by completion order); it is
+dropped when it can no longer reach N valid rewards; a dropped group is refilled at once at the current published
+version, with launch priority.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from gyre_sched.events import Cancel, Decision, Dispatch, GroupDropped, GroupReady, Withdraw
+from gyre_sched.types import AssessedStatus, Outcome
+
+
+class InvariantError(AssertionError):
+    """A scheduler invariant broke, or an event contradicts the scheduler's state."""
+
+
+class ExecState(Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    TERMINATED = "terminated"
+    WITHDRAWN = "withdrawn"
+
+
+class GroupState(Enum):
+    OPEN = "open"  # rollout or evaluation still in progress
+    READY = "ready"  # N valid rewards, not yet in a batch
+    ASSIGNED = "assigned"  # in the open batch
+    CONSUMED = "consumed"  # trained on
+    DROPPED = "dropped"
+
+
+@dataclass(slots=True)
+class Execution:
+    id: str
+    group: str
+    index: int
+    state: ExecState = ExecState.QUEUED
+    outcome: Outcome | None = None
+    status: AssessedStatus | None = None
+    engine: str | None = None
+
+
+@dataclass(slots=True)
+class Group:
+    id: str
+    query: str
+    v_d: int
+    seq: int
+    refill: bool
+    execs: list[str] = field(default_factory=list)
+    state: GroupState = GroupState.OPEN
+    outstanding: int = 0  # executions queued or running
+    ready_seq: int = -1
+
+
+class Ledger:
+    """Groups, executions, counters and the queue. Knows nothing about cells or capacity."""
+
+    def __init__(self, *, N: int, N_d: int, continuous: bool = False) -> None:
+        self.N, self.N_d, self.continuous = N, N_d, continuous
+        self.d = self.p = self.f = self.x = 0
+        self.published = 0  # latest published policy version (v_d of new dispatches)
+        self.groups: dict[str, Group] = {}
+        self.execs: dict[str, Execution] = {}
+        self._queue: deque[str] = deque()
+        self._group_seq = 0
+        self._ready_seq = 0
+        self.ready: dict[str, Group] = {}  # READY groups (unassigned)
+        self._open_refills: set[str] = set()  # refill groups still OPEN
+        self.unsettled = 0  # groups OPEN
+        self.dropped = 0
+        self.cancelled_surplus = 0
+        self.withdrawn_surplus = 0
+
+    # ---- counters ---------------------------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        return self.d - self.p - self.x
+
+    @property
+    def running(self) -> int:
+        return self.p - self.f
+
+    @property
+    def waterlevel(self) -> int:
+        """w = d - x - f: outstanding executions, queued plus running."""
+        return self.d - self.x - self.f
+
+    def pending_refill_extra(self) -> int:
+        """Executions of unfinished refill groups that already left w (eq. 5/6 count a pending refill as N_d)."""
+        return sum(self.N_d - self.groups[gid].outstanding for gid in self._open_refills)
+
+    # ---- dispatch and launch ----------------------------------------------------------------------------------
+    def dispatch(self, *, refill: bool = False) -> Dispatch:
+        seq = self._group_seq
+        self._group_seq += 1
+        gid, qid = f"g{seq}", f"q{seq}"
+        g = Group(gid, qid, self.published, seq, refill)
+        self.groups[gid] = g
+        self.unsettled += 1
+        if refill:
+            self._open_refills.add(gid)
+        ids = tuple(f"{gid}.e{i}" for i in range(self.N_d))
+        for i, eid in enumerate(ids):
+            self.execs[eid] = Execution(eid, gid, i)
+            g.execs.append(eid)
+        g.outstanding = self.N_d
+        self.d += self.N_d
+        if refill:  # launch priority: ahead of every ordinary entry, in dispatch-index order
+            self._queue.extendleft(reversed(ids))
+        else:
+            self._queue.extend(ids)
+        return Dispatch(gid, qid, ids, g.v_d, refill)
+
+    def pop_queued(self) -> Execution | None:
+        while self._queue:
+            e = self.execs[self._queue.popleft()]
+            if e.state is ExecState.QUEUED:
+                return e
+        return None
+
+    def mark_launched(self, e: Execution, engine: str) -> None:
+        if e.state is not ExecState.QUEUED:
+            raise InvariantError(f"launch of {e.id} in state {e.state.value}")
+        e.state, e.engine = ExecState.RUNNING, engine
+        self.p += 1
+
+    # ---- termination and assessment ---------------------------------------------------------------------------
+    def terminated(self, eid: str, outcome: Outcome) -> list[Decision]:
+        e = self._exec(eid)
+        if e.state is not ExecState.RUNNING:
+            raise InvariantError(
+                f"termination of {eid} in state {e.state.value} (each execution terminates once)"
+            )
+        e.state, e.outcome = ExecState.TERMINATED, outcome
+        e.engine = None
+        self.f += 1
+        g = self.groups[e.group]
+        g.outstanding -= 1
+        if (
+            outcome == "overall_timeout"
+        ):  # budget exhausted without a valid score: excluded, no assessment comes
+            e.status = "excluded"
+            return self._settle(g) if g.state is GroupState.OPEN else []
+        return []
+
+    def assessed(self, eid: str, status: AssessedStatus) -> list[Decision]:
+        e = self._exec(eid)
+        if e.state is not ExecState.TERMINATED or e.outcome == "cancelled":
+            raise InvariantError(f"assessment of {eid}, which is {e.outcome or e.state.value}")
+        if e.status is not None:
+            raise InvariantError(f"second designated assessment of {eid}")
+        e.status = status
+        g = self.groups[e.group]
+        return self._settle(g) if g.state is GroupState.OPEN else []
+
+    def _settle(self, g: Group) -> list[Decision]:
+        """Ready when the first N non-excluded executions (index order) are all valid; dropped when impossible."""
+        execs = [self.execs[i] for i in g.execs]
+        excluded = sum(e.status == "excluded" for e in execs)
+        if excluded > self.N_d - self.N:
+            return self._drop(g)
+        needed = [e for e in execs if e.status != "excluded"][: self.N]
+        if not all(e.status in ("valid", "no_work") for e in needed):
+            return []
+        g.state = GroupState.READY
+        self._open_refills.discard(g.id)
+        g.ready_seq = self._ready_seq
+        self._ready_seq += 1
+        self.ready[g.id] = g
+        self.unsettled -= 1
+        out: list[Decision] = [GroupReady(g.id)]
+        keep = {e.id for e in needed}
+        for e in execs:  # unneeded spares: cancelled if running (f), withdrawn if queued (x)
+            if e.id in keep:
+                continue
+            if e.state is ExecState.RUNNING:
+                out.append(Cancel(e.id, "surplus"))
+                self.cancelled_surplus += 1
+            elif e.state is ExecState.QUEUED:
+                out.append(self._withdraw(e, g, "surplus"))
+                self.withdrawn_surplus += 1
+        if self.continuous:  # the group releases its slot once rollout and evaluation finished (appendix Q_c)
+            out.append(self.dispatch())
+        return out
+
+    def _drop(self, g: Group) -> list[Decision]:
+        g.state = GroupState.DROPPED
+        self._open_refills.discard(g.id)
+        self.unsettled -= 1
+        self.dropped += 1
+        out: list[Decision] = [GroupDropped(g.id)]
+        for eid in g.execs:
+            e = self.execs[eid]
+            if e.state is ExecState.RUNNING:
+                out.append(Cancel(eid, "dropped"))
+            elif e.state is ExecState.QUEUED:
+                out.append(self._withdraw(e, g, "dropped"))
+        out.append(self.dispatch(refill=True))  # refill at once at the current published version
+        return out
+
+    def _withdraw(self, e: Execution, g: Group, reason: str) -> Withdraw:
+        e.state = ExecState.WITHDRAWN
+        g.outstanding -= 1
+        self.x += 1
+        return Withdraw(e.id, reason)
+
+    # ---- training side ----------------------------------------------------------------------------------------
+    def ready_unassigned(self) -> list[Group]:
+        """Ready groups not in a batch, oldest policy version first (then readiness order)."""
+        return sorted(self.ready.values(), key=lambda g: (g.v_d, g.ready_seq))
+
+    def assign(self, gid: str) -> Group:
+        g = self.groups.get(gid)
+        if g is None or g.state is not GroupState.READY:
+            raise InvariantError(f"group {gid} assigned while {g.state.value if g else 'unknown'}")
+        g.state = GroupState.ASSIGNED
+        del self.ready[gid]
+        return g
+
+    def consume(self, g: Group) -> None:
+        g.state = GroupState.CONSUMED
+
+    def _exec(self, eid: str) -> Execution:
+        e = self.execs.get(eid)
+        if e is None:
+            raise InvariantError(f"unknown execution {eid}")
+        return e
+
+    # ---- checks -----------------------------------------------------------------------------------------------
+    def check(self, deep: bool = False) -> None:
+        if not 0 <= self.f <= self.p <= self.d - self.x:
+            raise InvariantError(
+                f"counters broke 0 <= f <= p <= d - x: d={self.d} p={self.p} f={self.f} x={self.x}"
+            )
+        if not deep:
+            return
+        counts = {s: 0 for s in ExecState}
+        for e in self.execs.values():
+            counts[e.state] += 1
+        if counts[ExecState.QUEUED] != self.queued or counts[ExecState.RUNNING] != self.running:
+            raise InvariantError(f"per-execution states disagree with counters: {counts}")
+        if counts[ExecState.WITHDRAWN] != self.x or counts[ExecState.TERMINATED] != self.f:
+            raise InvariantError(f"per-execution states disagree with counters: {counts}")
+        for g in self.groups.values():
+            live = sum(self.execs[i].state in (ExecState.QUEUED, ExecState.RUNNING) for i in g.execs)
+            if live != g.outstanding:
+                raise InvariantError(f"group {g.id} outstanding {g.outstanding} != {live}")

@@ -1,0 +1,93 @@
+"""Elastic (the paper), Async (fixed split) and Colocate (whole pool switches): when cells change role."""
+
+from __future__ import annotations
+
+from gyre_sched.config import PolicyParams
+from gyre_sched.events import Decision
+from gyre_sched.policy import PolicyCore
+from gyre_sched.types import CellRole
+
+
+class ElasticPolicy(PolicyCore):
+    """Cells join training one at a time (core first) when eq. 5 and the supply check hold; satellites return at
+    burst end; the core stays after publication only if eq. 6 and the supply check hold."""
+
+    kind = "elastic"
+
+    def join_allowed(self) -> bool:
+        """Equation 5 for the next cell of the prefix, plus the guards that keep a join safe (no supply timer)."""
+        p = self.params
+        if self.burst_ending or self.publishing:
+            return False
+        if any(r in (CellRole.TO_TRAINING, CellRole.TO_ROLLOUT) for r in self.roles):
+            return False  # transitions are serial
+        if self.k == p.K:
+            return False
+        rest = (p.K - self.k - 1) * p.C_e + p.C_s
+        if self.effective_waterlevel() > rest:
+            return False
+        # Our addition: never leave zero rollout capacity while a group may still drop (its refill could not run).
+        return not (rest == 0 and self.ledger.unsettled > 0)
+
+    def _maybe_transition(self, out: list[Decision]) -> None:
+        if self.join_allowed() and self._supply_held():
+            self._begin([self.k], out)  # the next cell of the prefix (core first)
+
+    def _core_persists(self, pending: int) -> bool:
+        """Equation 6 (+ supply): ready >= rho_min*B and w + pending + refills <= (K-1)*C_e + C_s."""
+        p = self.params
+        if not self._supply_ok():
+            return False
+        return self.effective_waterlevel() + pending <= (p.K - 1) * p.C_e + p.C_s
+
+
+class AsyncPolicy(PolicyCore):
+    """A fixed split: cells 0..a-1 train for the whole run, the rest (and the standalone pool) roll out."""
+
+    kind = "async"
+
+    def _initial_roles(self) -> list[Decision]:
+        for i in range(self.params.async_train_cells):
+            self.roles[i] = CellRole.TRAINING  # assigned at start-up; no cell ever moves
+        out: list[Decision] = []
+        self._open_batch(out)
+        return out
+
+    def _maybe_transition(self, out: list[Decision]) -> None:
+        return None
+
+    def _stays_in_training(self, cell: int) -> bool:
+        return True
+
+    def _core_persists(self, pending: int) -> bool:
+        return True
+
+
+class ColocatePolicy(PolicyCore):
+    """The whole pool switches as one unit once its admitted executions finished (all but what the standalone pool
+    can serve) and mu*B groups are ready; after the burst every cell returns to rollout."""
+
+    kind = "colocate"
+
+    def _maybe_transition(self, out: list[Decision]) -> None:
+        p = self.params
+        if self.burst_ending or self.publishing or any(r is not CellRole.ROLLOUT for r in self.roles):
+            return
+        if len(self.ledger.ready) < p.mu * p.B or self.ledger.running > p.C_s:
+            return
+        self._begin(list(range(p.K)), out)
+
+    def _on_training(self, cell: int, out: list[Decision]) -> None:
+        if self.batch is None and all(r is CellRole.TRAINING for r in self.roles):
+            self._open_batch(out)
+
+
+POLICIES: dict[str, type[PolicyCore]] = {
+    "elastic": ElasticPolicy,
+    "async": AsyncPolicy,
+    "colocate": ColocatePolicy,
+}
+
+
+def make_policy(params: PolicyParams, *, deep_checks: bool = False) -> PolicyCore:
+    return POLICIES[params.kind](params, deep_checks=deep_checks)

@@ -1,0 +1,364 @@
+"""The event-driven policy core (DESIGN §5) and its three policies: Elastic, Async, Colocate.
+
+``decisions = policy.handle(event, now)``: no I/O, no clock reads. The base class owns what every policy shares:
+dispatch accounting (``Ledger``), cell roles, capacity (eq. 3), launches (eq. 4) and engine routes, batches and steps,
+staleness, burst end (satellites return, publication, dispatch of mu*N_d*B) and the invariants, checked after every
+event. Subclasses decide only when cells change role.
+"""
+
+from __future__ import annotations
+
+from gyre_sched.config import PolicyParams
+from gyre_sched.events import (
+    Assessed,
+    AssessmentRecorded,
+    BeginTransition,
+    Decision,
+    EndTransition,
+    Event,
+    GroupAssigned,
+    Launch,
+    Launched,
+    MicrostepClaimed,
+    OpenBatch,
+    Publish,
+    PublishDone,
+    Reroute,
+    StepDone,
+    StepRecorded,
+    Terminated,
+    Tick,
+    TransitionDone,
+)
+from gyre_sched.ledger import ExecState, Group, InvariantError, Ledger
+from gyre_sched.types import CellRole, ExecutionSpec, next_role
+
+STANDALONE = "standalone"
+
+
+def cell_engine(i: int) -> str:
+    return f"cell:{i}"
+
+
+class PolicyCore:
+    """Shared machinery; see module docstring. ``deep_checks`` recounts every execution after each event (tests)."""
+
+    kind = "base"
+
+    def __init__(self, params: PolicyParams, *, deep_checks: bool = False) -> None:
+        self.params = params
+        self.deep_checks = deep_checks
+        self.ledger = Ledger(N=params.N, N_d=params.N_d, continuous=params.dispatch == "continuous")
+        self.roles = [CellRole.ROLLOUT] * params.K
+        self.load: dict[str, set[str]] = {cell_engine(i): set() for i in range(params.K)}
+        if params.C_s:
+            self.load[STANDALONE] = set()
+        self.version = 0  # optimizer steps taken
+        self.step_in_burst = 0
+        self.batch: list[Group] | None = None  # groups of the open batch (None: no batch open)
+        self.batch_version = -1
+        self.publishing = False
+        self.burst_ending = False
+        self.supply_since: float | None = None
+        self.now = 0.0
+        self.staleness: list[int] = []  # per consumed group, in consumption order
+        self.staleness_refill: list[bool] = []
+        self.claims_while_running = 0  # micro-steps claimed while an execution ran on an elastic cell
+        self.started = False
+
+    # ---- public -----------------------------------------------------------------------------------------------
+    def start(self, now: float = 0.0) -> list[Decision]:
+        """Initial dispatch d(0) = (phi + mu) * N_d * B (or Q_c groups), then launches."""
+        if self.started:
+            raise InvariantError("policy started twice")
+        self.started, self.now = True, now
+        p = self.params
+        groups = (p.q_c or p.phi_B + p.mu * p.B) if p.dispatch == "continuous" else p.phi_B + p.mu * p.B
+        out: list[Decision] = [self.ledger.dispatch() for _ in range(groups)]
+        out += self._initial_roles()
+        self._progress(out)
+        return out
+
+    def handle(self, event: Event, now: float) -> list[Decision]:
+        if not self.started:
+            raise InvariantError("event before start()")
+        if now < self.now - 1e-9:
+            raise InvariantError(f"time went backwards: {now} < {self.now}")
+        self.now = now
+        out: list[Decision] = []
+        match event:
+            case Launched(eid):
+                if self.ledger._exec(eid).state is ExecState.QUEUED:
+                    raise InvariantError(f"runner reports launch of {eid}, which the policy never launched")
+            case Terminated(eid, outcome):
+                e = self.ledger._exec(eid)
+                engine = e.engine
+                out += self.ledger.terminated(eid, outcome)
+                if engine is not None:
+                    self.load[engine].discard(eid)
+            case Assessed(eid, status):
+                out.append(AssessmentRecorded(eid, status))
+                out += self.ledger.assessed(eid, status)
+            case GroupAssigned(gid):
+                self._assign(gid)
+            case MicrostepClaimed(cell, gid):
+                self._claim(cell, gid)
+            case StepDone(version):
+                out += self._step_done(version)
+            case TransitionDone(cell):
+                out += self._transition_done(cell)
+            case PublishDone(version):
+                out += self._publish_done(version)
+            case Tick():
+                pass
+            case _:
+                raise InvariantError(f"unknown event {event!r}")
+        self._progress(out)
+        return out
+
+    def next_wakeup(self) -> float | None:
+        """When the supply-check timer expires (the caller sends Tick then), or None."""
+        if self.supply_since is None:
+            return None
+        t = self.supply_since + self.params.tau_s
+        return t if t > self.now else None
+
+    # ---- capacity, launches, routes -----------------------------------------------------------------------------
+    @property
+    def k(self) -> int:
+        """Cells not in ROLLOUT (training or switching either way)."""
+        return sum(r is not CellRole.ROLLOUT for r in self.roles)
+
+    def capacity(self) -> int:
+        """Equation 3: C(t) = (K - k(t)) * C_e + C_s."""
+        return (self.params.K - self.k) * self.params.C_e + self.params.C_s
+
+    def engines_ready(self) -> bool:
+        """Engines serve the latest published version except while a publication is in flight."""
+        return not self.publishing
+
+    def _destinations(self) -> list[str]:
+        """Standalone engines first, then rollout cells in descending index (they stay available longest)."""
+        order = [STANDALONE] if self.params.C_s else []
+        order += [cell_engine(i) for i in reversed(range(self.params.K)) if self.roles[i] is CellRole.ROLLOUT]
+        return order
+
+    def _engine_capacity(self, engine: str) -> int:
+        return self.params.C_s if engine == STANDALONE else self.params.C_e
+
+    def _free_engine(self) -> str | None:
+        for eng in self._destinations():
+            if len(self.load[eng]) < self._engine_capacity(eng):
+                return eng
+        return None
+
+    def _launch(self, out: list[Decision]) -> None:
+        """Equation 4: launch max(0, min(d - p - x, C(t) - (p - f))) queued entries."""
+        if not self.engines_ready():
+            return
+        led, p = self.ledger, self.params
+        n = max(0, min(led.queued, self.capacity() - led.running))
+        for _ in range(n):
+            e = led.pop_queued()
+            engine = self._free_engine()
+            if e is None or engine is None:
+                raise InvariantError("eq. 4 promised a slot but no queued entry or engine slot exists")
+            led.mark_launched(e, engine)
+            self.load[engine].add(e.id)
+            g = led.groups[e.group]
+            spec = ExecutionSpec(
+                execution_id=e.id,
+                group_id=g.id,
+                query_id=g.query,
+                dispatch_version=g.v_d,
+                dispatch_index=e.index,
+                harness_timeout_s=p.harness_timeout_s,
+                overall_budget_s=p.overall_budget_s,
+                engine=engine,
+            )
+            out.append(Launch(spec))
+
+    def _begin(self, cells: list[int], out: list[Decision]) -> None:
+        """Start role changes; cells leaving rollout stop accepting requests and their executions are rerouted."""
+        moving: list[str] = []
+        for cell in cells:
+            src = self.roles[cell]
+            self.roles[cell] = next_role(src)
+            out.append(BeginTransition(cell, src, self.roles[cell]))
+            if src is CellRole.ROLLOUT:
+                moving += sorted(self.load[cell_engine(cell)])
+                self.load[cell_engine(cell)].clear()
+        for eid in moving:  # destinations are reserved only after every leaving cell is out of the order
+            engine = self._free_engine()
+            if engine is None:
+                raise InvariantError(f"no destination capacity to reroute {eid}")
+            self.load[engine].add(eid)
+            self.ledger.execs[eid].engine = engine
+            out.append(Reroute(eid, engine))
+
+    # ---- batches, steps, bursts ---------------------------------------------------------------------------------
+    def _open_batch(self, out: list[Decision]) -> None:
+        self.batch, self.batch_version = [], self.version
+        out.append(OpenBatch(self.version))
+        self._reset_supply()
+
+    def _assign(self, gid: str) -> None:
+        if self.batch is None:
+            raise InvariantError(f"group {gid} assigned with no batch open")
+        if len(self.batch) >= self.params.B:
+            raise InvariantError(f"batch {self.batch_version} already holds B groups")
+        self.batch.append(self.ledger.assign(gid))
+
+    def _claim(self, cell: int, gid: str) -> None:
+        if self.roles[cell] is not CellRole.TRAINING:
+            raise InvariantError(f"cell {cell} claimed a micro-step while {self.roles[cell].value}")
+        if self.batch is None or all(g.id != gid for g in self.batch):
+            raise InvariantError(f"micro-step of {gid}, which is not in the open batch")
+        if any(self.load[cell_engine(i)] for i in range(self.params.K)):
+            self.claims_while_running += 1
+
+    def _step_done(self, version: int) -> list[Decision]:
+        if self.batch is None or version != self.version + 1 or len(self.batch) != self.params.B:
+            raise InvariantError(
+                f"step {version} done, but open batch is {self.batch_version} with "
+                f"{0 if self.batch is None else len(self.batch)} groups"
+            )
+        st = [self.version - g.v_d for g in self.batch]
+        for g in self.batch:
+            self.ledger.consume(g)
+            self.staleness_refill.append(g.refill)
+        self.staleness += st
+        out: list[Decision] = [StepRecorded(version, tuple(g.id for g in self.batch), tuple(st))]
+        self.version, self.batch = version, None
+        self.step_in_burst += 1
+        if self.step_in_burst < self.params.mu:
+            self._open_batch(out)
+        else:
+            self._burst_end(out)
+        return out
+
+    def _burst_end(self, out: list[Decision]) -> None:
+        """All training satellites return; publication starts once none is away from rollout."""
+        self.burst_ending = True
+        for i in range(1, self.params.K):
+            if self.roles[i] is CellRole.TRAINING and not self._stays_in_training(i):
+                self._begin([i], out)
+        self._maybe_publish(out)
+
+    def _maybe_publish(self, out: list[Decision]) -> None:
+        if not self.burst_ending or self.publishing:
+            return
+        if any(self.roles[i] in (CellRole.TO_TRAINING, CellRole.TO_ROLLOUT) for i in range(1, self.params.K)):
+            return
+        self.publishing = True
+        out.append(Publish(self.version))
+
+    def _publish_done(self, version: int) -> list[Decision]:
+        if not self.publishing or version != self.version:
+            raise InvariantError(
+                f"publish of {version} done, but publishing={self.publishing} v={self.version}"
+            )
+        self.publishing = self.burst_ending = False
+        self.ledger.published = version
+        self.step_in_burst = 0
+        p, out = self.params, []
+        pending = p.mu * p.N_d * p.B if p.dispatch == "boundary" else 0
+        stay = self._core_persists(pending)  # eq. 6 is evaluated before the new dispatch lands
+        if p.dispatch == "boundary":
+            out += [self.ledger.dispatch() for _ in range(p.mu * p.B)]
+        if stay:
+            self._open_batch(out)
+        else:
+            self._begin([0], out)
+        return out
+
+    def _transition_done(self, cell: int) -> list[Decision]:
+        src = self.roles[cell]
+        if src not in (CellRole.TO_TRAINING, CellRole.TO_ROLLOUT):
+            raise InvariantError(f"transition of cell {cell} done while {src.value}")
+        dst = next_role(src)
+        self.roles[cell] = dst
+        out: list[Decision] = [EndTransition(cell, src, dst)]
+        self._reset_supply()
+        if dst is CellRole.TRAINING:
+            if cell != 0 and self.burst_ending:  # too late for this burst: straight back
+                self._begin([cell], out)
+            else:
+                self._on_training(cell, out)
+        self._maybe_publish(out)
+        return out
+
+    # ---- supply check -------------------------------------------------------------------------------------------
+    def supply(self) -> int:
+        """min(ready unassigned groups, groups the current batch still needs)."""
+        p = self.params
+        need = p.B - len(self.batch) if (self.batch is not None and p.streaming) else p.B
+        return min(len(self.ledger.ready), need)
+
+    def _supply_ok(self) -> bool:
+        return self.supply() >= self.params.rho_min * self.params.B - 1e-9
+
+    def _reset_supply(self) -> None:
+        self.supply_since = self.now if self._supply_ok() else None
+
+    def _track_supply(self) -> None:
+        if not self._supply_ok():
+            self.supply_since = None
+        elif self.supply_since is None:
+            self.supply_since = self.now
+
+    def _supply_held(self) -> bool:
+        return self.supply_since is not None and self.now - self.supply_since >= self.params.tau_s - 1e-9
+
+    def effective_waterlevel(self) -> int:
+        """w(t) plus pending refills counted as N_d executions each (eq. 5 and 6)."""
+        return self.ledger.waterlevel + self.ledger.pending_refill_extra()
+
+    # ---- the loop and invariants --------------------------------------------------------------------------------
+    def _progress(self, out: list[Decision]) -> None:
+        for _ in range(self.params.K + 2):  # a transition can enable a launch and vice versa; bounded
+            before = len(out)
+            self._launch(out)
+            self._track_supply()
+            self._maybe_transition(out)
+            if len(out) == before:
+                break
+        self.check_invariants()
+
+    def check_invariants(self) -> None:
+        led, p = self.ledger, self.params
+        led.check(deep=self.deep_checks)
+        if led.running > self.capacity():
+            raise InvariantError(f"running {led.running} exceeds rollout capacity {self.capacity()}")
+        for eng, ids in self.load.items():
+            if len(ids) > self._engine_capacity(eng):
+                raise InvariantError(f"engine {eng} holds {len(ids)} executions")
+            if eng != STANDALONE and ids and self.roles[int(eng.split(":")[1])] is not CellRole.ROLLOUT:
+                raise InvariantError(f"executions on {eng}, which is not in rollout")
+        training = [i for i, r in enumerate(self.roles) if r is CellRole.TRAINING]
+        if training != list(range(len(training))):
+            raise InvariantError(f"training set {training} is not a prefix")
+        if not self.burst_ending:
+            joining = [i for i, r in enumerate(self.roles) if r in (CellRole.TRAINING, CellRole.TO_TRAINING)]
+            if joining != list(range(len(joining))):
+                raise InvariantError(f"training-bound cells {joining} are not a prefix")
+        if self.deep_checks and sum(len(v) for v in self.load.values()) != led.running:
+            raise InvariantError("engine loads disagree with running count")
+        del p
+
+    # ---- policy-specific hooks ----------------------------------------------------------------------------------
+    def _initial_roles(self) -> list[Decision]:
+        return []
+
+    def _maybe_transition(self, out: list[Decision]) -> None:
+        raise NotImplementedError
+
+    def _on_training(self, cell: int, out: list[Decision]) -> None:
+        if cell == 0 and self.batch is None:
+            self._open_batch(out)
+
+    def _stays_in_training(self, cell: int) -> bool:
+        return False
+
+    def _core_persists(self, pending: int) -> bool:
+        return False
