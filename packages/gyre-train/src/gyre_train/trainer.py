@@ -13,6 +13,7 @@ other processes.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class Trainer:
         self.version = 0
         """Policy version = optimizer steps taken."""
         self._opened_at = 0.0
+        self._pump_lock = threading.Lock()  # the core's main thread and the coordinator's threads both pump
 
     # --- batch pieces ----------------------------------------------------------------------------------------
 
@@ -69,6 +71,10 @@ class Trainer:
 
     def pump(self) -> None:
         """Feed the queue from the packing buffer; close the stream after the batch's last micro-step."""
+        with self._pump_lock:
+            self._pump_locked()
+
+    def _pump_locked(self) -> None:
         while not self.packer.closed and self.queue.unclaimed < self.cfg.queue_ahead:
             microsteps = self.packer.next_microsteps(max_microsteps=self.cfg.queue_ahead)
             for ms in microsteps:

@@ -205,3 +205,36 @@ class StepReport(_Wire):
     metrics: dict[str, float]
     """Clip fractions, capped-token fraction, weight stats, mean(l-b) by staleness, |s-1| (see loss.batch_metrics)."""
     seconds: float = 0.0
+
+
+class CellRequest(_Wire):
+    """A satellite's request to the core's coordinator (control plane of multi-cell training)."""
+
+    op: Literal["join", "claim", "report"]
+    cell: int = Field(ge=1)
+    prepass: PrepassResult | None = None
+    train: TrainResult | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CellRequest:
+        if self.op == "report" and (self.prepass is None) == (self.train is None):
+            raise ValueError("a report carries exactly one of prepass / train")
+        return self
+
+
+class CoordinatorReply(_Wire):
+    """The coordinator's answer.
+
+    ``joined``: load the weight snapshot at ``snapshot`` and start claiming for ``batch``. ``item``: run ``item``.
+    ``wait``: nothing now, ask again. ``batch_done``: accumulation is over; sum gradients into the core over the
+    prefix group of ``prefix`` cells, then receive a parameter broadcast if ``broadcast`` (stay for the next batch)
+    or leave training. ``stop``: the run is over.
+    """
+
+    status: Literal["ok", "joined", "item", "wait", "batch_done", "stop"]
+    batch: int | None = None
+    item: WorkItem | None = None
+    snapshot: str | None = None
+    prefix: int | None = Field(default=None, ge=1)
+    broadcast: bool = False
+    error: str | None = None

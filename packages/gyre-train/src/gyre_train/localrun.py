@@ -1,0 +1,134 @@
+"""Run K cells as local processes on synthetic data (tests and benchmarks of multi-cell training on CPU).
+
+``launch(spec)`` starts one process per cell (spawn), each joining gloo as its cell index; the core trains
+``spec.steps`` steps on synthetic groups (``gyre_train.synthetic.make_groups``) and writes ``reports.jsonl`` (one
+StepReport per line) and, if asked, the summed gradient of each step (``grads-<step>.pt``) to ``spec.out_dir``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
+from gyre_train.buffer import TrajectoryBuffer
+from gyre_train.cell import CellWorker
+from gyre_train.loss import LossConfig
+from gyre_train.multicell import CoreRunner, MultiCellConfig, SatelliteRunner, init_cell_process
+from gyre_train.packing import PackingConfig
+from gyre_train.synthetic import make_groups
+from gyre_train.trainer import Trainer, TrainerConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LocalRunSpec:
+    """A local multi-cell run on synthetic groups."""
+
+    model_path: str
+    """Local HF checkpoint."""
+    out_dir: str
+    """Where reports (and gradients) are written."""
+    num_cells: int = 2
+    """K."""
+    steps: int = 1
+    """Optimizer steps to run."""
+    group_size: int = 4
+    """N."""
+    batch_groups: int = 3
+    """B."""
+    tokens_per_shard: int = 64
+    """Shard capacity."""
+    max_len: int = 60
+    """Longest synthetic trajectory."""
+    seed: int = 0
+    """Seed of the synthetic groups."""
+    dtype: str = "float64"
+    """Parameter dtype."""
+    lr: float = 1e-6
+    """Adam learning rate."""
+    steps_per_burst: int = 1
+    """mu."""
+    wait_join_at: int | None = None
+    """If set, the core waits for cell 1 to join before its item number ``wait_join_at`` (forces a mid-batch join)."""
+    save_grads: bool = False
+    """Write each step's summed gradient."""
+    threads: int = 1
+    """torch intra-op threads per cell process."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int) -> None:
+    torch.set_num_threads(spec.threads)
+    groups = init_cell_process(mc, cell)
+    loss = LossConfig()
+    backend = TorchBackend(
+        TorchBackendConfig(model_path=spec.model_path, dtype=spec.dtype, lr=spec.lr, optimizer=cell == 0)
+    )
+    worker = CellWorker(cell, backend, loss)
+    if cell > 0:
+        SatelliteRunner(mc, worker, groups).run()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return
+    buffer = TrajectoryBuffer(spec.group_size)
+    for gid, v, execs in make_groups(
+        spec.steps * spec.batch_groups, spec.group_size, spec.seed, spec.max_len
+    ):
+        for eid, reward, trajs in execs:
+            buffer.add_execution(gid, v, eid, reward, trajs)
+    packing = PackingConfig(group_size=spec.group_size, batch_groups=spec.batch_groups,
+                            tokens_per_shard=spec.tokens_per_shard, window_shards=2)  # fmt: skip
+    trainer = Trainer(TrainerConfig(packing=packing, loss=loss), worker, buffer)
+    core = CoreRunner(mc, trainer, groups)
+    out = Path(spec.out_dir)
+    with open(out / "reports.jsonl", "w") as f:
+        for step in range(spec.steps):
+
+            def hook(n: int, step: int = step) -> None:
+                if spec.wait_join_at is not None and step == 0 and n == spec.wait_join_at:
+                    core.coordinator.wait_joined(1, timeout=120)
+
+            def save(g: torch.Tensor, step: int = step) -> None:
+                if spec.save_grads:
+                    torch.save(g, out / f"grads-{step}.pt")
+
+            report = core.step(before_core_item=hook, on_summed_grads=save)
+            f.write(report.model_dump_json() + "\n")
+            f.flush()
+    core.stop()
+    torch.distributed.barrier()  # satellites have seen `stop`: everyone leaves together
+    core.coordinator.close()
+    torch.distributed.destroy_process_group()
+
+
+def launch(spec: LocalRunSpec, timeout: float = 300.0) -> list[int]:
+    """Run all cells to completion; returns the exit codes (cell order)."""
+    Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
+    mc = MultiCellConfig(
+        num_cells=spec.num_cells, master_port=free_port(), control_port=free_port(),
+        snapshot_dir=str(Path(spec.out_dir) / "snapshots"), steps_per_burst=spec.steps_per_burst,
+    )  # fmt: skip
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_cell_main, args=(spec, mc, c), name=f"cell-{c}") for c in range(spec.num_cells)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    codes = []
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+        codes.append(p.exitcode)
+    return codes
