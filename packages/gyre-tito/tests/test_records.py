@@ -91,3 +91,26 @@ def test_log_lines_are_plain_json_after_the_checksum(tmp_path):
     for line in log_path(tmp_path, "ex").read_bytes().splitlines():
         obj = orjson.loads(line[9:])
         assert obj["execution_id"] == "ex" and obj["schema_version"] == 1
+
+
+def test_failed_append_leaves_no_partial_line(tmp_path, monkeypatch):
+    import os
+
+    rec = ExecutionRecords(tmp_path, "ex")
+    _fill(rec)
+    size = log_path(tmp_path, "ex").stat().st_size
+    real_write = os.write
+
+    def half_then_fail(fd, data):
+        real_write(fd, bytes(data[:10]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        SessionDriver(rec).call([5, 5], [6])
+    monkeypatch.undo()
+    assert log_path(tmp_path, "ex").stat().st_size == size
+    assert len(rec.tree) == 4  # the tree did not take the record either
+    SessionDriver(rec).call([5, 5], [6])
+    rec.close()
+    assert [r.call_id for r in read_log(log_path(tmp_path, "ex")).records] == ["c0", "c1", "c2", "c3", "c4"]

@@ -135,6 +135,7 @@ class RecordLog:
         contents = read_log(self.path)
         self.records: list[CallRecord] = contents.records
         self.dropped_bytes = contents.torn_bytes
+        self._size = contents.valid_bytes  # end of the intact prefix
         if contents.torn_bytes:
             log.warning(
                 "%s: dropped a torn last record (%d bytes after %d intact records)",
@@ -149,12 +150,24 @@ class RecordLog:
         """Write ``record``; when this returns (with fsync on) the record survives a crash."""
         if self._fd < 0:
             raise ValueError(f"{self.path}: log is closed")
-        line = memoryview(encode_line(record))
-        while line:
-            written = os.write(self._fd, line)
-            line = line[written:]
-        if self.config.fsync:
-            os.fsync(self._fd)
+        data = encode_line(record)
+        line = memoryview(data)
+        try:
+            while line:
+                written = os.write(self._fd, line)
+                line = line[written:]
+            if self.config.fsync:
+                os.fsync(self._fd)
+        except BaseException:
+            # A failed append (disk full, interrupted) must not leave half a line that later appends would bury.
+            try:
+                os.ftruncate(self._fd, self._size)
+            except OSError:
+                log.exception(
+                    "%s: could not cut off a failed append; the next open drops it as torn", self.path
+                )
+            raise
+        self._size += len(data)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -14,6 +14,8 @@ API summary
   exact tokens the engine was given (parent path + incremental input); ``tree.path_len(call_id)``.
 - ``tree.node(call_id) -> TreeNode``; ``tree.nodes`` (add order); ``tree.children(call_id | None)``; ``tree.leaves()``;
   ``tree.path(call_id)`` (root -> node); ``tree.record(call_id)`` rebuilds the ``CallRecord``; ``tree.records()``.
+- Thread safety: one writer and any number of concurrent readers (``add`` and ``match`` share a lock; nodes never
+  change once added).
 
 How the proxy uses it: compute the request's full context ids (reusing ``path_tokens`` of the previously matched node),
 ``parent, n = tree.match(ctx)``, build ``CallRecord(parent_id=parent, input_ids=ctx[n:], ...)``, append it durably
@@ -26,6 +28,7 @@ edges with C-level slice comparison, so each context token is examined at most o
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -158,6 +161,8 @@ class ExecutionTree:
         self._by_id: dict[str, int] = {}
         self._root_children: list[int] = []
         self._trie = _Trie(array(TOKEN_TYPECODE), 0, 0, 0)
+        # add() splits trie edges in place; the lock keeps a match() in another thread from seeing half a split.
+        self._lock = threading.Lock()
 
     @classmethod
     def from_records(cls, execution_id: str, records: Iterable[CallRecord]) -> ExecutionTree:
@@ -250,6 +255,10 @@ class ExecutionTree:
     def match(self, context_ids: Sequence[int] | array) -> tuple[str | None, int]:
         """Deepest node whose root path is a prefix of ``context_ids``: ``(call_id, path_len)`` or ``(None, 0)``."""
         ctx = as_tokens(context_ids)
+        with self._lock:
+            return self._match(ctx)
+
+    def _match(self, ctx: array) -> tuple[str | None, int]:
         n = len(ctx)
         point = self._trie
         best: tuple[str | None, int] = (None, 0)
@@ -285,19 +294,20 @@ class ExecutionTree:
 
     def add(self, record: CallRecord) -> TreeNode:
         """Append ``record`` as a new node (independently generated equal outputs stay separate nodes)."""
-        self.check(record)
-        parent = -1 if record.parent_id is None else self._by_id[record.parent_id]
-        offset = 0 if parent < 0 else self._nodes[parent].end
-        node = TreeNode(len(self._nodes), parent, offset, record)
-        start = self._trie if parent < 0 else self._nodes[parent]._trie_end
-        assert start is not None
-        end = self._insert(start, node.tokens)
-        end.calls.append(node.index)
-        node._trie_end = end
-        self._nodes.append(node)
-        self._by_id[node.call_id] = node.index
-        (self._root_children if parent < 0 else self._nodes[parent].children).append(node.index)
-        return node
+        with self._lock:
+            self.check(record)
+            parent = -1 if record.parent_id is None else self._by_id[record.parent_id]
+            offset = 0 if parent < 0 else self._nodes[parent].end
+            node = TreeNode(len(self._nodes), parent, offset, record)
+            start = self._trie if parent < 0 else self._nodes[parent]._trie_end
+            assert start is not None
+            end = self._insert(start, node.tokens)
+            end.calls.append(node.index)
+            node._trie_end = end
+            self._nodes.append(node)
+            self._by_id[node.call_id] = node.index
+            (self._root_children if parent < 0 else self._nodes[parent].children).append(node.index)
+            return node
 
     def _insert(self, point: _Trie, seq: array) -> _Trie:
         """Walk/extend the trie from ``point`` along ``seq``; return the trie point where ``seq`` ends."""
