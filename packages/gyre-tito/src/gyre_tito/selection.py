@@ -79,11 +79,19 @@ def execution_rng(seed: int, execution_id: str) -> random.Random:
 def select_paths(tree: ExecutionTree, config: SelectionConfig | None = None) -> list[AdmittedPath]:
     """Admit at most ``config.j_max`` root-to-leaf paths of ``tree`` (rules in the module docstring)."""
     config = config or SelectionConfig()
-    nodes = tree.nodes
+    # A snapshot: the proxy may append while an execution is exported; nodes only ever get appended, parents first,
+    # so a prefix of the node list is a consistent tree (leaves are computed within it).
+    nodes = list(tree.nodes)
     rng = execution_rng(config.seed, tree.execution_id)
     masked = [False] * len(nodes)
     rank = {c: i for i, c in enumerate(config.priority)}
-    leaves = [n.index for n in nodes if not n.children and n.role_class in rank]  # add order: deterministic
+    has_child = [False] * len(nodes)
+    for n in nodes:
+        if n.parent >= 0:
+            has_child[n.parent] = True
+    leaves = [
+        n.index for n in nodes if not has_child[n.index] and n.role_class in rank
+    ]  # add order: deterministic
     admitted: list[AdmittedPath] = []
     while len(admitted) < config.j_max:
         # unmasked[i] = unmasked trainable tokens on the root path of node i (parents precede children).
