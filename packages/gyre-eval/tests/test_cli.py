@@ -40,3 +40,23 @@ def test_bad_inputs_are_named(tmp_path, workspace, capsys):
     plugin = _config(tmp_path, {"task": {"kind": "plugin", "factory": "nowhere_xyz:Eval"}})
     assert main(["serve", "--store", str(tmp_path / "run"), "--port", "0", "--config", plugin]) == 2
     assert "cannot import nowhere_xyz" in capsys.readouterr().err
+
+
+def test_written_config_masks_the_judge_key():
+    from gyre_eval.config import ServiceConfig
+
+    config = ServiceConfig.model_validate(
+        {
+            "evaluators": {
+                "judge": {
+                    "kind": "judge",
+                    "base_url": "http://j/v1",
+                    "model": "m",
+                    "rubric": "r",
+                    "api_key": "sk-judge-secret",
+                }
+            }
+        }
+    )
+    written = json.dumps(config.redacted())
+    assert "sk-judge-secret" not in written and '"model": "m"' in written
