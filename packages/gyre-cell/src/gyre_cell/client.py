@@ -63,9 +63,11 @@ class RolloutEngine:
 
     kind = "generic"
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, base_url: str, *, timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport)
 
     async def aclose(self) -> None:
         await self._http.aclose()

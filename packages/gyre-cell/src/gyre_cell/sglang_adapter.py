@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any, Literal
 
+import httpx
 import torch
 from pydantic import BaseModel, ConfigDict
 
@@ -118,8 +119,15 @@ class SGLangEngine(RolloutEngine):
 
     kind = "sglang"
 
-    def __init__(self, base_url: str, *, tp_size: int = 1, timeout_s: float = 600.0) -> None:
-        super().__init__(base_url, timeout_s=timeout_s)
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        tp_size: int = 1,
+        timeout_s: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        super().__init__(base_url, timeout_s=timeout_s, transport=transport)
         self.tp_size = tp_size
 
     def tensor_update_body(
