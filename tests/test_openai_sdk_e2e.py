@@ -192,7 +192,7 @@ def test_reformatted_tool_arguments_still_match_prefix(stack):
     # without the payload cache the reformatted call renders differently and would not match the recorded path
     conv, *_ = openai_api.parse_request({"model": "p", "messages": m, "tools": TOOLS}, [])
     chat = srv.proxy.chat
-    naive = chat.encode_text(chat.render(conv.template_messages(lambda t: None), conv.tools))
+    naive = chat.encode_text(chat.render(conv.template_messages(lambda t: None), conv.tools)).tolist()
     tree2 = srv.proxy.executions[eid2].records.tree
     path0 = list(tree2.path_tokens(recs2[0].call_id))
     assert naive[: len(path0)] != path0

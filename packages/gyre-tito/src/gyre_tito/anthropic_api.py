@@ -137,8 +137,13 @@ def _turns_of(i: int, msg: Any) -> list[Turn]:
     return turns
 
 
-def parse_request(body: Any, volatile_patterns) -> tuple[Conversation, Sampling, bool]:
-    """Validate a /v1/messages body; returns the conversation, sampling settings and whether to stream."""
+def parse_request(
+    body: Any, volatile_patterns, cache: dict[bytes, list[Turn]] | None = None
+) -> tuple[Conversation, Sampling, bool]:
+    """Validate a /v1/messages body; returns the conversation, sampling settings and whether to stream.
+
+    `cache` memoises parsed messages by their JSON bytes: a harness resends its whole history on every call, and
+    only the new messages need parsing."""
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     for key in ("model", "max_tokens", "messages"):
@@ -153,7 +158,19 @@ def parse_request(body: Any, volatile_patterns) -> tuple[Conversation, Sampling,
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages: must be a non-empty list")
     system, removed = _system_text(body.get("system"), volatile_patterns)
-    turns = [t for i, m in enumerate(msgs) for t in _turns_of(i, m)]
+    turns: list[Turn] = []
+    for i, m in enumerate(msgs):
+        if cache is None:
+            turns.extend(_turns_of(i, m))
+            continue
+        key = orjson.dumps(m)
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = _turns_of(i, m)
+            if len(cache) > 100_000:  # bounded: drop the oldest half
+                for k in list(cache)[:50_000]:
+                    del cache[k]
+        turns.extend(got)
     if turns[-1].role == "assistant":
         raise _bad("messages: the last message must be a user message (assistant prefill is not supported)")
     tools = []

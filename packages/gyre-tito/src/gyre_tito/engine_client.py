@@ -180,6 +180,8 @@ class EnginePool:
         rid: str | None = None,
     ) -> GenerateResult:
         """Generate up to `sampling["max_new_tokens"]` tokens after `input_ids`, retrying across engines."""
+        if not isinstance(input_ids, list):
+            input_ids = list(input_ids)
         res = GenerateResult()
         budget = int(sampling.get("max_new_tokens", 128))
         base = rid or uuid.uuid4().hex

@@ -18,6 +18,7 @@ import hashlib
 import secrets
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,7 @@ class Proxy:
         self.executions: dict[str, Execution] = {}
         self._by_credential: dict[str, str] = {}  # sha256(credential) -> execution id
         self._registry = self.store_dir / "executions.jsonl"
+        self.turn_cache: dict[bytes, list[Turn]] = {}  # parsed messages by JSON bytes (see anthropic_api)
         self.stats: dict[str, float] = {"calls": 0, "input_tokens": 0, "output_tokens": 0, "overhead_s": 0.0}
         self._load_registry()
 
@@ -203,7 +205,7 @@ class Proxy:
         return ex
 
     # ---- one call --------------------------------------------------------------------------------------------
-    def encode(self, ex: Execution, conv: Conversation) -> tuple[list[int], list[bool]]:
+    def encode(self, ex: Execution, conv: Conversation) -> tuple[array, bytearray]:
         """Full context ids of a request (recorded outputs spliced in) and the per-token policy flags."""
         tree = ex.records.tree
         recorded: list[Any] = []
@@ -280,7 +282,7 @@ class Proxy:
             call_id=f"{ex.id}/{uuid.uuid4().hex[:16]}",
             seq=len(ex.records.tree),
             parent_id=parent,
-            input_ids=ids[n:],
+            input_ids=ids[n:].tolist(),
             input_provenance=runs_from_mask(policy[n:]),
             output_ids=res.output_ids,
             output_logprobs=res.logprobs,

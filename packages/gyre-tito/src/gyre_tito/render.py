@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,8 +24,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Environment
 from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 __all__ = ["ChatTokenizer", "EncodedContext", "TemplateError", "recorded_marker"]
@@ -45,11 +46,32 @@ def recorded_marker(k: int) -> str:
 
 @dataclass
 class EncodedContext:
-    """Token ids of one rendered request plus a per-token policy flag (True = a recorded output of our engine)."""
+    """Token ids of one rendered request (`array('i')`) plus per-token policy flags (1 = a recorded output)."""
 
-    ids: list[int] = field(default_factory=list)
-    policy: list[bool] = field(default_factory=list)
+    ids: array = field(default_factory=lambda: array("i"))
+    policy: bytearray = field(default_factory=bytearray)
     text_chars: int = 0
+
+
+class _Obj(dict):
+    """A dict whose keys are also attributes: jinja's `x.key` then succeeds without raising and catching an
+    AttributeError per access (the dominant cost of rendering long conversations). Missing keys stay undefined."""
+
+    __slots__ = ()
+
+    def __getattr__(self, k: str) -> Any:
+        try:
+            return self[k]
+        except KeyError:
+            raise AttributeError(k) from None
+
+
+def _wrap(m: Any) -> Any:
+    if isinstance(m, dict):
+        return _Obj({k: _wrap(v) if k in ("tool_calls", "function") else v for k, v in m.items()})
+    if isinstance(m, list):
+        return [_wrap(x) for x in m]
+    return m
 
 
 def _raise(msg: str) -> None:
@@ -84,21 +106,49 @@ class ChatTokenizer:
         if not template:
             raise ValueError(f"{p} has no chat template")
         self.template_source: str = template
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        # A plain (not sandboxed) environment: the template is part of the operator's model directory, trusted like
+        # the weights, and the sandbox's per-attribute checks cost more than the rest of a call at long contexts.
+        env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(template)
+        self._native = self._native_if_equivalent()
         added = self.tokenizer.get_added_tokens_decoder()
         self.added: dict[str, int] = {t.content: i for i, t in added.items()}
         alts = sorted(self.added, key=len, reverse=True)
         self._split_re = re.compile("(" + "|".join(re.escape(a) for a in alts) + ")") if alts else None
         self.im_end_id = self.added.get("<|im_end|>")
         self.eos_ids = [i for t, i in self.added.items() if t in ("<|im_end|>", "<|endoftext|>")]
-        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cache: OrderedDict[str, array] = OrderedDict()
         self._cache_entries = cache_entries
 
     # ---- rendering -------------------------------------------------------------------------------------------
+    def _native_if_equivalent(self):
+        from gyre_tito.qwen3_render import PROBES, render_qwen3
+
+        for msgs, tools, kw in PROBES:
+            try:
+                same = self._jinja(msgs, tools, **kw) == render_qwen3(msgs, tools, **kw)
+            except Exception:
+                same = False
+            if not same:
+                return None
+        return render_qwen3
+
+    @property
+    def native(self) -> bool:
+        """Whether renders use the native Qwen3 renderer (it matched this template on every probe)."""
+        return self._native is not None
+
+    def _jinja(self, messages, tools, add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        return self._template.render(
+            messages=[_wrap(m) for m in messages],
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+
     def render(
         self,
         messages: Sequence[dict[str, Any]],
@@ -108,21 +158,18 @@ class ChatTokenizer:
     ) -> str:
         """Render with the chat template (transformers' `apply_chat_template(tokenize=False)` semantics)."""
         try:
-            return self._template.render(
-                messages=list(messages),
-                tools=list(tools) if tools else None,
-                add_generation_prompt=add_generation_prompt,
-                **kwargs,
-            )
+            if self._native is not None:
+                return self._native(messages, tools, add_generation_prompt, **kwargs)
+            return self._jinja(messages, tools, add_generation_prompt, **kwargs)
         except TemplateError:
             raise
         except Exception as e:  # a template bug or odd input must surface as a 4xx, not a 500
             raise TemplateError(f"chat template failed: {e}") from e
 
     # ---- encoding --------------------------------------------------------------------------------------------
-    def encode_text(self, text: str) -> list[int]:
-        """Exact ids of `text` (added tokens parsed), memoised per piece between added tokens."""
-        out: list[int] = []
+    def encode_text(self, text: str) -> array:
+        """Exact ids of `text` (added tokens parsed) as `array('i')`, memoised per piece between added tokens."""
+        out = array("i")
         pieces = self._split_re.split(text) if self._split_re is not None else [text]
         for piece in pieces:
             if not piece:
@@ -133,7 +180,7 @@ class ChatTokenizer:
                 continue
             ids = self._cache.get(piece)
             if ids is None:
-                ids = tuple(self.tokenizer.encode(piece, add_special_tokens=False).ids)
+                ids = array("i", self.tokenizer.encode(piece, add_special_tokens=False).ids)
                 self._cache[piece] = ids
                 if len(self._cache) > self._cache_entries:
                     self._cache.popitem(last=False)
@@ -153,19 +200,19 @@ class ChatTokenizer:
         for m in _MARK_RE.finditer(text):
             pre = self.encode_text(text[pos : m.start()])
             enc.ids.extend(pre)
-            enc.policy.extend([False] * len(pre))
+            enc.policy.extend(bytes(len(pre)))
             k = int(m.group(1))
             if k >= len(recorded):
                 raise TemplateError(f"render refers to recorded output {k} that does not exist")
-            out = list(recorded[k])
+            out = recorded[k]
             enc.ids.extend(out)
-            enc.policy.extend([True] * len(out))
+            enc.policy.extend(b"\x01" * len(out))
             pos = m.end()
             if out and out[-1] == self.im_end_id and text.startswith(im_end, pos):
                 pos += len(im_end)
         rest = self.encode_text(text[pos:])
         enc.ids.extend(rest)
-        enc.policy.extend([False] * len(rest))
+        enc.policy.extend(bytes(len(rest)))
         return enc
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

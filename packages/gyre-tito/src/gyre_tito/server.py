@@ -82,7 +82,9 @@ def create_app(proxy: Proxy) -> FastAPI:
         try:
             ex = proxy.authenticate(_credential(req))
             body = await _json(req)
-            conv, sampling, stream = anthropic_api.parse_request(body, proxy.config.volatile_patterns)
+            conv, sampling, stream = anthropic_api.parse_request(
+                body, proxy.config.volatile_patterns, proxy.turn_cache
+            )
             reply, _ = await proxy.complete(
                 ex, conv, sampling, "anthropic", _headers_meta(req, body), body, dict(req.headers)
             )
