@@ -8,6 +8,9 @@ paper's way of counting) and ~0.6M distinct tokens.
   ``tree.add``. Timed without tracing; memory = bytes still allocated by the tree afterwards (tracemalloc).
 - baseline (same run, same token representation ``array('i')``): store each call's full context + output + log-probs.
 
+Also: p50 time to match the longest context in the full tree, in a one-node tree of the same length, and naively
+against every stored context (the cost grows with the tree for the naive scan only).
+
 Run: ``uv run python bench/tito_tree.py [--quick]``. The last line is one JSON object; ``ratio`` = baseline bytes /
 tree bytes (target >= 20), ``build_s`` = tree build time (target < 1 s).
 """
@@ -56,6 +59,37 @@ def build_baseline(script: list[ScriptedCall]) -> list[tuple[array, array, array
     return stored
 
 
+def _p50_ms(fn, repeat: int = 15) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def match_costs(tree: ExecutionTree, script: list[ScriptedCall]) -> tuple[float, float, float]:
+    """p50 ms to match the longest context: in the full tree, in a tree holding only that path (same length, one
+    node), and naively against every call's stored full context (cost ~ calls x context length)."""
+    longest = max(range(len(script)), key=lambda i: len(script[i].context))
+    probe = script[longest].context + script[longest].output + array("i", [7])
+    full = _p50_ms(lambda: tree.match(probe))
+    single = ExecutionTree("single")
+    single.add(make_record(execution_id="single", call_id="all", input_ids=probe[:-1].tolist()))
+    one = _p50_ms(lambda: single.match(probe))
+    stored = [c.context + c.output for c in script]
+
+    def naive():
+        best = 0
+        for s in stored:
+            if len(s) <= len(probe) and len(s) > best and probe[: len(s)] == s:
+                best = len(s)
+        return best
+
+    assert naive() == tree.match(probe)[1] == len(probe) - 1
+    return full, one, _p50_ms(naive)
+
+
 def traced_bytes(fn, *args):
     gc.collect()
     tracemalloc.start()
@@ -95,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     summaries = [n for n in tree.nodes if n.role_class == "main/summary"]
     assert len(summaries) == config.compactions and all(not n.children for n in summaries)
 
+    match_ms, single_ms, naive_ms = match_costs(tree, script)
     del tree
     (_tree, _), tree_bytes = traced_bytes(build_tree, script)
     del _tree
@@ -115,6 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
         "call_p50_ms": round(statistics.median(per_call) * 1e3, 3),
         "call_max_ms": round(max(per_call) * 1e3, 3),
         "baseline_build_s": round(baseline_build_s, 4),
+        "match_longest_ms": round(match_ms, 3),
+        "match_longest_single_path_ms": round(single_ms, 3),
+        "naive_match_longest_ms": round(naive_ms, 3),
     }
     print(
         f"{len(script)} calls, lifecycle {lifecycle:,} tokens, {unique:,} distinct; "

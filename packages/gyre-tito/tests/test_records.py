@@ -114,3 +114,22 @@ def test_failed_append_leaves_no_partial_line(tmp_path, monkeypatch):
     SessionDriver(rec).call([5, 5], [6])
     rec.close()
     assert [r.call_id for r in read_log(log_path(tmp_path, "ex")).records] == ["c0", "c1", "c2", "c3", "c4"]
+
+
+def test_any_cut_reloads_exactly_the_complete_records(tmp_path):
+    """Crash at any byte: reopening keeps exactly the records whose whole line (with newline) made it to disk."""
+    src = ExecutionRecords(tmp_path / "src", "ex")
+    _fill(src)
+    src.close()
+    data = log_path(tmp_path / "src", "ex").read_bytes()
+    ends = [i + 1 for i, b in enumerate(data) if b == ord("\n")]
+    cuts = sorted({*range(0, len(data) + 1, 13), *ends, *(e - 1 for e in ends), *(e + 1 for e in ends)})
+    for cut in (c for c in cuts if c <= len(data)):
+        d = tmp_path / f"cut{cut}"
+        d.mkdir()
+        log_path(d, "ex").write_bytes(data[:cut])
+        rec = ExecutionRecords(d, "ex")
+        complete = sum(1 for e in ends if e <= cut)
+        assert [r.call_id for r in rec.tree.records()] == [f"c{i}" for i in range(complete)], cut
+        assert log_path(d, "ex").stat().st_size == (ends[complete - 1] if complete else 0)
+        rec.close()
