@@ -40,7 +40,10 @@ def test_check_runs_on_a_private_copy_and_the_preserved_workspace_is_untouched(w
 
 
 @needs_isolation
-def test_sandbox_cannot_write_outside_its_copy(workspace):
+@pytest.mark.parametrize(
+    "run_as", [65534, None]
+)  # as root: drop to nobody, or keep uid 0 without capabilities
+def test_sandbox_cannot_write_outside_its_copy(workspace, run_as):
     # A world-writable directory reachable by anyone: only the read-only mount stops the write, not permissions.
     outside = Path(tempfile.mkdtemp(prefix="gyre-outside-"))
     os.chmod(outside, 0o777)
@@ -53,10 +56,12 @@ def test_sandbox_cannot_write_outside_its_copy(workspace):
         touch {workspace}/planted && echo PLANTED_IN_PRESERVED
         ln -s {outside} link && echo z > link/via_symlink && echo VIA_LINK
         echo fine > inside.txt && echo INSIDE_OK
+        mount -o remount,rw / 2>/dev/null && echo REMOUNTED
+        mount -t tmpfs none {outside} 2>/dev/null && echo MOUNTED
     """
-    result = run(_sandbox().run(["bash", "-c", script], workspace))
+    result = run(_sandbox(run_as=run_as).run(["bash", "-c", script], workspace))
     assert "INSIDE_OK" in result.stdout_tail
-    for marker in ("WROTE_NEW", "APPENDED", "PLANTED_IN_PRESERVED", "VIA_LINK"):
+    for marker in ("WROTE_NEW", "APPENDED", "PLANTED_IN_PRESERVED", "VIA_LINK", "REMOUNTED", "MOUNTED"):
         assert marker not in result.stdout_tail, (marker, result.stderr_tail)
     assert "Read-only file system" in result.stderr_tail
     assert not target.exists() and not (outside / "via_symlink").exists()

@@ -67,7 +67,10 @@ async def _assess(service, *subs):
 def test_flaky_evaluator_fails_twice_then_succeeds(tmp_path, workspace):
     flaky = Flaky(failures=2, score=0.5)
     service = _service(tmp_path, {"task": flaky})
+    settled = []
+    service.on_settled = settled.append
     (a,) = run(_assess(service, submission(workspace)))
+    assert settled == [a]  # announced once, when final
     assert (a.status, a.score, a.final, a.attempts) == ("valid", 0.5, True, 3)
     assert a.provenance.critique == "ok" and a.provenance.last_error is None
     attempts = service.store.attempts(a.id)
@@ -140,6 +143,8 @@ def test_harness_timed_out_execution_is_scored_on_its_artifact(tmp_path, workspa
 def test_no_work_is_a_zero_placeholder(tmp_path, workspace):
     flaky = Flaky(failures=0)
     service = _service(tmp_path, {"task": flaky})
+    settled = []
+    service.on_settled = settled.append
     pulled, missing, nothing = run(
         _assess(
             service,
@@ -153,6 +158,7 @@ def test_no_work_is_a_zero_placeholder(tmp_path, workspace):
     assert pulled.provenance.details["no_work_reason"] == "image pull failed"
     assert "no workspace at" in missing.provenance.details["no_work_reason"]
     assert flaky.calls == []
+    assert settled == [pulled, missing, nothing]
 
 
 def test_budget_already_expired_at_submission_is_unresolved_without_attempts(tmp_path, workspace):

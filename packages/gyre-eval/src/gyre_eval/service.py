@@ -26,7 +26,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from gyre_eval.config import ServiceConfig, build_evaluator
 from gyre_eval.evaluator import EvaluationRequest, Evaluator, EvaluatorError, Verdict
 from gyre_eval.groups import group_status
-from gyre_eval.store import AssessmentStore
+from gyre_eval.store import AssessmentStore, assessment_id
 from gyre_eval.types import (
     AdvantageMode,
     Assessment,
@@ -53,8 +53,11 @@ class AssessmentService:
         config: ServiceConfig,
         evaluators: dict[str, Evaluator] | None = None,
         clock: Callable[[], float] = time.time,
+        on_settled: Callable[[Assessment], None] | None = None,
     ) -> None:
         self.store = store
+        self.on_settled = on_settled
+        """Called with every assessment when it becomes final (e.g. to emit ``assessed`` / ``group_*`` events)."""
         self.config = config
         self.evaluators = (
             evaluators
@@ -100,6 +103,9 @@ class AssessmentService:
     def submit(self, sub: Submission) -> tuple[Assessment, bool]:
         """Record ``sub`` (idempotent) and start evaluating it; returns the assessment and whether it is new."""
         now = self.clock()
+        if self.store.get(assessment_id(sub.execution_id, sub.branch, sub.artifact_version, sub.evaluator)):
+            # Known key: the store returns it unchanged or reports a conflict; nothing is re-decided.
+            return self.store.submit(sub, "unresolved", None, False, Provenance(evaluator="", kind=""), now)
         describe: dict[str, Any] = {}
         no_work = sub.no_work_reason
         if no_work is None and sub.artifact_ref is None:
@@ -120,7 +126,7 @@ class AssessmentService:
                 outcome=sub.outcome,
                 details={"no_work_reason": no_work},
             )
-            return self.store.submit(sub, "no_work", 0.0, True, prov, now)
+            return self._settled(*self.store.submit(sub, "no_work", 0.0, True, prov, now))
         kind = self.evaluators[sub.evaluator].kind
         if now >= sub.deadline:
             prov = Provenance(
@@ -130,11 +136,19 @@ class AssessmentService:
                 outcome=sub.outcome,
                 last_error="overall budget expired before the assessment could start",
             )
-            return self.store.submit(sub, "unresolved", None, True, prov, now)
+            return self._settled(*self.store.submit(sub, "unresolved", None, True, prov, now))
         prov = Provenance(evaluator=sub.evaluator, kind=kind, describe=describe, outcome=sub.outcome)
         assessment, created = self.store.submit(sub, "unresolved", None, False, prov, now)
         if not assessment.final:
             self._schedule(assessment.id)
+        return assessment, created
+
+    def _settled(self, assessment: Assessment, created: bool = True) -> tuple[Assessment, bool]:
+        if self.on_settled is not None and created and assessment.final:
+            try:
+                self.on_settled(assessment)
+            except Exception:  # a listener's bug must not lose or block an assessment
+                log.exception("on_settled listener failed for %s", assessment.id)
         return assessment, created
 
     def _schedule(self, aid: str) -> None:
@@ -187,12 +201,12 @@ class AssessmentService:
         if verdict is None:
             last = provenance.last_error or "overall budget expired"
             provenance = provenance.model_copy(update={"last_error": f"budget expired; last failure: {last}"})
-            self.store.finalize(aid, "unresolved", None, provenance, self.clock())
+            self._settled(self.store.finalize(aid, "unresolved", None, provenance, self.clock()))
             return
         provenance = provenance.model_copy(
             update={"critique": verdict.critique, "details": verdict.details, "last_error": None}
         )
-        self.store.finalize(aid, "valid", verdict.score, provenance, self.clock())
+        self._settled(self.store.finalize(aid, "valid", verdict.score, provenance, self.clock()))
 
     def _next_start_too_late(self, rs: RetryCallState, deadline: float) -> bool:
         return self.clock() + (rs.upcoming_sleep or 0.0) >= deadline
