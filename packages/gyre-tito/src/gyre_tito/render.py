@@ -120,7 +120,9 @@ class ChatTokenizer:
         self._split_re = re.compile("(" + "|".join(re.escape(a) for a in alts) + ")") if alts else None
         self.im_end_id = self.added.get("<|im_end|>")
         self.eos_ids = [i for t, i in self.added.items() if t in ("<|im_end|>", "<|endoftext|>")]
-        self._cache: OrderedDict[str, array] = OrderedDict()
+        self._cache: OrderedDict[str, array] = OrderedDict()  # piece between added tokens -> ids
+        self._turns: OrderedDict[str, array] = OrderedDict()  # text between two <|im_start|> -> ids
+        self._turn_sep_id = self.added.get("<|im_start|>")
         self._cache_entries = cache_entries
 
     # ---- rendering -------------------------------------------------------------------------------------------
@@ -167,8 +169,18 @@ class ChatTokenizer:
             raise TemplateError(f"chat template failed: {e}") from e
 
     # ---- encoding --------------------------------------------------------------------------------------------
-    def encode_text(self, text: str) -> array:
-        """Exact ids of `text` (added tokens parsed) as `array('i')`, memoised per piece between added tokens."""
+    def _lru(self, cache: OrderedDict[str, array], key: str) -> array | None:
+        ids = cache.get(key)
+        if ids is not None:
+            cache.move_to_end(key)
+        return ids
+
+    def _store(self, cache: OrderedDict[str, array], key: str, ids: array) -> None:
+        cache[key] = ids
+        if len(cache) > self._cache_entries:
+            cache.popitem(last=False)
+
+    def _encode_pieces(self, text: str) -> array:
         out = array("i")
         pieces = self._split_re.split(text) if self._split_re is not None else [text]
         for piece in pieces:
@@ -178,14 +190,28 @@ class ChatTokenizer:
             if sid is not None:
                 out.append(sid)
                 continue
-            ids = self._cache.get(piece)
+            ids = self._lru(self._cache, piece)
             if ids is None:
                 ids = array("i", self.tokenizer.encode(piece, add_special_tokens=False).ids)
-                self._cache[piece] = ids
-                if len(self._cache) > self._cache_entries:
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(piece)
+                self._store(self._cache, piece, ids)
+            out.extend(ids)
+        return out
+
+    def encode_text(self, text: str) -> array:
+        """Exact ids of `text` (added tokens parsed) as `array('i')`.
+
+        Memoised twice: per turn (the text between two `<|im_start|>`, found with one C-level `str.split`, so a
+        long conversation costs one hash lookup per turn) and, inside a new turn, per piece between added tokens."""
+        if self._turn_sep_id is None:
+            return self._encode_pieces(text)
+        parts = text.split("<|im_start|>")
+        out = self._encode_pieces(parts[0]) if parts[0] else array("i")
+        for part in parts[1:]:
+            ids = self._lru(self._turns, part)
+            if ids is None:
+                ids = array("i", [self._turn_sep_id])
+                ids.extend(self._encode_pieces(part))
+                self._store(self._turns, part, ids)
             out.extend(ids)
         return out
 
@@ -197,7 +223,10 @@ class ChatTokenizer:
         enc = EncodedContext(text_chars=len(text))
         pos = 0
         im_end = "<|im_end|>"
-        for m in _MARK_RE.finditer(text):
+        while (start := text.find(_MARK_OPEN, pos)) >= 0:
+            m = _MARK_RE.match(text, start)
+            if m is None:
+                raise TemplateError("malformed recorded-output marker in render")
             pre = self.encode_text(text[pos : m.start()])
             enc.ids.extend(pre)
             enc.policy.extend(bytes(len(pre)))
