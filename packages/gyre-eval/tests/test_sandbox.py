@@ -39,10 +39,15 @@ def test_check_runs_on_a_private_copy_and_the_preserved_workspace_is_untouched(w
     assert not Path(out[1]).exists(), "the private copy is removed after the run"
 
 
+def test_special_files_in_the_artifact_are_not_copied(workspace):
+    os.mkfifo(workspace / "pipe")  # copying it by content would block forever
+    result = run(_sandbox().run(["bash", "-c", "ls"], workspace))
+    assert result.returncode == 0 and "pipe" not in result.stdout_tail and "main.py" in result.stdout_tail
+
+
 @needs_isolation
-@pytest.mark.parametrize(
-    "run_as", [65534, None]
-)  # as root: drop to nobody, or keep uid 0 without capabilities
+# As root: drop to nobody, or keep uid 0 without any capability.
+@pytest.mark.parametrize("run_as", [65534, None])
 def test_sandbox_cannot_write_outside_its_copy(workspace, run_as):
     # A world-writable directory reachable by anyone: only the read-only mount stops the write, not permissions.
     outside = Path(tempfile.mkdtemp(prefix="gyre-outside-"))

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -228,7 +229,13 @@ def _child_command() -> list[str]:
 
 def _private_copy(src: Path, dst: Path) -> None:
     # symlinks=True: a link in the artifact stays a link (pointing outside is harmless under read-only mounts).
-    shutil.copytree(src, dst, symlinks=True)
+    shutil.copytree(src, dst, symlinks=True, copy_function=_copy_regular)
+
+
+def _copy_regular(src: str, dst: str) -> None:
+    """Copy regular files only: opening a FIFO or device left in an artifact would block or read a device."""
+    if stat.S_ISREG(os.lstat(src).st_mode):
+        shutil.copy2(src, dst)
 
 
 def _chown_tree(root: Path, uid: int) -> None:
