@@ -181,3 +181,22 @@ def test_per_execution_route_and_least_loaded(tok_dir, tmp_path, engines):
     pool._engines[urls[0]].inflight["x"] = 0  # engine 0 is busy: the least-loaded pick is engine 1
     assert pool._pick(None).url == urls[1]
     asyncio.run(pool.aclose())
+
+
+def test_response_split_into_two_assistant_messages_is_spliced_once(tok_dir, tmp_path, engines):
+    _, urls = engines
+    with ProxyServer(_cfg(tok_dir, tmp_path, urls[:1])) as srv:
+        eid, cred = srv.register()
+        first = _msg(srv.url, cred, [{"role": "user", "content": "go"}]).json()["content"][0]
+        msgs = [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": [{"type": "text", "text": ""}, first]},
+            {"role": "assistant", "content": [first]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": first["id"], "content": "ok"}],
+            },
+        ]
+        assert _msg(srv.url, cred, msgs).status_code == 200
+        recs = list(srv.proxy.executions[eid].records.tree.records())
+        assert recs[1].parent_id == recs[0].call_id and len(recs[1].input_ids) < 40

@@ -83,7 +83,10 @@ class Conversation:
             if t.role == "assistant":
                 k = recorded_for(t)
                 if k is not None:
-                    msgs.append({"role": "assistant", "content": recorded_marker(k)})
+                    marker = recorded_marker(k)
+                    # one response split by the harness into consecutive assistant messages is spliced once
+                    if not (msgs and msgs[-1]["role"] == "assistant" and msgs[-1]["content"] == marker):
+                        msgs.append({"role": "assistant", "content": marker})
                     continue
                 m: dict[str, Any] = {"role": "assistant", "content": t.content}
                 if t.reasoning:
