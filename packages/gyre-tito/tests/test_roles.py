@@ -151,3 +151,29 @@ def test_static_classifier_and_registry():
     assert isinstance(make_classifier("static"), RoleClassifier)
     with pytest.raises(ValueError, match="choose one of"):
         make_classifier("cursor")
+
+
+def test_agent_id_header_names_the_subagent_and_is_case_insensitive(cc):
+    body = request(MAIN_BILLING, "You are a file search specialist.", [user("find x")])
+    info = cc.classify(body, {"X-Claude-Code-Agent-Id": "a5de921c9073e3b57"})
+    assert info == RoleInfo("sub-a5de921c9073e3b57", "sub/task", "task")
+    assert cc.classify(body, {"x-claude-code-agent-id": "a5de921c9073e3b57"}) == info
+    assert cc.classify(body, {"x-claude-code-agent-id": ""}).role_class == "main/task"
+
+
+def test_requests_captured_from_the_real_cli():
+    """Requests Claude Code 2.1.197 really sent (two sub-agents, a forced compaction), classified as they are."""
+    import json
+    from pathlib import Path
+
+    doc = json.loads((Path(__file__).parent / "data" / "claude_code_2.1.197_requests.json").read_text())
+    cc = ClaudeCodeClassifier()
+    got = [cc.classify(r["body"], r["headers"]) for r in doc["requests"]]
+    assert [g.role_class for g in got] == [r["expected_role_class"] for r in doc["requests"]]
+    subs = [g.agent_id for g in got if g.role_class.startswith("sub/")]
+    assert subs == ["sub-a5de921c9073e3b57", "sub-a22c1ffa6ec15b6c8"]
+    # The main agent's tool result names the sub-agent by the same id the header carries.
+    assert "a5de921c9073e3b57" in json.dumps(doc["requests"][2]["body"]["messages"][-1])
+    # Without headers the body alone still gives the right classes (billing line flag, system text).
+    assert [cc.classify(r["body"]).role_class for r in doc["requests"]] == [g.role_class for g in got]
+    assert all(g.agent_id == "main" for g in got if g.role_class.startswith("main/"))

@@ -18,15 +18,20 @@ so each signal is a constant of the classifier config and is tested on requests 
    ``"CRITICAL: Respond with TEXT ONLY. Do NOT call any tools."`` and asks for a summary (mentions "summar").
    Compaction keeps the agent's system prompt and tools, so the agent is identified the same way as for task calls.
 2. *Sub-agent* (spawned through the ``Agent`` tool): the first system block is the billing line
-   ``x-anthropic-billing-header: ...`` and contains ``cc_is_subagent=`` (any value except false/0), or the system text
-   contains ``"You are an agent for Claude Code"``.
+   ``x-anthropic-billing-header: ...`` and contains ``cc_is_subagent=`` (any value except false/0), or the request has
+   an ``x-claude-code-agent-id`` header (sent only by sub-agents), or the system text contains
+   ``"You are an agent for Claude Code"``.
 3. *Side call* (title generation, topic detection, ...): not a summary call and no ``tools`` -> ``other``
    (``call_kind="side"``, ``agent_id="side"``). Every agent turn of Claude Code carries its tool list.
 4. Everything else with tools is the main agent.
 
-``agent_id`` is ``"main"`` for the main agent and ``"sub-<12 hex>"`` for a sub-agent: a hash of its first user message
-(the prompt the main agent gave it, stable across that sub-agent's calls; after a sub-agent's own compaction the first
-user message changes and so does the id; selection uses only ``role_class``).
+``agent_id`` is ``"main"`` for the main agent and ``"sub-<id>"`` for a sub-agent, ``<id>`` being the value of its
+``x-claude-code-agent-id`` header (the id the main agent's Agent tool result names; stable for that sub-agent's whole
+conversation, compactions included). Without the header it falls back to ``sub-<12 hex>``, a hash of the sub-agent's
+first user message (its prompt; changes after a sub-agent compaction). Selection uses only ``role_class``.
+
+The default was checked against requests the real CLI sent (tests/data/claude_code_2.1.197_requests.json: two
+sub-agents and a forced compaction).
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ class ClaudeCodeSignals:
     """present in the billing line of sub-agent requests"""
     subagent_system_markers: tuple[str, ...] = ("You are an agent for Claude Code",)
     """system text of sub-agents (general-purpose agent type)"""
+    agent_id_header: str = "x-claude-code-agent-id"
+    """HTTP header carrying a sub-agent's id (absent on main-agent requests)"""
 
 
 def _text_of(content: Any) -> list[str]:
@@ -124,8 +131,10 @@ class ClaudeCodeClassifier:
                 return True
         return False
 
-    def is_subagent(self, request: Mapping[str, Any]) -> bool:
+    def is_subagent(self, request: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> bool:
         s = self.signals
+        if _header(headers, s.agent_id_header):
+            return True
         system = _system_texts(request)
         if system and system[0].lstrip().startswith(s.billing_prefix):
             first_line = system[0].lstrip().split("\n", 1)[0]
@@ -141,9 +150,22 @@ class ClaudeCodeClassifier:
         if not summary and not request.get("tools"):
             return RoleInfo("side", "other", "side")
         purpose = "summary" if summary else "task"
-        if self.is_subagent(request):
-            return RoleInfo(_subagent_id(request), f"sub/{purpose}", purpose)  # type: ignore[arg-type]
+        if self.is_subagent(request, headers):
+            header_id = _header(headers, self.signals.agent_id_header)
+            agent_id = f"sub-{header_id}" if header_id else _subagent_id(request)
+            return RoleInfo(agent_id, f"sub/{purpose}", purpose)  # type: ignore[arg-type]
         return RoleInfo("main", f"main/{purpose}", purpose)  # type: ignore[arg-type]
+
+
+def _header(headers: Mapping[str, str] | None, name: str) -> str | None:
+    """Case-insensitive header lookup (plain dicts and framework header objects alike)."""
+    if not headers:
+        return None
+    name = name.lower()
+    for key, value in headers.items():
+        if isinstance(key, str) and key.lower() == name and value:
+            return str(value).strip() or None
+    return None
 
 
 def _subagent_id(request: Mapping[str, Any]) -> str:
