@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
+import shutil
 
 import pytest
 import torch
@@ -95,6 +96,36 @@ def _hf_reference_logprobs(model_path: str, shard: Shard) -> torch.Tensor:
             l_T = lp.gather(-1, lab.clamp(min=0)[:, None])[:, 0]
             out.append(torch.where(lab == IGNORE_LABEL, torch.zeros_like(l_T), l_T))
     return torch.cat(out)
+
+
+def _dist_state() -> tuple[bool, bool]:
+    from megatron.core import parallel_state
+
+    return dist.is_initialized(), parallel_state.model_parallel_is_initialized()
+
+
+def test_bad_checkpoints_are_refused_and_leave_no_process_groups(tiny_model, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig
+
+    from gyre_train.megatron import MegatronBackend, MegatronBackendConfig
+
+    state = _dist_state()
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        MegatronBackend(MegatronBackendConfig(model_path=str(tmp_path / "nowhere")))
+    LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=1).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="'llama' is not supported"):
+        MegatronBackend(MegatronBackendConfig(model_path=str(tmp_path / "llama")))
+    # A Qwen3 checkpoint missing a tensor fails after the process groups exist: they must be torn down again.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(f"{tiny_model}/config.json", broken / "config.json")
+    weights = load_file(f"{tiny_model}/model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(broken / "model.safetensors"))
+    with pytest.raises(KeyError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        MegatronBackend(MegatronBackendConfig(model_path=str(broken)))
+    assert _dist_state() == state
 
 
 def test_implements_the_backend_protocol(mg) -> None:

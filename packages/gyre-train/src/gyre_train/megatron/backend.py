@@ -32,6 +32,7 @@ from gyre_train.megatron.model import (
     build_gpt_model,
     destroy_model_parallel,
     export_hf_weights,
+    hf_config,
     init_model_parallel,
     load_hf_weights,
     read_hf_state_dict,
@@ -74,22 +75,38 @@ class MegatronBackend:
 
     def __init__(self, cfg: MegatronBackendConfig) -> None:
         self.cfg = cfg
-        self._owns_process_group = init_model_parallel(cfg.parallel, seed=cfg.seed)
-        self.model, self.shape = build_gpt_model(cfg.model_path, cfg.parallel, _DTYPES[cfg.params_dtype])
-        load_hf_weights(self.model, self.shape, read_hf_state_dict(cfg.model_path))
+        hf_config(cfg.model_path)  # refuse a bad checkpoint before touching process groups
+        self._owned = init_model_parallel(cfg.parallel, seed=cfg.seed)
+        try:
+            self.model, self.shape = build_gpt_model(cfg.model_path, cfg.parallel, _DTYPES[cfg.params_dtype])
+            load_hf_weights(self.model, self.shape, read_hf_state_dict(cfg.model_path))
+        except BaseException:
+            destroy_model_parallel(*self._owned)  # leave no half-initialized global state behind
+            raise
         self.thd = cfg.parallel.resolved_spec() == "te"
         self.device = next(self.model.parameters()).device
         self._params = [p for _, p in self.model.named_parameters()]
         # Same optimizer as the torch backend (torch.optim.Adam), so both backends take identical steps.
         self.optimizer = (
-            torch.optim.Adam(self._params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+            torch.optim.Adam(
+                self._params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+            )
             if cfg.optimizer
             else None
         )
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index inside the cell: it runs ``MicroStep.shards[dp_rank]``."""
+        return parallel_state.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return parallel_state.get_data_parallel_world_size()
+
     def close(self) -> None:
-        """Tear down megatron's groups (and the default process group if this backend created it)."""
-        destroy_model_parallel(self._owns_process_group)
+        """Tear down the process groups this backend created (none if it joined existing ones)."""
+        destroy_model_parallel(*self._owned)
 
     # --- one micro-batch through megatron's schedule -----------------------------------------------------------
 

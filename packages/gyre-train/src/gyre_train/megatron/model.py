@@ -71,13 +71,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_model_parallel(par: ParallelConfig, seed: int = 0) -> bool:
-    """Initialize torch.distributed (if needed) and megatron's model-parallel groups; returns True if this call
-    created the default process group (the caller then owns its teardown: :func:`destroy_model_parallel`).
+def init_model_parallel(par: ParallelConfig, seed: int = 0) -> tuple[bool, bool]:
+    """Initialize torch.distributed and megatron's model-parallel groups where not yet done.
 
-    Without RANK/WORLD_SIZE in the environment a single-process group on a free loopback port is created.
+    Returns (created the default process group, created megatron's groups): the caller owns the teardown of what
+    it created (:func:`destroy_model_parallel`). Without RANK/WORLD_SIZE in the environment a one-process group on
+    a free loopback port is created (gloo on CPU, NCCL on GPU).
     """
-    created = False
+    created_pg = created_mp = False
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         rank = int(os.environ.get("RANK", "0"))
@@ -91,7 +92,7 @@ def init_model_parallel(par: ParallelConfig, seed: int = 0) -> bool:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
-        created = True
+        created_pg = True
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=par.tensor_parallel,
@@ -99,25 +100,35 @@ def init_model_parallel(par: ParallelConfig, seed: int = 0) -> bool:
             context_parallel_size=par.context_parallel,
             expert_model_parallel_size=par.expert_parallel,
         )
+        created_mp = True
+    elif parallel_state.get_tensor_model_parallel_world_size() != par.tensor_parallel:
+        raise RuntimeError("megatron's groups already exist with a different tensor-parallel size")
     model_parallel_cuda_manual_seed(seed)
-    return created
+    return created_pg, created_mp
 
 
-def destroy_model_parallel(destroy_process_group: bool) -> None:
-    """Undo :func:`init_model_parallel` (megatron's groups always; the default group if we created it)."""
-    parallel_state.destroy_model_parallel()
-    if destroy_process_group and dist.is_initialized():
+def destroy_model_parallel(process_group: bool, model_parallel: bool) -> None:
+    """Undo what :func:`init_model_parallel` created (its two return values)."""
+    if model_parallel:
+        parallel_state.destroy_model_parallel()
+    if process_group and dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _hf_config(model_path: str | Path):
+def hf_config(model_path: str | Path):
+    """The checkpoint's transformers config, validated: a local Qwen3 without attention bias."""
     from transformers import AutoConfig
 
+    if not (Path(model_path) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{model_path}: no config.json (a local Hugging Face checkpoint directory is needed)"
+        )
     cfg = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
     if cfg.model_type != "qwen3":
         raise ValueError(f"{model_path}: model_type {cfg.model_type!r} is not supported (only 'qwen3')")
     if getattr(cfg, "attention_bias", False):
         raise ValueError(f"{model_path}: attention_bias=True is not supported")
+    _rope_theta(cfg)  # refuses RoPE scaling
     return cfg
 
 
@@ -134,7 +145,7 @@ def build_gpt_model(
     model_path: str | Path, par: ParallelConfig, params_dtype: torch.dtype = torch.float32
 ) -> tuple[GPTModel, Qwen3Shape]:
     """A GPTModel configured like the HF Qwen3 at ``model_path`` (weights not loaded; see :func:`load_hf_weights`)."""
-    hf = _hf_config(model_path)
+    hf = hf_config(model_path)
     shape = Qwen3Shape.from_hf_config(hf)
     if hf.vocab_size % par.tensor_parallel:
         raise ValueError(
