@@ -59,11 +59,14 @@ class Trainer:
         self.version = 0
         """Policy version = optimizer steps taken."""
         self._opened_at = 0.0
+        self.in_batch = False
+        """True from open_batch until finish (checkpoints are only taken outside)."""
         self._pump_lock = threading.Lock()  # the core's main thread and the coordinator's threads both pump
 
     # --- batch pieces ----------------------------------------------------------------------------------------
 
     def open_batch(self) -> None:
+        self.in_batch = True
         self.queue.open(self.version)
         self.packer.open_batch(self.version, self.version)
         self._opened_at = time.perf_counter()
@@ -146,6 +149,7 @@ class Trainer:
             metrics=batch_metrics(execs, stats, self.cfg.loss), seconds=time.perf_counter() - self._opened_at,
         )  # fmt: skip
         self.version += 1
+        self.in_batch = False
         return report
 
     # --- all in this process ---------------------------------------------------------------------------------
