@@ -257,6 +257,28 @@ def test_full_trainer_step_matches_the_torch_backend(mg, tb, tiny_model) -> None
     tb.optimizer.load_state_dict(opt_tb)
 
 
+def test_resume_from_state_dict_gives_an_identical_next_step(mg, tb, tmp_path) -> None:
+    ms = _microstep(tb)
+    batch = PackedTensors.from_shard(ms.shards[0])
+    before = mg.flat_params()
+    opt0 = copy.deepcopy(mg.optimizer.state_dict())
+
+    def one_step() -> None:
+        mg.forward_backward(batch, TEMPERATURE, make_loss_fn(ms, 0, LossConfig()))
+        mg.optimizer_step(max_grad_norm=1.0)
+
+    one_step()
+    torch.save(mg.state_dict(), tmp_path / "ckpt.pt")
+    one_step()
+    expected = mg.flat_params()
+    mg.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False))
+    one_step()
+    torch.testing.assert_close(mg.flat_params(), expected, rtol=0, atol=0)
+    assert float((expected - before).abs().max()) > LR / 2
+    mg.load_flat_params(before)
+    mg.optimizer.load_state_dict(opt0)
+
+
 def test_export_is_exact_and_loads_in_transformers(mg, tiny_model, tmp_path) -> None:
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
     exported = mg.export_hf_weights()
