@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from gyre_tito.tiny_tokenizer import (
     SPECIAL_TOKENS,
     TINY_VOCAB_SIZE,
@@ -34,6 +36,7 @@ def test_specials_are_single_ids_and_text_round_trips(tmp_path):
     assert cat == tok.encode("".join(pieces), add_special_tokens=False).ids
 
 
+@pytest.mark.slow
 def test_transformers_loads_it_with_qwen3_chat_template(tmp_path):
     out = build_tiny_tokenizer(tmp_path)
     # transformers pulls in torch when installed; run it in a child so this process stays torch-free.
