@@ -45,7 +45,8 @@ def _serve(a: argparse.Namespace) -> int:
 
     (Path(cfg.store) / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
     proxy = Proxy(cfg)
-    uvicorn.run(create_app(proxy), host=a.host, port=a.port, log_level=a.log_level)
+    # harnesses keep connections open between calls that can be minutes apart (tool runs): long keep-alive
+    uvicorn.run(create_app(proxy), host=a.host, port=a.port, log_level=a.log_level, timeout_keep_alive=75)
     return 0
 
 

@@ -108,8 +108,11 @@ class EnginePool:
         self.config = config
         self._engines: dict[str, _EngineState] = {}
         self.set_engines(config.engines)
+        # Idle connections are dropped before uvicorn/SGLang's 5 s keep-alive ends, so a reused connection is never
+        # closed by the engine under our feet (that would count as an engine failure and cool it down).
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0)
         self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(config.request_timeout_s, connect=5.0)
+            timeout=httpx.Timeout(config.request_timeout_s, connect=5.0), limits=limits
         )
         self.retries = 0  # attempts beyond the first, over the pool's life (for /metrics)
 

@@ -192,7 +192,9 @@ class ScriptedEngine:
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def start(self, port: int = 0) -> str:
-        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        cfg = uvicorn.Config(
+            self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", timeout_keep_alive=75
+        )
         self._server = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
@@ -227,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=a.tokenizer, token_delay_s=a.token_delay, weight_version=a.weight_version, **script
     )
     eng = ScriptedEngine(cfg)
-    uvicorn.run(eng.app, host="127.0.0.1", port=a.port, log_level="warning", lifespan="off")
+    uvicorn.run(
+        eng.app, host="127.0.0.1", port=a.port, log_level="warning", lifespan="off", timeout_keep_alive=75
+    )
     return 0
 
 

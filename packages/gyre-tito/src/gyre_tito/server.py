@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from gyre_tito import anthropic_api, openai_api
 from gyre_tito.admin import admin_router
@@ -35,7 +36,12 @@ def _credential(req: Request) -> str | None:
 
 
 async def _json(req: Request) -> Any:
-    raw = await req.body()
+    try:
+        raw = await req.body()
+    except ClientDisconnect:
+        raise ProtocolError(
+            400, "invalid_request_error", "client disconnected before sending the body"
+        ) from None
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:

@@ -28,7 +28,9 @@ class ProxyServer:
         self._thread: threading.Thread | None = None
 
     def start(self, port: int = 0) -> str:
-        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        cfg = uvicorn.Config(
+            self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", timeout_keep_alive=75
+        )
         self._server = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
