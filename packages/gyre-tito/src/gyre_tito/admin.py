@@ -136,7 +136,9 @@ def admin_router(proxy) -> APIRouter:
     async def export_(eid: str, req: Request):
         try:
             body = await guard(req)
-            return {"execution_id": eid, "trajectories": export_trajectories(proxy, eid, body)}
+            async with proxy.get(eid).lock:
+                trajs = export_trajectories(proxy, eid, body)
+            return {"execution_id": eid, "trajectories": trajs}
         except ProtocolError as e:
             return _err(e)
         except (ValueError, TypeError) as e:

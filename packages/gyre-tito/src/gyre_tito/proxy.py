@@ -82,6 +82,7 @@ class Execution:
     tool_index: dict[str, str] = field(default_factory=dict)  # tool-call id we issued -> call id
     text_index: dict[str, str] = field(default_factory=dict)  # reply text key -> call id (text-only replies)
     metadata: dict[str, Any] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # guards tree reads against an append in flight
 
     def index(self, rec: CallRecord) -> None:
         for tid in rec.metadata.get("tool_call_ids", []):
@@ -228,8 +229,9 @@ class Proxy:
         enc = self.chat.encode_rendered(text, recorded)
         return enc.ids, enc.policy
 
-    def count_tokens(self, ex: Execution, conv: Conversation) -> int:
-        return len(self.encode(ex, conv)[0])
+    async def count_tokens(self, ex: Execution, conv: Conversation) -> int:
+        async with ex.lock:
+            return len(self.encode(ex, conv)[0])
 
     async def complete(
         self,
@@ -242,7 +244,9 @@ class Proxy:
         headers: dict[str, str] | None = None,
     ) -> tuple[Reply, CallRecord]:
         t0 = time.time()
-        ids, policy = self.encode(ex, conv)
+        async with ex.lock:  # the tree is not read while a record is being added to it (in a worker thread)
+            ids, policy = self.encode(ex, conv)
+            parent, n = ex.records.match(ids)
         if len(ids) + sampling.max_new_tokens > self.config.max_context_tokens:
             raise ProtocolError(
                 400,
@@ -250,7 +254,6 @@ class Proxy:
                 f"prompt is too long: {len(ids)} tokens + {sampling.max_new_tokens} max tokens > "
                 f"{self.config.max_context_tokens} maximum",
             )
-        parent, n = ex.records.match(ids)
         agent_id, role_class, call_kind = self.classifiers[api].classify(body or {}, headers)
         sp = {
             "max_new_tokens": sampling.max_new_tokens,
@@ -305,7 +308,8 @@ class Proxy:
                 **meta,
             },
         )
-        rec = await asyncio.to_thread(ex.records.append, rec)  # durable before the harness sees anything
+        async with ex.lock:
+            rec = await asyncio.to_thread(ex.records.append, rec)  # durable before the harness sees anything
         ex.index(rec)
         self.stats["calls"] += 1
         self.stats["input_tokens"] += len(ids)

@@ -110,7 +110,7 @@ def create_app(proxy: Proxy) -> FastAPI:
             if isinstance(body, dict):
                 body = {"max_tokens": 1, **body}
             conv, _, _ = anthropic_api.parse_request(body, proxy.config.volatile_patterns)
-            return JSONResponse({"input_tokens": proxy.count_tokens(ex, conv)})
+            return JSONResponse({"input_tokens": await proxy.count_tokens(ex, conv)})
         except ProtocolError as e:
             return _anthropic_error(e)
 
