@@ -90,7 +90,7 @@ class Simulator:
         self.cfg = cfg
         self.params = cfg.policy_params()
         self.policy: PolicyCore = make_policy(self.params, deep_checks=deep_checks)
-        self.workload = make_workload(cfg.workload, cfg.seed)
+        self.workload = make_workload(cfg.workload, cfg.seed, cfg.cost.reroute_penalty_s)
         self._trace_stream = trace_stream
         self.trace: TraceWriter | None = None
         self.record_samples = record_samples

@@ -81,13 +81,15 @@ class StatisticalWorkload:
 class TraceWorkload:
     """Replays a recorded trace: the n-th dispatched group takes the executions of the recorded group n (cycling).
     Executions the recording cancelled or withdrew have no observed duration; they take their group's longest
-    observed duration (a lower bound for a straggler), documented in README."""
+    observed duration (a lower bound for a straggler), documented in README. A recorded duration includes the
+    recorded reroutes; ``reroute_penalty_s`` per recorded reroute is taken out (the simulator adds its own back)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, reroute_penalty_s: float = 0.0) -> None:
         groups: list[list[str]] = []
         launch: dict[str, float] = {}
         term: dict[str, tuple[float, str]] = {}
         assessed: dict[str, tuple[float, str]] = {}
+        reroutes: dict[str, int] = {}
         for obj in iter_trace(path):
             ev = obj["ev"]
             if ev == "dispatch":
@@ -98,23 +100,26 @@ class TraceWorkload:
                 term[obj["execution"]] = (obj["t"], obj["outcome"])
             elif ev == "assessed":
                 assessed[obj["execution"]] = (obj["t"], obj["status"])
+            elif ev == "route":
+                reroutes[obj["execution"]] = reroutes.get(obj["execution"], 0) + 1
         self.groups: list[list[ExecPlan]] = []
         for ids in groups:
             seen = [i for i in ids if i in launch and i in term and term[i][1] != "cancelled"]
             if not seen:
                 continue
-            longest = max(term[i][0] - launch[i] for i in seen)
+            longest = max(term[i][0] - launch[i] - reroute_penalty_s * reroutes.get(i, 0) for i in seen)
             plans = []
             for i in ids:
                 if i not in seen:
                     plans.append(ExecPlan(longest, "completed", 0.0, "valid"))
                     continue
                 t_end, outcome = term[i]
+                t_end -= reroute_penalty_s * reroutes.get(i, 0)
                 if outcome == "overall_timeout":
                     plans.append(ExecPlan(t_end - launch[i], "overall_timeout", 0.0, "excluded"))
                     continue
-                t_as, status = assessed.get(i, (t_end, "valid"))
-                plans.append(ExecPlan(t_end - launch[i], outcome, t_as - t_end, status))  # type: ignore[arg-type]
+                t_as, status = assessed.get(i, (term[i][0], "valid"))
+                plans.append(ExecPlan(t_end - launch[i], outcome, t_as - term[i][0], status))  # type: ignore[arg-type]
             self.groups.append(plans)
         if not self.groups:
             raise ValueError(f"trace {path} holds no launched-and-terminated execution to replay")
@@ -124,5 +129,7 @@ class TraceWorkload:
         return plans[index % len(plans)]
 
 
-def make_workload(cfg: WorkloadConfig, seed: int) -> StatisticalWorkload | TraceWorkload:
-    return TraceWorkload(cfg.trace) if cfg.trace else StatisticalWorkload(cfg, seed)
+def make_workload(
+    cfg: WorkloadConfig, seed: int, reroute_penalty_s: float = 0.0
+) -> StatisticalWorkload | TraceWorkload:
+    return TraceWorkload(cfg.trace, reroute_penalty_s) if cfg.trace else StatisticalWorkload(cfg, seed)

@@ -1,0 +1,137 @@
+"""Invariants under randomized event orders (hypothesis): the policy core is driven by an adversarial controller that
+reports any event that is possible at that moment, in any order, with random outcomes and assessment results.
+The core checks its invariants after every event (deep_checks recounts every execution), so any violation raises."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gyre_sched.config import PolicyParams
+from gyre_sched.events import (
+    Assessed,
+    BeginTransition,
+    Cancel,
+    GroupAssigned,
+    Launch,
+    MicrostepClaimed,
+    OpenBatch,
+    Publish,
+    PublishDone,
+    StepDone,
+    Terminated,
+    Tick,
+    TransitionDone,
+)
+from gyre_sched.policies import make_policy
+from gyre_sched.types import CellRole
+
+OUTCOMES = ["completed", "completed", "completed", "failed", "harness_timeout", "overall_timeout"]
+STATUSES = ["valid", "valid", "valid", "no_work", "excluded"]
+
+
+def params(kind, streaming, k_spare, continuous, c_s, phi2, mu):
+    if kind == "colocate":
+        continuous, phi2 = False, (phi2 if c_s else 0)
+    return PolicyParams(
+        kind=kind, K=3, C_e=3, C_s=c_s, N=2, B=2, phi=phi2 / 2, mu=mu, rho_min=0.5, tau_s=5.0, k_spare=k_spare,
+        streaming=streaming, dispatch="continuous" if continuous else "boundary", async_train_cells=1,
+    )  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(["elastic", "async", "colocate"]),
+    streaming=st.booleans(),
+    k_spare=st.integers(0, 1),
+    continuous=st.booleans(),
+    c_s=st.sampled_from([0, 2]),
+    phi2=st.integers(0, 2),
+    mu=st.integers(1, 3),
+    data=st.data(),
+)
+def test_invariants_under_random_event_orders(kind, streaming, k_spare, continuous, c_s, phi2, mu, data):
+    p = params(kind, streaming, k_spare, continuous, c_s, phi2, mu)
+    pol = make_policy(p, deep_checks=True)
+    now = 0.0
+    running: set[str] = set()
+    to_assess: set[str] = set()
+    switching: set[int] = set()
+    publishing: list[int] = []
+    batch_open = False
+    claimed: set[str] = set()
+    terminated_once: dict[str, int] = {}
+
+    def apply(out):
+        nonlocal batch_open
+        for d in out:
+            if isinstance(d, Launch):
+                running.add(d.spec.execution_id)
+            elif isinstance(d, Cancel):
+                assert d.execution_id in running
+            elif isinstance(d, BeginTransition):
+                switching.add(d.cell)
+            elif isinstance(d, Publish):
+                publishing.append(d.version)
+            elif isinstance(d, OpenBatch):
+                batch_open = True
+
+    apply(pol.start(now))
+    for _ in range(data.draw(st.integers(50, 250), label="length")):
+        actions = ["tick"]
+        if running:
+            actions.append("terminate")
+        if to_assess:
+            actions.append("assess")
+        if switching:
+            actions.append("transition")
+        if publishing:
+            actions.append("publish")
+        training = [i for i, r in enumerate(pol.roles) if r is CellRole.TRAINING]
+        if batch_open and pol.batch is not None and len(pol.batch) < p.B and pol.ledger.ready:
+            actions.append("assign")
+        if batch_open and training and pol.batch:
+            actions.append("claim")
+        if batch_open and pol.batch is not None and len(pol.batch) == p.B:
+            actions.append("step")
+        act = data.draw(st.sampled_from(actions))
+        now += data.draw(st.sampled_from([0.0, 1.0, 10.0]))
+        if act == "terminate":
+            eid = data.draw(st.sampled_from(sorted(running)))
+            outcome = data.draw(st.sampled_from([*OUTCOMES, "cancelled"]))
+            running.discard(eid)
+            terminated_once[eid] = terminated_once.get(eid, 0) + 1
+            if outcome not in ("overall_timeout", "cancelled"):
+                to_assess.add(eid)
+            apply(pol.handle(Terminated(eid, outcome), now))
+        elif act == "assess":
+            eid = data.draw(st.sampled_from(sorted(to_assess)))
+            to_assess.discard(eid)
+            apply(pol.handle(Assessed(eid, data.draw(st.sampled_from(STATUSES))), now))
+        elif act == "transition":
+            cell = data.draw(st.sampled_from(sorted(switching)))
+            switching.discard(cell)
+            apply(pol.handle(TransitionDone(cell), now))
+        elif act == "publish":
+            apply(pol.handle(PublishDone(publishing.pop()), now))
+        elif act == "assign":
+            gid = data.draw(st.sampled_from(sorted(pol.ledger.ready)))
+            apply(pol.handle(GroupAssigned(gid), now))
+        elif act == "claim":
+            gid = data.draw(st.sampled_from([g.id for g in pol.batch]))
+            claimed.add(gid)
+            apply(pol.handle(MicrostepClaimed(data.draw(st.sampled_from(training)), gid), now))
+        elif act == "step":
+            batch_open = False
+            apply(pol.handle(StepDone(pol.version + 1), now))
+        else:
+            apply(pol.handle(Tick(), now))
+        # invariants the core does not check itself
+        assert all(n == 1 for n in terminated_once.values())
+        if kind == "async":
+            assert pol.roles[0] is CellRole.TRAINING and all(r is CellRole.ROLLOUT for r in pol.roles[1:])
+        if kind == "colocate" and c_s == 0 and act == "claim":
+            assert pol.ledger.running == 0  # never trains while an admitted execution runs
+        led = pol.ledger
+        assert 0 <= led.f <= led.p <= led.d - led.x
+        assert led.running <= pol.capacity()
