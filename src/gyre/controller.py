@@ -57,7 +57,8 @@ class Controller:
 
     async def run(self, steps: int, idle_timeout_s: float = 900.0) -> list[dict]:
         self._apply(0.0, self.policy.start(0.0))
-        while len(self.step_reports) < steps:
+        done = 0
+        while done < steps:
             wake = self.policy.next_wakeup()
             timeout = idle_timeout_s if wake is None else max(0.0, wake - self.now())
             try:
@@ -73,6 +74,7 @@ class Controller:
             t = self.now()
             self.trace.event(t, item, version=self.policy.version)
             self._apply(t, self.policy.handle(item, t))
+            done += isinstance(item, ev.StepDone)  # counted once the policy (and the trace) recorded the step
         return self.step_reports
 
     async def shutdown(self) -> None:
