@@ -58,7 +58,7 @@ class PackingConfig:
             raise ValueError("min_fill must be in (0, 1]")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Row:
     """One materialized trajectory row."""
 
@@ -108,6 +108,51 @@ def pack_rows(rows: list[Row], capacity: int) -> list[list[Row]]:
             bins.append([row])
             free.append(capacity - len(row))
     return bins
+
+
+def _fill(pool: list[Row], capacity: int) -> list[Row]:
+    """Greedily take rows (pool sorted longest first) into one shard of ``capacity`` tokens; removes them."""
+    taken, rest, room = [], [], capacity
+    for row in pool:
+        if len(row) <= room:
+            taken.append(row)
+            room -= len(row)
+        else:
+            rest.append(row)
+    pool[:] = rest
+    return taken
+
+
+def plan_microsteps(
+    rows: list[Row], capacity: int, dp: int, min_fill: float, final: bool
+) -> tuple[list[list[list[Row]]], list[Row]]:
+    """Group rows into micro-steps of ``dp`` shards: (micro-steps as lists of shards of rows, rows kept for later).
+
+    A row longer than ``capacity`` anchors a micro-step whose other ranks are filled up to that row's length (the
+    ranks wait for the longest shard anyway). Other rows go first-fit decreasing into shards of ``capacity``; shards
+    of similar size share a micro-step. Unless ``final``, only micro-steps whose every shard is at least
+    ``min_fill`` full are planned; the rest stays in the window.
+    """
+    big = sorted((r for r in rows if len(r) > capacity), key=len, reverse=True)
+    small = sorted((r for r in rows if len(r) <= capacity), key=len, reverse=True)
+    plans: list[list[list[Row]]] = []
+    kept: list[Row] = []
+    for row in big:
+        length = len(row)
+        partners = [_fill(small, length) for _ in range(dp - 1)]
+        if final or all(sum(map(len, p)) >= min_fill * length for p in partners):
+            plans.append([[row], *[p for p in partners if p]])
+        else:
+            kept.append(row)
+            small = sorted(small + [r for p in partners for r in p], key=len, reverse=True)
+    bins = sorted(pack_rows(small, capacity), key=lambda b: -sum(map(len, b)))
+    if not final:
+        full = [b for b in bins if sum(map(len, b)) >= min_fill * capacity]
+        n = len(full) - len(full) % dp
+        kept += [r for b in bins[n:] for r in b]  # bins are sorted: the full ones come first
+        bins = bins[:n]
+    plans += [bins[k : k + dp] for k in range(0, len(bins), dp)]
+    return plans, kept
 
 
 def build_shard(rows: list[Row], slots: dict[str, int]) -> Shard:
@@ -200,34 +245,23 @@ class StreamPackingBuffer:
                 break
         while True:
             last = len(batch.groups) == cfg.batch_groups
-            bins = pack_rows(batch.rows, cfg.tokens_per_shard)
-            if last:
-                ready, keep = bins, []
-            else:
-                full = cfg.min_fill * cfg.tokens_per_shard
-                ready = [b for b in bins if sum(map(len, b)) >= full]
-                keep = [b for b in bins if sum(map(len, b)) < full]
-                n = len(ready) - len(ready) % cfg.dp_size
-                keep = ready[n:] + keep
-                ready = ready[:n]
-            # no full shard yet: widen the window by one more group, if one is ready
+            ready, keep = plan_microsteps(batch.rows, cfg.tokens_per_shard, cfg.dp_size, cfg.min_fill, last)
+            # no full micro-step yet: widen the window by one more group, if one is ready
             if ready or last or not self._pull(batch):
                 break
         if max_microsteps is not None and not last:
-            n = min(len(ready), max_microsteps * cfg.dp_size)
-            keep, ready = ready[n:] + keep, ready[:n]
-        batch.rows = [r for b in keep for r in b]
+            keep = [r for m in ready[max_microsteps:] for b in m for r in b] + keep
+            ready = ready[:max_microsteps]
+        batch.rows = keep
         out = self._to_microsteps(batch, ready)
         if last and not batch.rows:
             batch.closed = True
         return out
 
-    def _to_microsteps(self, batch: _Batch, bins: list[list[Row]]) -> list[MicroStep]:
+    def _to_microsteps(self, batch: _Batch, plans: list[list[list[Row]]]) -> list[MicroStep]:
         cfg = self.cfg
-        bins = sorted(bins, key=lambda b: -sum(map(len, b)))  # neighbours have similar sizes: balanced ranks
         out = []
-        for k in range(0, len(bins), cfg.dp_size):
-            group = bins[k : k + cfg.dp_size]
+        for group in plans:
             exec_ids = sorted({r.execution_id for b in group for r in b})
             slots = {e: i for i, e in enumerate(exec_ids)}
             shards = [build_shard(b, slots) for b in group]
