@@ -88,3 +88,8 @@ def test_demo_runs_the_whole_loop(tmp_path):
     assert (run_dir / "checkpoints" / "policy-v1" / "config.json").exists()
     report = (run_dir / "report.html").read_text()
     assert "data:image/png;base64," in report and "mean reward" in report
+
+    # A second run never overwrites the first one's records.
+    before = (run_dir / "trace.jsonl").read_bytes()
+    assert main(["demo", "--run-dir", str(run_dir)]) == 2
+    assert (run_dir / "trace.jsonl").read_bytes() == before

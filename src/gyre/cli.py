@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
         )
         if name == "demo":
-            p.add_argument("--run-dir", default=None, help="run directory (default runs/demo)")
+            p.add_argument("--run-dir", default=None, help="run directory (default runs/<UTC timestamp>)")
             p.add_argument("--steps", type=int, default=None, help="optimizer steps to run")
     r = sub.add_parser("report", help="rebuild RUN/report.html")
     r.add_argument("run_dir", type=Path)
@@ -81,9 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(json.dumps(cfg.model_dump(mode="json"), indent=2))
         return 0
-    from gyre.pipeline import run_local_sync
+    from gyre.pipeline import RunDirError, run_local_sync
 
-    summary = run_local_sync(cfg)
+    try:
+        summary = run_local_sync(cfg)
+    except RunDirError as exc:
+        print(f"gyre demo: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(summary))
     return 0
 

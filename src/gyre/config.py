@@ -75,8 +75,8 @@ class AgentConfig(_Section):
 
 
 class RunConfig(_Section):
-    run_dir: str = "runs/demo"
-    """Where config.json, trace.jsonl, records/, assessments.sqlite, trajectories/, checkpoints/, report.html go."""
+    run_dir: str | None = None
+    """None: runs/<UTC timestamp>. Where config.json, trace.jsonl, records/, assessments.sqlite, trajectories/, checkpoints/, report.html go."""
     model: ModelConfig = ModelConfig()
     cluster: ClusterConfig = ClusterConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()

@@ -57,7 +57,7 @@ class Controller:
 
     async def run(self, steps: int, idle_timeout_s: float = 900.0) -> list[dict]:
         self._apply(0.0, self.policy.start(0.0))
-        done = 0
+        done, last_progress = 0, 0.0
         while done < steps:
             wake = self.policy.next_wakeup()
             timeout = idle_timeout_s if wake is None else max(0.0, wake - self.now())
@@ -75,6 +75,12 @@ class Controller:
             self.trace.event(t, item, version=self.policy.version)
             self._apply(t, self.policy.handle(item, t))
             done += isinstance(item, ev.StepDone)  # counted once the policy (and the trace) recorded the step
+            if t - last_progress >= 10.0:
+                last_progress = t
+                led = self.policy.ledger
+                roles = "".join(r.value[0].upper() if "_" not in r.value else "~" for r in self.policy.roles)
+                log.info("t=%.0fs steps %d/%d, executions running %d, queued %d, done %d; cells [%s]",
+                         t, done, steps, led.running, led.queued, led.f, roles)  # fmt: skip
         return self.step_reports
 
     async def shutdown(self) -> None:

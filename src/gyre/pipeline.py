@@ -35,7 +35,11 @@ from gyre_sched.trace import TraceWriter
 
 log = logging.getLogger("gyre")
 
-__all__ = ["run_local"]
+__all__ = ["RunDirError", "run_local"]
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used (it already holds a run)."""
 
 
 def _policy_params(cfg: RunConfig) -> PolicyParams:
@@ -60,7 +64,11 @@ def _assessment_service(run_dir: Path, queries) -> AssessmentService:
 
 
 async def run_local(cfg: RunConfig) -> dict:
+    if cfg.run_dir is None:
+        cfg = cfg.model_copy(update={"run_dir": time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())})
     run_dir = Path(cfg.run_dir).resolve()
+    if (run_dir / "trace.jsonl").exists():
+        raise RunDirError(f"{run_dir} already holds a run (trace.jsonl); choose another --run-dir")
     for sub in ("records", "trajectories", "checkpoints", "metrics", "logs"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")
