@@ -77,6 +77,9 @@ class ColocatePolicy(PolicyCore):
             return
         self._begin(list(range(p.K)), out)
 
+    def _pool_switching(self) -> bool:
+        return all(r in (CellRole.TO_TRAINING, CellRole.TRAINING) for r in self.roles)
+
     def _on_training(self, cell: int, out: list[Decision]) -> None:
         if self.batch is None and all(r is CellRole.TRAINING for r in self.roles):
             self._open_batch(out)
