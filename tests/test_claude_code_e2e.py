@@ -180,3 +180,91 @@ def test_claude_code_cli_through_proxy(tmp_path):
             assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
     finally:
         eng.stop()
+
+
+@pytest.mark.slow
+def test_claude_code_subagent_through_proxy(tmp_path):
+    """The main agent delegates through the Agent tool: the sub-agent's calls form their own chain (`sub/task`)."""
+    if not CLAUDE.exists():
+        pytest.fail(f"Claude Code CLI not installed at {CLAUDE}: run `npm ci` at the repo root")
+    tok_dir = build_tiny_tokenizer(tmp_path / "tok")
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    sub = "You are an agent for Claude Code"  # the sub-agent's system prompt
+    delegate = _call(
+        "Agent",
+        {
+            "description": "write sub file",
+            "prompt": "Write the sub file.",
+            "subagent_type": "general-purpose",
+        },
+    )
+    rules = [
+        ScriptRule(absent=["<tools>"], reply="Scripted session"),
+        ScriptRule(
+            contains=[sub],
+            last_contains=["sub.txt (file state"],
+            reply="Sub-agent finished: sub.txt written.",
+        ),
+        ScriptRule(
+            contains=[sub],
+            reply=_call("Write", {"file_path": str(work / "sub.txt"), "content": "from sub\n"}),
+        ),
+        ScriptRule(last_contains=["Sub-agent finished"], reply="All done."),
+        ScriptRule(contains=["<tools>"], reply=delegate),
+    ]
+    eng = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok_dir), rules=rules))
+    url = eng.start()
+    try:
+        cfg = ProxyConfig(
+            engines=[url], tokenizer=str(tok_dir), store=str(tmp_path / "store"), admin_token="adm"
+        )
+        with ProxyServer(cfg) as srv:
+            eid, cred = srv.register("cc-sub")
+            env = dict(
+                os.environ,
+                ANTHROPIC_BASE_URL=srv.url,
+                ANTHROPIC_API_KEY=cred,
+                DISABLE_TELEMETRY="1",
+                CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+                HOME=str(home),
+            )
+            env.pop("ANTHROPIC_AUTH_TOKEN", None)
+            proc = subprocess.run(
+                [
+                    str(CLAUDE),
+                    "-p",
+                    "Delegate the file task.",
+                    "--allowedTools",
+                    "Bash Write Edit Read Agent",
+                    "--output-format",
+                    "json",
+                ],
+                cwd=work,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+            assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
+            assert json.loads(proc.stdout)["result"] == "All done."
+            assert (work / "sub.txt").read_text() == "from sub\n"
+            tree = srv.proxy.executions[eid].records.tree
+            recs = list(tree.records())
+            main = [r for r in recs if r.role_class == "main/task"]
+            subs = [r for r in recs if r.role_class == "sub/task"]
+            assert len(main) == 2 and len(subs) == 2
+            assert main[0].parent_id is None and main[1].parent_id == main[0].call_id
+            # the sub-agent chain matches its own prefix (Claude Code turns thinking off for it: the empty think
+            # block of the generation prompt is restored in front of the recorded output)
+            assert subs[0].parent_id is None and subs[1].parent_id == subs[0].call_id
+            assert subs[0].agent_id == subs[1].agent_id != "main"
+            assert "cc_is_subagent=" in subs[0].metadata["volatile"][0]
+            r = srv.admin("POST", f"/admin/executions/{eid}/export", {"j_max": 5})
+            trajs = r.json()["trajectories"]
+            assert [t["role_class"] for t in trajs] == ["main/task", "sub/task"]
+            assert sum(trajs[0]["target_mask"]) == sum(len(x.output_ids) for x in main)
+            assert sum(trajs[1]["target_mask"]) == sum(len(x.output_ids) for x in subs)
+    finally:
+        eng.stop()

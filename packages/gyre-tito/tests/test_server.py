@@ -200,3 +200,24 @@ def test_response_split_into_two_assistant_messages_is_spliced_once(tok_dir, tmp
         assert _msg(srv.url, cred, msgs).status_code == 200
         recs = list(srv.proxy.executions[eid].records.tree.records())
         assert recs[1].parent_id == recs[0].call_id and len(recs[1].input_ids) < 40
+
+
+def test_thinking_off_generation_prompt_is_restored_before_recorded_output(tok_dir, tmp_path, engines):
+    _, urls = engines
+    with ProxyServer(_cfg(tok_dir, tmp_path, urls[:1])) as srv:
+        assert srv.proxy.chat.generation_suffix(enable_thinking=False) == "<think>\n\n</think>\n\n"
+        assert srv.proxy.chat.generation_suffix() == ""
+        eid, cred = srv.register()
+        off = {"thinking": {"type": "disabled"}}
+        first = _msg(srv.url, cred, [{"role": "user", "content": "go"}], **off).json()["content"][0]
+        msgs = [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": [first]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": first["id"], "content": "ok"}],
+            },
+        ]
+        assert _msg(srv.url, cred, msgs, **off).status_code == 200
+        recs = list(srv.proxy.executions[eid].records.tree.records())
+        assert recs[1].parent_id == recs[0].call_id and len(recs[1].input_ids) < 40

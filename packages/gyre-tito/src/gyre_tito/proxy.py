@@ -81,6 +81,9 @@ class Execution:
     ended: bool = False
     tool_index: dict[str, str] = field(default_factory=dict)  # tool-call id we issued -> call id
     text_index: dict[str, str] = field(default_factory=dict)  # reply text key -> call id (text-only replies)
+    gen_suffix: dict[str, str] = field(
+        default_factory=dict
+    )  # call id -> generation-prompt text after the header
     metadata: dict[str, Any] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # guards tree reads against an append in flight
 
@@ -89,6 +92,8 @@ class Execution:
             self.tool_index[tid] = rec.call_id
         if rec.metadata.get("text_key"):
             self.text_index[rec.metadata["text_key"]] = rec.call_id
+        if rec.metadata.get("gen_suffix"):
+            self.gen_suffix[rec.call_id] = rec.metadata["gen_suffix"]
 
 
 class Proxy:
@@ -210,6 +215,7 @@ class Proxy:
         """Full context ids of a request (recorded outputs spliced in) and the per-token policy flags."""
         tree = ex.records.tree
         recorded: list[Any] = []
+        prefixes: list[str] = []
         slots: dict[str, int] = {}
 
         def recorded_for(t: Turn) -> int | None:
@@ -221,12 +227,13 @@ class Proxy:
             if cid not in slots:
                 slots[cid] = len(recorded)
                 recorded.append(tree.node(cid).output_ids)
+                prefixes.append(ex.gen_suffix.get(cid, ""))
             return slots[cid]
 
         messages = conv.template_messages(recorded_for)
         kwargs = {} if conv.enable_thinking is None else {"enable_thinking": conv.enable_thinking}
         text = self.chat.render(messages, conv.tools, add_generation_prompt=True, **kwargs)
-        enc = self.chat.encode_rendered(text, recorded)
+        enc = self.chat.encode_rendered(text, recorded, prefixes)
         return enc.ids, enc.policy
 
     async def count_tokens(self, ex: Execution, conv: Conversation) -> int:
@@ -304,6 +311,9 @@ class Proxy:
                 "tool_call_ids": [c.id for c in calls],
                 "text_key": _text_key(parsed.text) if parsed.text and not calls else None,
                 "volatile": conv.volatile,
+                "gen_suffix": self.chat.generation_suffix(
+                    **({} if conv.enable_thinking is None else {"enable_thinking": conv.enable_thinking})
+                ),
                 "attempts": res.attempts,
                 **meta,
             },

@@ -123,6 +123,7 @@ class ChatTokenizer:
         self._cache: OrderedDict[str, array] = OrderedDict()  # piece between added tokens -> ids
         self._turns: OrderedDict[str, array] = OrderedDict()  # text between two <|im_start|> -> ids
         self._turn_sep_id = self.added.get("<|im_start|>")
+        self._suffixes: dict[tuple, str] = {}
         self._cache_entries = cache_entries
 
     # ---- rendering -------------------------------------------------------------------------------------------
@@ -215,11 +216,16 @@ class ChatTokenizer:
             out.extend(ids)
         return out
 
-    def encode_rendered(self, text: str, recorded: Sequence[Sequence[int]]) -> EncodedContext:
+    def encode_rendered(
+        self, text: str, recorded: Sequence[Sequence[int]], prefixes: Sequence[str] | None = None
+    ) -> EncodedContext:
         """Encode a render whose recorded assistant turns are `recorded_marker(k)` placeholders.
 
-        Each marker becomes `recorded[k]` verbatim (policy tokens). When that output ended with `<|im_end|>`, the
-        template's own `<|im_end|>` right after the marker is the same token and is not added twice."""
+        Each marker becomes `recorded[k]` verbatim (policy tokens). `prefixes[k]` is text the generation prompt of
+        that call put after the assistant header (Qwen3 with thinking off: `<think>\n\n</think>\n\n`); it is
+        context the engine saw before the output, so it is restored in front of the marker (a re-render drops it).
+        When that output ended with `<|im_end|>`, the template's own `<|im_end|>` right after the marker is the same
+        token and is not added twice."""
         enc = EncodedContext(text_chars=len(text))
         pos = 0
         im_end = "<|im_end|>"
@@ -227,12 +233,12 @@ class ChatTokenizer:
             m = _MARK_RE.match(text, start)
             if m is None:
                 raise TemplateError("malformed recorded-output marker in render")
-            pre = self.encode_text(text[pos : m.start()])
-            enc.ids.extend(pre)
-            enc.policy.extend(bytes(len(pre)))
             k = int(m.group(1))
             if k >= len(recorded):
                 raise TemplateError(f"render refers to recorded output {k} that does not exist")
+            pre = self.encode_text(text[pos : m.start()] + (prefixes[k] if prefixes else ""))
+            enc.ids.extend(pre)
+            enc.policy.extend(bytes(len(pre)))
             out = recorded[k]
             enc.ids.extend(out)
             enc.policy.extend(b"\x01" * len(out))
@@ -243,6 +249,20 @@ class ChatTokenizer:
         enc.ids.extend(rest)
         enc.policy.extend(bytes(len(rest)))
         return enc
+
+    def generation_suffix(self, **kwargs: Any) -> str:
+        """What the generation prompt adds after the assistant header under these template arguments ("" for most;
+        Qwen3 with `enable_thinking=False`: an empty think block). Found by rendering a one-message probe."""
+        key = tuple(sorted(kwargs.items()))
+        got = self._suffixes.get(key)
+        if got is None:
+            probe = [{"role": "user", "content": "x"}]
+            with_gen = self.render(probe, None, True, **kwargs)
+            without = self.render(probe, None, False, **kwargs)
+            tail = with_gen[len(without) :] if with_gen.startswith(without) else ""
+            header = "<|im_start|>assistant\n"
+            got = self._suffixes[key] = tail[len(header) :] if tail.startswith(header) else ""
+        return got
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
