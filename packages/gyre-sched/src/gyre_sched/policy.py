@@ -50,7 +50,10 @@ class PolicyCore:
         self.deep_checks = deep_checks
         self.ledger = Ledger(N=params.N, N_d=params.N_d, continuous=params.dispatch == "continuous")
         self.roles = [CellRole.ROLLOUT] * params.K
-        self.load: dict[str, set[str]] = {cell_engine(i): set() for i in range(params.K)}
+        self._k = 0  # cells not in ROLLOUT, recounted on every role change (hot path)
+        self._dest: list[str] = []
+        self._cell_engines = [cell_engine(i) for i in range(params.K)]
+        self.load: dict[str, set[str]] = {e: set() for e in self._cell_engines}
         if params.C_s:
             self.load[STANDALONE] = set()
         self.version = 0  # optimizer steps taken
@@ -76,6 +79,7 @@ class PolicyCore:
         groups = (p.q_c or p.phi_B + p.mu * p.B) if p.dispatch == "continuous" else p.phi_B + p.mu * p.B
         out: list[Decision] = [self.ledger.dispatch() for _ in range(groups)]
         out += self._initial_roles()
+        self._roles_changed()
         self._progress(out)
         return out
 
@@ -127,7 +131,11 @@ class PolicyCore:
     @property
     def k(self) -> int:
         """Cells not in ROLLOUT (training or switching either way)."""
-        return sum(r is not CellRole.ROLLOUT for r in self.roles)
+        return self._k
+
+    def _roles_changed(self) -> None:
+        self._k = sum(r is not CellRole.ROLLOUT for r in self.roles)
+        self._dest = self._destinations()
 
     def capacity(self) -> int:
         """Equation 3: C(t) = (K - k(t)) * C_e + C_s."""
@@ -147,7 +155,7 @@ class PolicyCore:
         return self.params.C_s if engine == STANDALONE else self.params.C_e
 
     def _free_engine(self) -> str | None:
-        for eng in self._destinations():
+        for eng in self._dest:
             if len(self.load[eng]) < self._engine_capacity(eng):
                 return eng
         return None
@@ -184,6 +192,7 @@ class PolicyCore:
         for cell in cells:
             src = self.roles[cell]
             self.roles[cell] = next_role(src)
+            self._roles_changed()
             out.append(BeginTransition(cell, src, self.roles[cell]))
             if src is CellRole.ROLLOUT:
                 moving += sorted(self.load[cell_engine(cell)])
@@ -214,7 +223,7 @@ class PolicyCore:
             raise InvariantError(f"cell {cell} claimed a micro-step while {self.roles[cell].value}")
         if self.batch is None or all(g.id != gid for g in self.batch):
             raise InvariantError(f"micro-step of {gid}, which is not in the open batch")
-        if any(self.load[cell_engine(i)] for i in range(self.params.K)):
+        if any(self.load[e] for e in self._cell_engines):
             self.claims_while_running += 1
 
     def _step_done(self, version: int) -> list[Decision]:
@@ -278,6 +287,7 @@ class PolicyCore:
             raise InvariantError(f"transition of cell {cell} done while {src.value}")
         dst = next_role(src)
         self.roles[cell] = dst
+        self._roles_changed()
         out: list[Decision] = [EndTransition(cell, src, dst)]
         self._reset_supply()
         if dst is CellRole.TRAINING:
@@ -330,11 +340,12 @@ class PolicyCore:
         led.check(deep=self.deep_checks)
         if led.running > self.capacity():
             raise InvariantError(f"running {led.running} exceeds rollout capacity {self.capacity()}")
-        for eng, ids in self.load.items():
-            if len(ids) > self._engine_capacity(eng):
-                raise InvariantError(f"engine {eng} holds {len(ids)} executions")
-            if eng != STANDALONE and ids and self.roles[int(eng.split(":")[1])] is not CellRole.ROLLOUT:
-                raise InvariantError(f"executions on {eng}, which is not in rollout")
+        for i, r in enumerate(self.roles):
+            ids = self.load[self._cell_engines[i]]
+            if len(ids) > p.C_e or (ids and r is not CellRole.ROLLOUT):
+                raise InvariantError(f"cell {i} ({r.value}) holds {len(ids)} executions")
+        if p.C_s and len(self.load[STANDALONE]) > p.C_s:
+            raise InvariantError(f"standalone pool holds {len(self.load[STANDALONE])} executions")
         training = [i for i, r in enumerate(self.roles) if r is CellRole.TRAINING]
         if training != list(range(len(training))) and not self._pool_switching():
             raise InvariantError(f"training set {training} is not a prefix")
@@ -344,7 +355,6 @@ class PolicyCore:
                 raise InvariantError(f"training-bound cells {joining} are not a prefix")
         if self.deep_checks and sum(len(v) for v in self.load.values()) != led.running:
             raise InvariantError("engine loads disagree with running count")
-        del p
 
     # ---- policy-specific hooks ----------------------------------------------------------------------------------
     def _initial_roles(self) -> list[Decision]:

@@ -40,7 +40,7 @@ class StatisticalWorkload:
     def plan(self, group_seq: int, index: int) -> ExecPlan:
         plans = self._cache.get(group_seq)
         if plans is None or index >= len(plans):
-            plans = self._cache[group_seq] = self._group(group_seq, max(index + 1, 64))
+            plans = self._cache[group_seq] = self._group(group_seq, max(index + 1, 32))
         return plans[index]
 
     def _group(self, group_seq: int, n: int) -> list[ExecPlan]:
@@ -51,8 +51,8 @@ class StatisticalWorkload:
             difficulty *= c.hard_query_factor
         spread = np.exp(c.exec_sigma * rng.standard_normal(n))
         kind = rng.random(n)
-        eval_u = rng.random((n, 64))
-        eval_lat = rng.exponential(c.eval_latency_s, (n, 64)) if c.eval_latency_s > 0 else np.zeros((n, 64))
+        eval_u = rng.random((n, 16))
+        eval_lat = rng.exponential(c.eval_latency_s, (n, 16)) if c.eval_latency_s > 0 else np.zeros((n, 16))
         out = []
         for i in range(n):
             if kind[i] < c.failed_rate:
@@ -66,7 +66,7 @@ class StatisticalWorkload:
                 if duration >= c.harness_timeout_s:
                     duration, outcome = c.harness_timeout_s, "harness_timeout"
             t, status = duration, None
-            for a in range(64):  # retries against the same preserved state, within the overall budget
+            for a in range(16):  # retries against the same preserved state, within the overall budget
                 t += float(eval_lat[i, a])
                 if t > c.overall_budget_s:
                     t, status = max(c.overall_budget_s, duration), "excluded"
