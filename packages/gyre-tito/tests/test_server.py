@@ -221,3 +221,19 @@ def test_thinking_off_generation_prompt_is_restored_before_recorded_output(tok_d
         assert _msg(srv.url, cred, msgs, **off).status_code == 200
         recs = list(srv.proxy.executions[eid].records.tree.records())
         assert recs[1].parent_id == recs[0].call_id and len(recs[1].input_ids) < 40
+
+
+def test_engine_rejection_is_a_400_not_a_retry_storm(tok_dir, tmp_path):
+    eng = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok_dir), context_length=50))
+    url = eng.start()
+    try:
+        with ProxyServer(_cfg(tok_dir, tmp_path, [url])) as srv:
+            eid, cred = srv.register()
+            r = _msg(srv.url, cred, [{"role": "user", "content": "hi"}])
+            assert (
+                r.status_code == 400
+                and "longer than the model's context length" in r.json()["error"]["message"]
+            )
+            assert srv.proxy.pool.retries == 0 and len(srv.proxy.executions[eid].records.tree) == 0
+    finally:
+        eng.stop()

@@ -22,7 +22,7 @@ import httpx
 import orjson
 from pydantic import BaseModel, Field
 
-__all__ = ["EngineError", "EnginePool", "EnginePoolConfig", "GenerateResult", "Segment"]
+__all__ = ["EngineError", "EnginePool", "EnginePoolConfig", "EngineRejected", "GenerateResult", "Segment"]
 
 
 class EnginePoolConfig(BaseModel):
@@ -38,6 +38,11 @@ class EnginePoolConfig(BaseModel):
 
 class EngineError(Exception):
     """No engine could finish the call within the configured attempts."""
+
+
+class EngineRejected(Exception):
+    """An engine refused the request itself (HTTP 400/422, e.g. input longer than its context): retrying elsewhere
+    cannot help, and tokens already produced are discarded with the call."""
 
 
 @dataclass
@@ -99,6 +104,16 @@ def _apply(att: _Attempt, obj: dict[str, Any]) -> None:
     if isinstance(fr, dict):
         att.finish = fr.get("type")
         att.matched = fr.get("matched")
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        obj = orjson.loads(raw)
+        err = obj.get("error", obj) if isinstance(obj, dict) else obj
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        return str(msg)[:500]
+    except orjson.JSONDecodeError:
+        return raw[:500].decode(errors="replace")
 
 
 class EnginePool:
@@ -239,6 +254,8 @@ class EnginePool:
             "stream": self.config.stream,
         }
         async with self._client.stream("POST", f"{url}/generate", content=orjson.dumps(body)) as r:
+            if r.status_code in (400, 422):
+                raise EngineRejected(_error_message(await r.aread()))
             if r.status_code >= 400:
                 text = (await r.aread())[:300]
                 raise httpx.HTTPStatusError(

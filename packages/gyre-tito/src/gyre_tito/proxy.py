@@ -35,7 +35,7 @@ from gyre_tito.conversation import (
     ToolCall,
     Turn,
 )
-from gyre_tito.engine_client import EngineError, EnginePool, EnginePoolConfig
+from gyre_tito.engine_client import EngineError, EnginePool, EnginePoolConfig, EngineRejected
 from gyre_tito.parse import parse_output
 from gyre_tito.records import ExecutionRecords, RecordLogConfig, RecordStore
 from gyre_tito.render import ChatTokenizer
@@ -278,6 +278,8 @@ class Proxy:
             res = await self.pool.generate(ids, sp, route=ex.route)
         except EngineError as e:
             raise ProtocolError(529, "overloaded_error", f"no engine available: {e}") from e
+        except EngineRejected as e:
+            raise ProtocolError(400, "invalid_request_error", f"the engine rejected the request: {e}") from e
         t_done = time.time()
         raw = self.chat.decode(res.output_ids)
         parsed = parse_output(raw)

@@ -50,6 +50,7 @@ class ScriptedEngineConfig(BaseModel):
     default_reply: str = Field("OK.", description="reply when no rule matches")
     token_delay_s: float = Field(0.0, description="sleep per generated token (to make requests take time)")
     weight_version: str = Field("default", description="reported as meta_info.weight_version")
+    context_length: int | None = Field(None, description="reject longer inputs with 400, as SGLang does")
 
 
 def scripted_logprob(i: int, token_id: int) -> float:
@@ -138,6 +139,10 @@ class ScriptedEngine:
                 ids = [int(t) for t in body["input_ids"]]
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 return JSONResponse({"error": {"message": f"bad request: {e}"}}, status_code=400)
+            limit = self.config.context_length
+            if limit is not None and len(ids) >= limit:
+                msg = f"The input ({len(ids)} tokens) is longer than the model's context length ({limit} tokens)."
+                return JSONResponse({"error": {"message": msg}}, status_code=400)
             self.requests.append(body)
             rid = str(body.get("rid") or "")
             max_new = int((body.get("sampling_params") or {}).get("max_new_tokens", 128))
