@@ -1,0 +1,88 @@
+"""A publisher living in its own process, driven over a multiprocessing pipe (tests, benchmarks, demos).
+
+Start with `multiprocessing.get_context("spawn").Process(target=publisher_process, args=(conn, source))`;
+`source` is `{"dir": PATH}` (a Hugging Face checkpoint directory) or `{"random": NUM_PARAMS, "seed": S}`.
+Commands are tuples; every command gets one reply `("ok", value)` or `("error", message)`.
+"""
+
+from __future__ import annotations
+
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def random_state_dict(num_params: int, seed: int, *, width: int = 1024) -> dict[str, torch.Tensor]:
+    """A float32 state dict of about `num_params` parameters in HF-like names (benchmarks)."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    layer, left = 0, num_params
+    while left > 0:
+        rows = max(1, min(width, left // width))
+        out[f"model.layers.{layer}.mlp.up_proj.weight"] = torch.randn(rows, width, generator=g)
+        left -= rows * width
+        layer += 1
+    return out
+
+
+def load_source(source: dict[str, Any]) -> dict[str, torch.Tensor]:
+    if "dir" in source:
+        from safetensors.torch import load_file
+
+        out: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(source["dir"]).glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        if not out:
+            raise ValueError(f"no *.safetensors in {source['dir']!r}")
+        return out
+    return random_state_dict(int(source["random"]), int(source.get("seed", 0)))
+
+
+def publisher_process(conn: Connection, source: dict[str, Any], version: int = 0) -> None:
+    """Child-process main: publish `source` at `version`, then serve commands until `("close",)`.
+
+    Commands: ("manifest",) -> WeightManifest JSON; ("serve_manifest",) -> URL; ("publish", source, version);
+    ("begin_write",) leaves a write open (sequence odd); ("end_write", version); ("save", dir) writes the
+    current tensors as safetensors (baseline of the benchmark); ("close",).
+    """
+    from .publisher import WeightPublisher
+
+    pub = WeightPublisher(load_source(source), version=version)
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            try:
+                if cmd == "close":
+                    conn.send(("ok", None))
+                    return
+                if cmd == "manifest":
+                    value: Any = pub.manifest().model_dump_json()
+                elif cmd == "serve_manifest":
+                    value = pub.serve_manifest()
+                elif cmd == "publish":
+                    pub.publish(load_source(args[0]), version=int(args[1]))
+                    value = pub.version
+                elif cmd == "begin_write":
+                    pub.begin_write()
+                    value = None
+                elif cmd == "end_write":
+                    pub.end_write(int(args[0]))
+                    value = pub.version
+                elif cmd == "save":
+                    from safetensors.torch import save_file
+
+                    Path(args[0]).mkdir(parents=True, exist_ok=True)
+                    tensors = {n: t.clone() for n, t in pub.tensors().items()}  # tied names share bytes
+                    save_file(tensors, str(Path(args[0]) / "model.safetensors"))
+                    value = str(args[0])
+                else:
+                    raise ValueError(f"unknown command {cmd!r}")
+                conn.send(("ok", value))
+            except Exception as e:
+                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        pub.close()
+        conn.close()

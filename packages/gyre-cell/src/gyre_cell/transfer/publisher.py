@@ -1,0 +1,172 @@
+"""Core side: a registered flat buffer holding the authoritative weights, refreshed in place after each step."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from .manifest import MAGIC, MAGIC_SLOT, SEQ, VERSION, WeightManifest, plan_layout, tensor_views
+from .mooncake import MooncakeConfig, open_transfer_engine, peer_address
+
+MANIFEST_PATH = "/weights/manifest"
+
+
+def named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of a model's state dict or a plain mapping."""
+    items = source.state_dict(keep_vars=False) if isinstance(source, torch.nn.Module) else source
+    return [(n, t.detach()) for n, t in items.items()]
+
+
+class WeightPublisher:
+    """Owns one registered buffer; `publish` copies new weights into it under a seqlock.
+
+    The layout (names, dtypes, shapes) is fixed by the first state dict; later publishes must match it.
+    Readers pull the bytes with Mooncake (no work on this side beyond the copy in `publish`).
+    """
+
+    def __init__(
+        self,
+        source: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        version: int = 0,
+        config: MooncakeConfig | None = None,
+    ) -> None:
+        self.config = config or MooncakeConfig()
+        named = named_tensors(source)
+        self._entries, length = plan_layout(named)
+        self._buffer = torch.zeros(length, dtype=torch.uint8)
+        self._header = self._buffer[: 3 * 8].view(torch.int64)
+        self._views = tensor_views(self._buffer, self._entries)
+        self._lock = threading.Lock()
+        self._write_seq = 0
+        self._http: ThreadingHTTPServer | None = None
+        self._engine: Any = open_transfer_engine(self.config)
+        rc = self._engine.register_memory(self._buffer.data_ptr(), length)
+        if rc != 0:
+            self._engine = None
+            raise RuntimeError(f"Mooncake register_memory of {length} bytes returned {rc}")
+        self.peer = peer_address(self.config, self._engine)
+        self._header[MAGIC_SLOT] = MAGIC
+        self.publish(named, version=version)
+
+    @property
+    def version(self) -> int:
+        return int(self._header[VERSION])
+
+    @property
+    def nbytes(self) -> int:
+        return self._buffer.numel()
+
+    def manifest(self) -> WeightManifest:
+        return WeightManifest(
+            peer=self.peer,
+            buffer_addr=self._buffer.data_ptr(),
+            length=self._buffer.numel(),
+            version=self.version,
+            tensors=self._entries,
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Views of the published tensors (read them only between writes)."""
+        return dict(self._views)
+
+    def begin_write(self) -> dict[str, torch.Tensor]:
+        """Open a write and return the buffer's tensor views; readers retry until `end_write`.
+
+        The sequence number stays odd while a write is open, so a reader that saw any byte of a partial write
+        sees a different sequence number afterwards. On x86 (TSO) stores become visible in program order.
+        """
+        self._lock.acquire()
+        seq = int(self._header[SEQ])
+        self._write_seq = seq + (seq & 1)  # an aborted write left it odd
+        self._header[SEQ] = self._write_seq + 1
+        return self._views
+
+    def end_write(self, version: int) -> None:
+        """Close the open write: the buffer now holds `version`."""
+        self._header[VERSION] = version
+        self._header[SEQ] = self._write_seq + 2
+        self._lock.release()
+
+    def abort_write(self) -> None:
+        """Give up an open write: the sequence stays odd, readers never accept the partial bytes."""
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def writing(self, version: int) -> Iterator[dict[str, torch.Tensor]]:
+        """`begin_write` ... `end_write(version)` as a block; an exception aborts the write."""
+        views = self.begin_write()
+        try:
+            yield views
+        except BaseException:
+            self.abort_write()
+            raise
+        self.end_write(version)
+
+    def publish(
+        self,
+        source: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+    ) -> None:
+        """Copy every tensor of `source` into the buffer (all names of the layout must be present)."""
+        named = named_tensors(source) if isinstance(source, torch.nn.Module | Mapping) else list(source)
+        given = dict(named)
+        missing = [e.name for e in self._entries if e.name not in given]
+        unknown = [n for n in given if n not in self._views]
+        if missing or unknown:
+            raise ValueError(
+                f"publish does not match the layout: missing {missing[:5]}, unknown {unknown[:5]}"
+            )
+        for e in self._entries:
+            if list(given[e.name].shape) != e.shape:
+                raise ValueError(f"{e.name}: shape {list(given[e.name].shape)} != layout {e.shape}")
+        with torch.no_grad(), self.writing(version) as views:
+            for name, t in given.items():
+                views[name].copy_(t)
+
+    # ---- handshake over HTTP -----------------------------------------------------------------
+    def serve_manifest(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve `GET /weights/manifest` (JSON) from a daemon thread; returns its URL."""
+        if self._http is not None:
+            raise RuntimeError("manifest server already running")
+        publisher = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path != MANIFEST_PATH:
+                    body, status = b'{"error": {"message": "not found: GET /weights/manifest"}}', 404
+                else:
+                    body, status = publisher.manifest().model_dump_json().encode(), 200
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:  # keep test and bench output clean
+                pass
+
+        self._http = ThreadingHTTPServer((host, port), Handler)
+        threading.Thread(target=self._http.serve_forever, daemon=True, name="weight-manifest").start()
+        return f"http://{host}:{self._http.server_address[1]}{MANIFEST_PATH}"
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        if self._engine is not None:
+            self._engine.unregister_memory(self._buffer.data_ptr())
+            self._engine = None  # dropping the last reference stops Mooncake's threads and closes its ports
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,151 @@
+"""Satellite / engine side: pull the publisher's whole buffer with Mooncake and load it into a torch model."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from .manifest import HEADER_BYTES, MAGIC, MAGIC_SLOT, SEQ, VERSION, WeightManifest, tensor_views
+from .mooncake import MooncakeConfig, open_transfer_engine
+
+
+class TornSnapshotError(RuntimeError):
+    """No consistent snapshot within the allowed attempts (the publisher kept writing or a write failed)."""
+
+
+class TransferError(RuntimeError):
+    """A Mooncake read failed (peer gone, address not registered, layout mismatch)."""
+
+
+class SubscriberConfig(BaseModel):
+    """How a subscriber reads."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bucket_bytes: int = 32 << 20
+    """Size of one slice of the batched read (Mooncake moves the slices of one batch concurrently)."""
+    max_attempts: int = 50
+    """Reads tried before giving up on a publisher that keeps writing."""
+    retry_backoff_s: float = 0.01
+    """Sleep before retrying a read that overlapped a write (doubles, capped at 0.5 s)."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One consistent read: `tensors` are views into the subscriber's buffer, valid until its next read."""
+
+    version: int
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+    attempts: int
+    seconds: float
+    nbytes: int
+
+
+def fetch_manifest(url: str, *, timeout_s: float = 10.0) -> WeightManifest:
+    """GET a publisher's manifest (`WeightPublisher.serve_manifest`)."""
+    resp = httpx.get(url, timeout=timeout_s)
+    if resp.status_code != 200:
+        raise TransferError(f"manifest at {url} answered {resp.status_code}: {resp.text[:200]}")
+    return WeightManifest.model_validate_json(resp.content)
+
+
+class WeightSubscriber:
+    """Holds a registered buffer shaped like the publisher's and refills it on each `read`."""
+
+    def __init__(
+        self,
+        manifest: WeightManifest,
+        *,
+        config: SubscriberConfig | None = None,
+        mooncake: MooncakeConfig | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self.config = config or SubscriberConfig()
+        # Data region laid out like the publisher's, plus two private header slots (before / after).
+        self._buffer = torch.zeros(manifest.length + 2 * HEADER_BYTES, dtype=torch.uint8)
+        self._before = self._buffer[manifest.length : manifest.length + HEADER_BYTES]
+        self._after = self._buffer[manifest.length + HEADER_BYTES :]
+        self._views = tensor_views(self._buffer, manifest.tensors)
+        self._engine: Any = open_transfer_engine(mooncake)
+        rc = self._engine.register_memory(self._buffer.data_ptr(), self._buffer.numel())
+        if rc != 0:
+            self._engine = None
+            raise TransferError(f"Mooncake register_memory of {self._buffer.numel()} bytes returned {rc}")
+
+    # ---- reading -----------------------------------------------------------------------------
+    def _read_header(self, dst: torch.Tensor) -> tuple[int, int]:
+        rc = self._engine.transfer_sync_read(
+            self.manifest.peer, dst.data_ptr(), self.manifest.buffer_addr, HEADER_BYTES
+        )
+        if rc != 0:
+            raise TransferError(f"reading the header from {self.manifest.peer} failed (rc {rc})")
+        h = dst[:24].view(torch.int64)
+        if int(h[MAGIC_SLOT]) != MAGIC:
+            raise TransferError(f"no weight buffer at {self.manifest.buffer_addr:#x} on {self.manifest.peer}")
+        return int(h[SEQ]), int(h[VERSION])
+
+    def _read_data(self) -> None:
+        base_local = self._buffer.data_ptr()
+        base_peer = self.manifest.buffer_addr
+        bucket = self.config.bucket_bytes
+        offsets = range(HEADER_BYTES, self.manifest.length, bucket)
+        lengths = [min(bucket, self.manifest.length - o) for o in offsets]
+        rc = self._engine.batch_transfer_sync_read(
+            self.manifest.peer, [base_local + o for o in offsets], [base_peer + o for o in offsets], lengths
+        )
+        if rc != 0:
+            raise TransferError(
+                f"batch read of {self.manifest.data_bytes} bytes from {self.manifest.peer} failed"
+            )
+
+    def read(self, *, after_data: Callable[[], None] | None = None) -> Snapshot:
+        """Pull a consistent snapshot (seqlock: header, data, header; retry if a write overlapped).
+
+        `after_data` runs between the data read and the closing header read (tests and tracing use it).
+        """
+        if self._engine is None:
+            raise TransferError("subscriber is closed")
+        t0 = time.perf_counter()
+        backoff = self.config.retry_backoff_s
+        for attempt in range(1, self.config.max_attempts + 1):
+            seq0, version = self._read_header(self._before)
+            if seq0 % 2 == 0:
+                self._read_data()
+                if after_data is not None:
+                    after_data()
+                seq1, _ = self._read_header(self._after)
+                if seq1 == seq0:
+                    return Snapshot(
+                        version=version,
+                        tensors=self._views,
+                        attempts=attempt,
+                        seconds=time.perf_counter() - t0,
+                        nbytes=self.manifest.data_bytes,
+                    )
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 0.5)
+        raise TornSnapshotError(
+            f"no consistent snapshot from {self.manifest.peer} in {self.config.max_attempts} attempts: "
+            "the publisher is writing continuously or a write failed midway"
+        )
+
+    def load_into(self, model: torch.nn.Module, snapshot: Snapshot, *, strict: bool = True) -> None:
+        """Copy a snapshot into `model`'s parameters and buffers (one copy; views, no staging tensors)."""
+        model.load_state_dict(snapshot.tensors, strict=strict)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.unregister_memory(self._buffer.data_ptr())
+            self._engine = None  # dropping the last reference stops Mooncake's threads and closes its ports
+
+    def __enter__(self) -> WeightSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

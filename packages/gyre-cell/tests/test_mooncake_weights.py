@@ -1,0 +1,249 @@
+"""Weight transfer over Mooncake TCP between two real processes (publisher in a spawned child, subscriber here)."""
+
+from __future__ import annotations
+
+import importlib.abc
+import multiprocessing as mp
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import torch
+from pydantic import ValidationError
+
+from gyre_cell.engine.weights import load_checkpoint_dir
+from gyre_cell.transfer import (
+    MooncakeUnavailableError,
+    SubscriberConfig,
+    TensorEntry,
+    TornSnapshotError,
+    WeightManifest,
+    WeightPublisher,
+    WeightSubscriber,
+    fetch_manifest,
+)
+from gyre_cell.transfer.manifest import HEADER_BYTES, plan_layout, tensor_views
+from gyre_cell.transfer.peer import publisher_process
+
+
+class Peer:
+    """Driver of a publisher child process."""
+
+    def __init__(self, source: dict[str, Any], version: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=publisher_process, args=(child, source, version), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def call(self, *cmd: Any, timeout_s: float = 60.0) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"publisher did not answer {cmd[0]!r}")
+        status, value = self.conn.recv()
+        assert status == "ok", value
+        return value
+
+    def manifest(self) -> WeightManifest:
+        return WeightManifest.model_validate_json(self.call("manifest"))
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("close", timeout_s=10)
+        except (OSError, EOFError, TimeoutError):
+            pass
+        finally:
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout=5)
+            self.conn.close()
+
+
+def _refused(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture(scope="module")
+def peer(tiny_model: Path) -> Iterator[Peer]:
+    p = Peer({"dir": str(tiny_model)}, version=1)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _to_model(path: Path) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).float()
+
+
+@pytest.mark.slow
+def test_read_equals_published_bytes_and_loads_model(
+    peer: Peer, tiny_model: Path, tiny_model_b: Path
+) -> None:
+    expected_a = load_checkpoint_dir(tiny_model)
+    peer.call("publish", {"dir": str(tiny_model)}, 1)
+    manifest = fetch_manifest(peer.call("serve_manifest"))  # handshake over real HTTP
+    assert manifest.version == 1 and {e.name for e in manifest.tensors} == set(expected_a)
+    with WeightSubscriber(manifest, config=SubscriberConfig(bucket_bytes=4096)) as sub:
+        snap = sub.read()
+        assert snap.version == 1 and snap.attempts == 1
+        assert snap.nbytes == manifest.length - HEADER_BYTES
+        for name, t in expected_a.items():
+            assert torch.equal(snap.tensors[name], t), name  # bit-exact, every tensor, across many buckets
+
+        model = _to_model(tiny_model)
+        sub.load_into(model, snap)
+        for name, p in model.state_dict().items():
+            assert torch.equal(p, expected_a[name]), name
+
+        # A second publish is visible to the next read; the model follows after load_into.
+        expected_b = load_checkpoint_dir(tiny_model_b)
+        assert not torch.equal(expected_a["lm_head.weight"], expected_b["lm_head.weight"])
+        peer.call("publish", {"dir": str(tiny_model_b)}, 2)
+        snap2 = sub.read()
+        assert snap2.version == 2
+        sub.load_into(model, snap2)
+        for name, p in model.state_dict().items():
+            assert torch.equal(p, expected_b[name]), name
+
+
+def test_version_change_during_read_is_detected_and_retried(
+    peer: Peer, tiny_model: Path, tiny_model_b: Path
+) -> None:
+    peer.call("publish", {"dir": str(tiny_model)}, 10)
+    fired: list[int] = []
+
+    def publish_midway() -> None:  # the publisher writes after our data read, before our closing header read
+        if not fired:
+            fired.append(1)
+            peer.call("publish", {"dir": str(tiny_model_b)}, 11)
+
+    with WeightSubscriber(peer.manifest()) as sub:
+        snap = sub.read(after_data=publish_midway)
+        assert fired and snap.attempts == 2 and snap.version == 11
+        expected_b = load_checkpoint_dir(tiny_model_b)
+        for name, t in expected_b.items():
+            assert torch.equal(snap.tensors[name], t), name
+
+
+def test_open_write_is_never_read_then_becomes_visible(peer: Peer, tiny_model: Path) -> None:
+    peer.call("publish", {"dir": str(tiny_model)}, 20)
+    with WeightSubscriber(
+        peer.manifest(), config=SubscriberConfig(max_attempts=3, retry_backoff_s=0.001)
+    ) as sub:
+        peer.call("begin_write")
+        try:
+            with pytest.raises(TornSnapshotError, match="no consistent snapshot"):
+                sub.read()
+        finally:
+            assert peer.call("end_write", 21) == 21
+        assert sub.read().version == 21
+
+
+def test_subscriber_close_frees_its_port(peer: Peer) -> None:
+    sub = WeightSubscriber(peer.manifest())
+    port = sub._engine.get_rpc_port()
+    assert not _refused(port)
+    sub.close()
+    assert _refused(port)
+    with pytest.raises(RuntimeError, match="closed"):
+        sub.read()
+
+
+@pytest.mark.slow
+def test_publisher_process_teardown_frees_port(tiny_model: Path) -> None:
+    p = Peer({"random": 5000, "seed": 3}, version=0)
+    try:
+        manifest = p.manifest()
+        port = int(manifest.peer.rsplit(":", 1)[1])
+        assert not _refused(port)
+    finally:
+        p.close()
+    assert p.proc.exitcode == 0
+    assert _refused(port)
+
+
+def test_publisher_in_process_layout_and_tied_weights() -> None:
+    emb = torch.randn(8, 4)
+    named = {"model.embed_tokens.weight": emb, "lm_head.weight": emb, "norm.weight": torch.ones(3)}
+    with WeightPublisher(named, version=5) as pub:
+        m = pub.manifest()
+        by = {e.name: e for e in m.tensors}
+        assert by["lm_head.weight"].offset == by["model.embed_tokens.weight"].offset  # tied: stored once
+        assert m.version == 5 and m.length == HEADER_BYTES + 128 + 64
+        with pytest.raises(ValueError, match="missing"):
+            pub.publish({"norm.weight": torch.ones(3)}, version=6)
+        with pytest.raises(ValueError, match="shape"):
+            pub.publish({**named, "norm.weight": torch.ones(4)}, version=6)
+        with pytest.raises(RuntimeError, match="boom"), pub.writing(7) as views:
+            views["norm.weight"].fill_(2.0)
+            raise RuntimeError("boom")
+        assert pub.version == 5  # an aborted write never advances the version
+        pub.publish({**named, "norm.weight": torch.full((3,), 9.0)}, version=8)
+        assert pub.version == 8 and torch.equal(pub.tensors()["norm.weight"], torch.full((3,), 9.0))
+
+
+def test_layout_views_round_trip_dtypes() -> None:
+    named = [
+        ("a", torch.arange(6, dtype=torch.float32).view(2, 3)),
+        ("b", torch.tensor([1.5, -2.0], dtype=torch.bfloat16)),
+        ("c", torch.tensor(7, dtype=torch.int64)),
+    ]
+    entries, length = plan_layout(named)
+    buf = torch.zeros(length, dtype=torch.uint8)
+    views = tensor_views(buf, entries)
+    for n, t in named:
+        views[n].copy_(t)
+    again = tensor_views(buf, entries)
+    for n, t in named:
+        assert again[n].dtype == t.dtype and torch.equal(again[n], t)
+
+
+class _NoIbverbs(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "mooncake.engine":
+            raise ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory")
+
+
+def test_missing_libibverbs_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_NoIbverbs(), *sys.meta_path])
+    with pytest.raises(MooncakeUnavailableError, match=r"apt-get install libibverbs1") as info:
+        WeightPublisher({"w": torch.zeros(2)})
+    assert "libibverbs.so.1" in str(info.value)
+
+
+def _manifest_json() -> dict[str, Any]:
+    entry = TensorEntry(name="w", dtype="float32", shape=[2, 3], offset=HEADER_BYTES, nbytes=24)
+    m = WeightManifest(
+        peer="127.0.0.1:1234", buffer_addr=4096, length=HEADER_BYTES + 64, version=3, tensors=[entry]
+    )
+    return orjson.loads(m.model_dump_json())
+
+
+def test_manifest_round_trips_and_rejects_malformed() -> None:
+    data = _manifest_json()
+    m = WeightManifest.model_validate(data)
+    assert orjson.loads(m.model_dump_json()) == data and m.schema_version == 1
+    bad_cases = [
+        {**data, "extra": 1},
+        {**data, "schema_version": 2},
+        {**data, "length": HEADER_BYTES + 8},  # tensor outside the buffer
+        {**data, "tensors": [{**data["tensors"][0], "nbytes": 20}]},  # nbytes disagrees with shape x dtype
+        {**data, "tensors": [{**data["tensors"][0], "dtype": "complex64"}]},
+        {**data, "tensors": [{**data["tensors"][0], "offset": HEADER_BYTES + 4}]},  # misaligned
+        {**data, "tensors": [data["tensors"][0], data["tensors"][0]]},  # duplicate names
+    ]
+    for bad in bad_cases:
+        with pytest.raises(ValidationError):
+            WeightManifest.model_validate(bad)
