@@ -74,3 +74,20 @@ def test_trace_line_requires_event_fields():
 
 def test_role_cycle():
     assert [r.value for r in CellRole] == ["rollout", "to_training", "training", "to_rollout"]
+
+
+def test_decisions_become_wire_messages():
+    from gyre_sched.config import PolicyParams
+    from gyre_sched.events import BeginTransition, Reroute, to_wire
+    from gyre_sched.policies import make_policy
+
+    pol = make_policy(PolicyParams(kind="elastic", K=2, C_e=2, N=1, B=1, tau_s=0.0, rho_min=1.0))
+    specs = [to_wire(d) for d in pol.start(0.0)]
+    launches = [m for m in specs if isinstance(m, ExecutionSpec)]
+    assert [(m.execution_id, m.engine, m.dispatch_version) for m in launches] == [("g0.e0", "cell:1", 0)]
+    for m in launches:
+        assert ExecutionSpec.model_validate(orjson.loads(m.model_dump_json())) == m
+    route = to_wire(Reroute("g0.e0", "cell:1"))
+    assert route == Route(execution_id="g0.e0", engine="cell:1", reason="reroute")
+    tr = to_wire(BeginTransition(0, CellRole.ROLLOUT, CellRole.TO_TRAINING))
+    assert tr == CellTransition(cell=0, from_role="rollout", to_role="to_training")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gyre_sched.types import AssessedStatus, CellRole, ExecutionSpec, Outcome
+from gyre_sched.types import AssessedStatus, CellRole, CellTransition, ExecutionSpec, Outcome, Route
 
 # ---- events in ----------------------------------------------------------------------------------------------------
 
@@ -208,3 +208,18 @@ Decision = (
     | AssessmentRecorded
     | StepRecorded
 )
+
+
+def to_wire(d: Decision) -> ExecutionSpec | Route | CellTransition | None:
+    """The wire message a decision becomes for the runner (launch), the proxy (routes) or a cell (role change)."""
+    match d:
+        case Launch(spec):
+            return spec
+        case Reroute(eid, engine):
+            return Route(execution_id=eid, engine=engine, reason="reroute")
+        case BeginTransition(cell, a, b):
+            return CellTransition(cell=cell, from_role=a, to_role=b, phase="begin")
+        case EndTransition(cell, a, b):
+            return CellTransition(cell=cell, from_role=a, to_role=b, phase="end")
+        case _:
+            return None
