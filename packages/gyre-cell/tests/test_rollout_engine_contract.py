@@ -31,14 +31,15 @@ class EngineUnderTest:
 def _sglang(model) -> Iterator[EngineUnderTest]:
     from gyre_cell.sglang_adapter import SGLangEngine, SGLangLaunchConfig, SGLangServer
 
+    if not torch.cuda.is_available():
+        pytest.skip("SGLang needs a CUDA device")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = SGLangServer(SGLangLaunchConfig(model_path=str(model), port=port, mem_fraction_static=0.3))
     server.start()
     try:
-        client = server.client()
-        asyncio.run(client.wait_healthy(timeout_s=600))
+        asyncio.run(server.wait_healthy(timeout_s=600))
         yield EngineUnderTest(server.base_url, SGLangEngine, "cuda")
     finally:
         server.stop()

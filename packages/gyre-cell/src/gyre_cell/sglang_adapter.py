@@ -6,6 +6,7 @@ the `gpu` marker. The request bodies are checked against SGLang's own request cl
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -98,6 +99,24 @@ class SGLangServer:
     def start(self, *, log_path: str | None = None) -> None:
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives with the process)
         self.proc = subprocess.Popen(build_launch_command(self.cfg), stdout=out, stderr=subprocess.STDOUT)
+
+    async def wait_healthy(self, timeout_s: float = 900.0) -> None:
+        """Poll /health until it answers 200; fail at once if the server process exits."""
+        client = self.client()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            while loop.time() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"SGLang server exited with code {self.proc.returncode} before becoming healthy"
+                    )
+                if await client.health():
+                    return
+                await asyncio.sleep(1.0)
+        finally:
+            await client.aclose()
+        raise TimeoutError(f"SGLang server at {self.base_url} not healthy after {timeout_s} s")
 
     def client(self) -> SGLangEngine:
         return SGLangEngine(self.base_url, tp_size=self.cfg.tp_size)

@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .kv_cache import KVCacheFullError, PagedKVCache
 from .model_runner import ModelRunner, StepInput
 from .request import EngineInputError, EngineStateError, Request, SamplingSpec, Sink
-from .sampling import sample_token
+from .sampling import batched_logprobs, sample_token
 from .weights import WeightStore, load_checkpoint_dir
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -357,9 +357,11 @@ class TorchEngine:
                 batch.append(StepInput(req.pending, start, write, self.kv.slots_of(req.seq)))
         if not batch:
             return
-        stepped = [r for r in self.running]
+        stepped = list(self.running)
         logits_BV = self.runner.step(batch, self.kv)
-        for req, logits_V in zip(stepped, logits_BV, strict=True):
+        logprobs_BV = batched_logprobs(logits_BV, [r.sampling.temperature for r in stepped]).cpu()
+        logits_BV = logits_BV.cpu()
+        for req, logits_V, lp_V in zip(stepped, logits_BV, logprobs_BV, strict=True):
             sp = req.sampling
             token, lp = sample_token(
                 logits_V,
@@ -367,6 +369,7 @@ class TorchEngine:
                 top_p=sp.top_p,
                 top_k=sp.top_k,
                 generator=req.generator or self._gen,
+                logprobs_V=lp_V,
             )
             req.append(token, lp, self.weight_version)
             req.pending = [token]

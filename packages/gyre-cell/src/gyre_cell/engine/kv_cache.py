@@ -29,6 +29,8 @@ class SeqBlocks:
     num_tokens: int = 0
     num_cached: int = 0
     """Tokens whose KV came from the prefix cache (reported as cached_tokens)."""
+    slots: list[int] = field(default_factory=list)
+    """Flat pool slot of every written token, in order (kept incrementally: read every step)."""
 
 
 def _chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
@@ -156,6 +158,8 @@ class PagedKVCache:
                 self._incref(b)
                 seq.blocks.append(b)
             seq.num_tokens = seq.num_cached = len(seq.blocks) * self.block_size
+            bs = self.block_size
+            seq.slots = [b * bs + i for b in seq.blocks for i in range(bs)]
         return seq
 
     def blocks_needed(self, seq: SeqBlocks, new_tokens: int) -> int:
@@ -199,4 +203,5 @@ class PagedKVCache:
                 else:
                     self._free.append(b)
         seq.blocks.clear()
+        seq.slots = []
         seq.num_tokens = seq.num_cached = 0

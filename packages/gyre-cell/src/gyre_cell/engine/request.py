@@ -52,7 +52,7 @@ Sink = Callable[[dict[str, Any], bool], None]
 """Receives (response snapshot, finished). Called from the engine thread."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: two requests are never equal
 class Request:
     rid: str
     input_ids: list[int]

@@ -32,11 +32,26 @@ def sample_token(
     top_p: float,
     top_k: int,
     generator: torch.Generator | None,
+    logprobs_V: torch.Tensor | None = None,
 ) -> tuple[int, float]:
-    """Draw one token from float32 logits `[V]`; returns (token id, behaviour log-prob)."""
+    """Draw one token from float32 logits `[V]`; returns (token id, behaviour log-prob).
+    `logprobs_V` may carry the row of `batched_logprobs` (computed once for the whole step)."""
     if temperature <= 0.0:
         token = int(torch.argmax(logits_V))
-        return token, float(torch.log_softmax(logits_V, dim=-1)[token])
-    probs_V = truncated_probs(logits_V, temperature, top_p, top_k)
+        lp_V = logprobs_V if logprobs_V is not None else torch.log_softmax(logits_V, dim=-1)
+        return token, float(lp_V[token])
+    lp_V = logprobs_V if logprobs_V is not None else torch.log_softmax(logits_V / temperature, dim=-1)
+    if top_p >= 1.0 and not 0 < top_k < logits_V.numel():
+        probs_V = lp_V.exp()  # no truncation: sample the tempered distribution directly
+    else:
+        probs_V = truncated_probs(logits_V, temperature, top_p, top_k)
     token = int(torch.multinomial(probs_V.cpu(), 1, generator=generator))
-    return token, float(torch.log_softmax(logits_V / temperature, dim=-1)[token])
+    return token, float(lp_V[token])
+
+
+def batched_logprobs(logits_BV: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+    """`log_softmax(logits / T)` per row, with T = 1 for greedy rows; `[B, V]`."""
+    t_B1 = torch.tensor(
+        [t if t > 0 else 1.0 for t in temperatures], dtype=logits_BV.dtype, device=logits_BV.device
+    )
+    return torch.log_softmax(logits_BV / t_B1[:, None], dim=-1)

@@ -62,6 +62,10 @@ def _sampling_spec(body: GenerateBody) -> SamplingSpec:
         raise BadRequest("constrained decoding (json_schema, regex) is not supported by the torch engine")
     if body.top_logprobs_num:
         raise BadRequest("top_logprobs_num > 0 is not supported by the torch engine")
+    if body.return_logprob and body.logprob_start_len >= 0:
+        raise BadRequest("prompt log-probs (logprob_start_len >= 0) are not supported by the torch engine")
+    if sp.min_p > 0:
+        raise BadRequest("min_p is not supported by the torch engine")
     stop = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
     return SamplingSpec(
         max_new_tokens=sp.max_new_tokens,

@@ -21,7 +21,10 @@ def mooncake_engine_loader(
     async def load(engine: RolloutEngine) -> str:
         snap = await asyncio.to_thread(subscriber.read)
         version = str(snap.version)
-        items = list(snap.tensors.items())
+        items, seen = [], set()
+        for name, t in snap.tensors.items():  # tied names share bytes; the encoder refuses shared storage
+            items.append((name, t.clone() if t.data_ptr() in seen else t))
+            seen.add(t.data_ptr())
         async with engine.weight_update_session():
             for i in range(0, len(items), bucket_tensors):
                 await engine.update_weights_from_tensor(items[i : i + bucket_tensors], weight_version=version)
