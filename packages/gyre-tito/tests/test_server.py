@@ -1,8 +1,10 @@
 import asyncio
+import json
 import threading
 import time
 
 import httpx
+import openai
 import pytest
 
 from gyre_tito.proxy import Proxy, ProxyConfig
@@ -235,5 +237,61 @@ def test_engine_rejection_is_a_400_not_a_retry_storm(tok_dir, tmp_path):
                 and "longer than the model's context length" in r.json()["error"]["message"]
             )
             assert srv.proxy.pool.retries == 0 and len(srv.proxy.executions[eid].records.tree) == 0
+    finally:
+        eng.stop()
+
+
+def _frames(resp: httpx.Response) -> list[tuple[str, dict]]:
+    out = []
+    for block in resp.text.split("\n\n"):
+        if block.startswith("event: "):
+            head, data = block.split("\n", 1)
+            out.append((head[7:], json.loads(data[6:])))
+    return out
+
+
+def test_stream_starts_at_once_pings_while_generating_and_reports_late_errors(tok_dir, tmp_path):
+    eng = ScriptedEngine(
+        ScriptedEngineConfig(tokenizer=str(tok_dir), default_reply="slow " * 6, token_delay_s=0.03)
+    )
+    url = eng.start()
+    try:
+        cfg = _cfg(tok_dir, tmp_path, [url], keepalive_s=0.05)
+        cfg.engine.max_attempts = 2
+        cfg.engine.retry_backoff_s = 0.01
+        with ProxyServer(cfg) as srv:
+            eid, cred = srv.register()
+            r = _msg(srv.url, cred, [{"role": "user", "content": "hi"}], stream=True)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            kinds = [k for k, _ in _frames(r)]
+            assert kinds[0] == "message_start" and "ping" in kinds and kinds[-1] == "message_stop"
+            assert kinds[kinds.index("content_block_start") :] == [
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop",
+            ]
+            assert len(srv.proxy.executions[eid].records.tree) == 1
+            # an engine failure after the stream started arrives as an error event in Anthropic's shape
+            _, cred2 = srv.register(route=["http://127.0.0.1:9"])
+            r = _msg(srv.url, cred2, [{"role": "user", "content": "hi"}], stream=True)
+            frames = _frames(r)
+            assert frames[0][0] == "message_start" and frames[-1][0] == "error"
+            assert frames[-1][1] == {
+                "type": "error",
+                "error": {"type": "overloaded_error", "message": frames[-1][1]["error"]["message"]},
+            }
+            # OpenAI: keep-alive comments are invisible to the SDK
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key=cred)
+            chunks = list(
+                client.chat.completions.create(
+                    model="p", messages=[{"role": "user", "content": "x"}], stream=True
+                )
+            )
+            assert (
+                "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                == ("slow " * 6).strip()
+            )
     finally:
         eng.stop()

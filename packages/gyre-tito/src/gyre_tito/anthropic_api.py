@@ -22,7 +22,16 @@ from gyre_tito.conversation import (
     strip_volatile,
 )
 
-__all__ = ["error_body", "parse_request", "response_body", "sse_events"]
+__all__ = [
+    "error_body",
+    "parse_request",
+    "response_body",
+    "sse_content",
+    "sse_error",
+    "sse_events",
+    "sse_message_start",
+    "sse_ping",
+]
 
 _STOP = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence"}
 
@@ -250,11 +259,38 @@ def _chunks(s: str, n: int = 48) -> list[str]:
     return [s[i : i + n] for i in range(0, len(s), n)] or [""]
 
 
+def sse_message_start(msg_id: str, model: str, input_tokens: int) -> bytes:
+    """`message_start`: sent as soon as the call is accepted (before generation ends)."""
+    start = {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": 1},
+    }
+    return _frame("message_start", {"type": "message_start", "message": start})
+
+
+def sse_ping() -> bytes:
+    return _frame("ping", {"type": "ping"})
+
+
+def sse_error(kind: str, message: str) -> bytes:
+    """An error after the stream has started (the HTTP status is already 200)."""
+    return _frame("error", error_body(kind, message))
+
+
 def sse_events(r: Reply) -> Iterator[bytes]:
     """The exact event sequence of a streamed Messages response for an already generated reply."""
-    start = response_body(r) | {"content": [], "stop_reason": None, "stop_sequence": None}
-    start["usage"] = {"input_tokens": r.input_tokens, "output_tokens": 1}
-    yield _frame("message_start", {"type": "message_start", "message": start})
+    yield sse_message_start(r.id, r.model, r.input_tokens)
+    yield from sse_content(r)
+
+
+def sse_content(r: Reply) -> Iterator[bytes]:
+    """Everything after `message_start`: the content blocks, `message_delta` and `message_stop`."""
     for i, b in enumerate(_blocks(r)):
         if b["type"] == "thinking":
             yield _frame(

@@ -24,7 +24,15 @@ from gyre_tito.conversation import (
     strip_volatile,
 )
 
-__all__ = ["error_body", "parse_request", "response_body", "stream_chunks"]
+__all__ = [
+    "KEEPALIVE",
+    "error_body",
+    "parse_request",
+    "response_body",
+    "stream_chunks",
+    "stream_error",
+    "stream_role_chunk",
+]
 
 _FINISH = {"stop": "stop", "length": "length", "stop_sequence": "stop"}
 
@@ -200,7 +208,34 @@ def response_body(r: Reply, opts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def stream_chunks(r: Reply, opts: dict[str, Any]) -> Iterator[bytes]:
+def stream_role_chunk(msg_id: str, model: str) -> bytes:
+    """The first chunk (`delta.role`), sent as soon as the call is accepted."""
+    c = {
+        "id": msg_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None,
+                "logprobs": None,
+            }
+        ],
+    }
+    return b"data: " + orjson.dumps(c) + b"\n\n"
+
+
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see traffic
+
+
+def stream_error(kind: str, message: str, status: int) -> bytes:
+    """An error after the stream has started, then the end of the stream."""
+    return b"data: " + orjson.dumps(error_body(kind, message, status)) + b"\n\ndata: [DONE]\n\n"
+
+
+def stream_chunks(r: Reply, opts: dict[str, Any], include_role: bool = True) -> Iterator[bytes]:
     """`data: {chunk}` frames of a streamed completion for an already generated reply, then `data: [DONE]`."""
     created = int(time.time())
 
@@ -214,7 +249,8 @@ def stream_chunks(r: Reply, opts: dict[str, Any]) -> Iterator[bytes]:
         }
         return b"data: " + orjson.dumps(c) + b"\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
+    if include_role:
+        yield chunk({"role": "assistant", "content": ""})
     if r.reasoning is not None:
         yield chunk({"reasoning_content": r.reasoning})
     if r.text:

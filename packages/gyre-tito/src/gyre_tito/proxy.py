@@ -42,7 +42,7 @@ from gyre_tito.render import ChatTokenizer
 from gyre_tito.roles import RoleClassifier, make_classifier
 from gyre_tito.types import CallRecord, OutputSegment, Timings, runs_from_mask
 
-__all__ = ["Execution", "Proxy", "ProxyConfig"]
+__all__ = ["Execution", "PreparedCall", "Proxy", "ProxyConfig"]
 
 
 class ProxyConfig(BaseModel):
@@ -60,6 +60,7 @@ class ProxyConfig(BaseModel):
         "claude-code", description="role classifier for Anthropic requests (roles.CLASSIFIERS)"
     )
     openai_classifier: str = Field("static", description="role classifier for OpenAI requests")
+    keepalive_s: float = Field(5.0, description="ping interval on a streamed response while the engine works")
     fsync: bool = Field(True, description="fsync every record (off only for benchmarks)")
     engine: EnginePoolConfig = Field(default_factory=EnginePoolConfig, description="engine pool settings")
 
@@ -94,6 +95,28 @@ class Execution:
             self.text_index[rec.metadata["text_key"]] = rec.call_id
         if rec.metadata.get("gen_suffix"):
             self.gen_suffix[rec.call_id] = rec.metadata["gen_suffix"]
+
+
+@dataclass
+class PreparedCall:
+    """A validated, encoded and matched call, ready for the engine (see `Proxy.prepare`)."""
+
+    ex: Execution
+    conv: Conversation
+    api: str
+    meta: dict[str, Any]
+    ids: array
+    policy: bytearray
+    parent: str | None
+    n: int  # tokens of the context covered by the parent's path
+    role: tuple[str, str, str]  # agent_id, role_class, call_kind
+    sampling: dict[str, Any]
+    msg_id: str
+    t0: float
+
+    @property
+    def input_tokens(self) -> int:
+        return len(self.ids)
 
 
 class Proxy:
@@ -250,6 +273,20 @@ class Proxy:
         body: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
     ) -> tuple[Reply, CallRecord]:
+        """One model call: `prepare` (encode, match, validate) then `finish` (generate, record)."""
+        return await self.finish(await self.prepare(ex, conv, sampling, api, meta, body, headers))
+
+    async def prepare(
+        self,
+        ex: Execution,
+        conv: Conversation,
+        sampling: Sampling,
+        api: str,
+        meta: dict[str, Any],
+        body: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> PreparedCall:
+        """Everything that can fail because of the request itself, before any engine work (raises ProtocolError)."""
         t0 = time.time()
         async with ex.lock:  # the tree is not read while a record is being added to it (in a worker thread)
             ids, policy = self.encode(ex, conv)
@@ -261,7 +298,7 @@ class Proxy:
                 f"prompt is too long: {len(ids)} tokens + {sampling.max_new_tokens} max tokens > "
                 f"{self.config.max_context_tokens} maximum",
             )
-        agent_id, role_class, call_kind = self.classifiers[api].classify(body or {}, headers)
+        role = self.classifiers[api].classify(body or {}, headers)
         sp = {
             "max_new_tokens": sampling.max_new_tokens,
             "temperature": sampling.temperature,
@@ -273,6 +310,23 @@ class Proxy:
         }
         if sampling.stop:
             sp["stop"] = sampling.stop
+        msg_id = ("msg_" if api == "anthropic" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        return PreparedCall(ex, conv, api, meta, ids, policy, parent, n, tuple(role), sp, msg_id, t0)
+
+    async def finish(self, call: PreparedCall) -> tuple[Reply, CallRecord]:
+        """Generate (with retries across engines), record durably, and build the reply."""
+        ex, conv, api, meta, ids, policy, parent, n = (
+            call.ex,
+            call.conv,
+            call.api,
+            call.meta,
+            call.ids,
+            call.policy,
+            call.parent,
+            call.n,
+        )
+        agent_id, role_class, call_kind = call.role
+        sp, msg_id, t0 = call.sampling, call.msg_id, call.t0
         t_engine = time.time()
         try:
             res = await self.pool.generate(ids, sp, route=ex.route)
@@ -288,7 +342,6 @@ class Proxy:
         finish = res.finish
         if finish == "stop" and isinstance(res.matched, str):
             finish = "stop_sequence"
-        msg_id = ("msg_" if api == "anthropic" else "chatcmpl-") + uuid.uuid4().hex[:24]
         rec = CallRecord(
             execution_id=ex.id,
             call_id=f"{ex.id}/{uuid.uuid4().hex[:16]}",

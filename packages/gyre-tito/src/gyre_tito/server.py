@@ -8,6 +8,7 @@ after the call is recorded durably, so a stream the harness sees always correspo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -83,6 +84,38 @@ def create_app(proxy: Proxy) -> FastAPI:
         e = ProtocolError(500, "api_error", f"internal error: {type(exc).__name__}")
         return _openai_error(e) if req.url.path.startswith("/v1/chat") else _anthropic_error(e)
 
+    def _streamed(call, first: bytes, ping: bytes, content, on_error, api: str) -> StreamingResponse:
+        """Stream `first` now, keep-alives while the engine works, then the content (or an error event).
+
+        The generation runs as its own task: a harness that disconnects does not cancel it, so the call is still
+        recorded (and its tool-call payloads cached) when the harness retries."""
+        task = asyncio.ensure_future(proxy.finish(call))
+        task.add_done_callback(
+            lambda t: t.cancelled() or t.exception()
+        )  # never "exception was never retrieved"
+
+        async def frames():
+            yield first
+            while not task.done():
+                await asyncio.wait({task}, timeout=proxy.config.keepalive_s)
+                if not task.done():
+                    yield ping
+            try:
+                reply, _ = task.result()
+            except ProtocolError as e:
+                count(api, e.status)
+                yield on_error(e)
+                return
+            except Exception as e:  # a bug: still end the stream in the protocol's shape
+                log.exception("call failed after the stream started")
+                yield on_error(ProtocolError(500, "api_error", f"internal error: {type(e).__name__}"))
+                return
+            count(api, 200)
+            for f in content(reply):
+                yield f
+
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
     @app.post("/v1/messages")
     async def messages(req: Request) -> Response:
         try:
@@ -91,15 +124,25 @@ def create_app(proxy: Proxy) -> FastAPI:
             conv, sampling, stream = anthropic_api.parse_request(
                 body, proxy.config.volatile_patterns, proxy.turn_cache
             )
-            reply, _ = await proxy.complete(
+            call = await proxy.prepare(
                 ex, conv, sampling, "anthropic", _headers_meta(req, body), body, dict(req.headers)
             )
+            if stream:  # headers and message_start go out now; content only once the call is recorded
+                model = call.meta.get("model") or proxy.config.model_name
+                first = anthropic_api.sse_message_start(call.msg_id, model, call.input_tokens)
+                return _streamed(
+                    call,
+                    first,
+                    anthropic_api.sse_ping(),
+                    anthropic_api.sse_content,
+                    lambda e: anthropic_api.sse_error(e.kind, e.message),
+                    "anthropic",
+                )
+            reply, _ = await proxy.finish(call)
         except ProtocolError as e:
             count("anthropic", e.status)
             return _anthropic_error(e)
         count("anthropic", 200)
-        if stream:
-            return StreamingResponse(anthropic_api.sse_events(reply), media_type="text/event-stream")
         return JSONResponse(anthropic_api.response_body(reply))
 
     @app.post("/v1/messages/count_tokens")
@@ -120,15 +163,24 @@ def create_app(proxy: Proxy) -> FastAPI:
             ex = proxy.authenticate(_credential(req))
             body = await _json(req)
             conv, sampling, stream, opts = openai_api.parse_request(body, proxy.config.volatile_patterns)
-            reply, _ = await proxy.complete(
+            call = await proxy.prepare(
                 ex, conv, sampling, "openai", _headers_meta(req, body), body, dict(req.headers)
             )
+            if stream:
+                model = call.meta.get("model") or proxy.config.model_name
+                return _streamed(
+                    call,
+                    openai_api.stream_role_chunk(call.msg_id, model),
+                    openai_api.KEEPALIVE,
+                    lambda r: openai_api.stream_chunks(r, opts, include_role=False),
+                    lambda e: openai_api.stream_error(e.kind, e.message, e.status),
+                    "openai",
+                )
+            reply, _ = await proxy.finish(call)
         except ProtocolError as e:
             count("openai", e.status)
             return _openai_error(e)
         count("openai", 200)
-        if stream:
-            return StreamingResponse(openai_api.stream_chunks(reply, opts), media_type="text/event-stream")
         return JSONResponse(openai_api.response_body(reply, opts))
 
     @app.get("/v1/models")
