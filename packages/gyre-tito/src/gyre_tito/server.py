@@ -2,8 +2,9 @@
 
 Every harness endpoint authenticates the execution credential (`x-api-key` or `Authorization: Bearer`); errors are
 returned in the calling protocol's own shape (Anthropic `{"type": "error", "error": {...}}`, OpenAI
-`{"error": {...}}`) with a 4xx status (529 when no engine can serve), never a 500. Streaming responses are produced
-after the call is recorded durably, so a stream the harness sees always corresponds to a stored record.
+`{"error": {...}}`) with a 4xx status (529 when no engine can serve), never a 500. A streamed response starts as soon
+as the request is validated (`message_start`, then keep-alive pings); its content is sent only after the call is
+recorded durably, so every token a harness sees is on disk.
 """
 
 from __future__ import annotations
