@@ -14,12 +14,10 @@ One call (`Proxy.complete`):
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import secrets
 import time
 import uuid
 from array import array
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +34,14 @@ from gyre_tito.conversation import (
     Turn,
 )
 from gyre_tito.engine_client import EngineError, EnginePool, EnginePoolConfig, EngineRejected
+from gyre_tito.execution import Execution, PreparedCall, credential_hash, text_key
 from gyre_tito.parse import parse_output
-from gyre_tito.records import ExecutionRecords, RecordLogConfig, RecordStore
+from gyre_tito.records import RecordLogConfig, RecordStore
 from gyre_tito.render import ChatTokenizer
 from gyre_tito.roles import RoleClassifier, make_classifier
 from gyre_tito.types import CallRecord, OutputSegment, Timings, runs_from_mask
 
-__all__ = ["Execution", "PreparedCall", "Proxy", "ProxyConfig"]
+__all__ = ["Execution", "PreparedCall", "Proxy", "ProxyConfig"]  # Execution, PreparedCall re-exported
 
 
 class ProxyConfig(BaseModel):
@@ -63,60 +62,6 @@ class ProxyConfig(BaseModel):
     keepalive_s: float = Field(5.0, description="ping interval on a streamed response while the engine works")
     fsync: bool = Field(True, description="fsync every record (off only for benchmarks)")
     engine: EnginePoolConfig = Field(default_factory=EnginePoolConfig, description="engine pool settings")
-
-
-def _text_key(text: str) -> str:
-    return hashlib.sha256(text.strip().encode()).hexdigest()[:32]
-
-
-def _hash(credential: str) -> str:
-    return hashlib.sha256(credential.encode()).hexdigest()
-
-
-@dataclass
-class Execution:
-    id: str
-    group_id: str
-    records: ExecutionRecords
-    route: list[str] | None = None
-    ended: bool = False
-    tool_index: dict[str, str] = field(default_factory=dict)  # tool-call id we issued -> call id
-    text_index: dict[str, str] = field(default_factory=dict)  # reply text key -> call id (text-only replies)
-    gen_suffix: dict[str, str] = field(
-        default_factory=dict
-    )  # call id -> generation-prompt text after the header
-    metadata: dict[str, Any] = field(default_factory=dict)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # guards tree reads against an append in flight
-
-    def index(self, rec: CallRecord) -> None:
-        for tid in rec.metadata.get("tool_call_ids", []):
-            self.tool_index[tid] = rec.call_id
-        if rec.metadata.get("text_key"):
-            self.text_index[rec.metadata["text_key"]] = rec.call_id
-        if rec.metadata.get("gen_suffix"):
-            self.gen_suffix[rec.call_id] = rec.metadata["gen_suffix"]
-
-
-@dataclass
-class PreparedCall:
-    """A validated, encoded and matched call, ready for the engine (see `Proxy.prepare`)."""
-
-    ex: Execution
-    conv: Conversation
-    api: str
-    meta: dict[str, Any]
-    ids: array
-    policy: bytearray
-    parent: str | None
-    n: int  # tokens of the context covered by the parent's path
-    role: tuple[str, str, str]  # agent_id, role_class, call_kind
-    sampling: dict[str, Any]
-    msg_id: str
-    t0: float
-
-    @property
-    def input_tokens(self) -> int:
-        return len(self.ids)
 
 
 class Proxy:
@@ -194,7 +139,7 @@ class Proxy:
             "ev": "register",
             "execution_id": eid,
             "group_id": group_id or eid,
-            "credential_sha256": _hash(credential),
+            "credential_sha256": credential_hash(credential),
             "route": route,
             "metadata": metadata or {},
             "t": time.time(),
@@ -225,7 +170,7 @@ class Proxy:
             raise ProtocolError(
                 401, "authentication_error", "missing credential (x-api-key or Authorization: Bearer)"
             )
-        eid = self._by_credential.get(_hash(credential))
+        eid = self._by_credential.get(credential_hash(credential))
         if eid is None:
             raise ProtocolError(401, "authentication_error", "invalid credential: no such execution")
         ex = self.executions[eid]
@@ -244,7 +189,7 @@ class Proxy:
         def recorded_for(t: Turn) -> int | None:
             cid = next((ex.tool_index[c.id] for c in t.tool_calls if c.id in ex.tool_index), None)
             if cid is None and not t.tool_calls:
-                cid = ex.text_index.get(_text_key(t.content))
+                cid = ex.text_index.get(text_key(t.content))
             if cid is None or cid not in tree:
                 return None
             if cid not in slots:
@@ -364,7 +309,7 @@ class Proxy:
                 "api": api,
                 "message_id": msg_id,
                 "tool_call_ids": [c.id for c in calls],
-                "text_key": _text_key(parsed.text) if parsed.text and not calls else None,
+                "text_key": text_key(parsed.text) if parsed.text and not calls else None,
                 "volatile": conv.volatile,
                 "gen_suffix": self.chat.generation_suffix(
                     **({} if conv.enable_thinking is None else {"enable_thinking": conv.enable_thinking})

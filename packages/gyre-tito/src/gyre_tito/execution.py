@@ -1,0 +1,71 @@
+"""Per-execution proxy state: the execution (credential, tree, tool-call payload cache, route) and a prepared call."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyre_tito.conversation import Conversation
+from gyre_tito.records import ExecutionRecords
+from gyre_tito.types import CallRecord
+
+__all__ = ["Execution", "PreparedCall", "credential_hash", "text_key"]
+
+
+def text_key(text: str) -> str:
+    """Key of a text-only reply in the payload cache (harnesses may trim surrounding whitespace)."""
+    return hashlib.sha256(text.strip().encode()).hexdigest()[:32]
+
+
+def credential_hash(credential: str) -> str:
+    """Credentials are stored and compared as SHA-256 only."""
+    return hashlib.sha256(credential.encode()).hexdigest()
+
+
+@dataclass
+class Execution:
+    """One registered execution: its record log + tree, and the payload cache that maps our responses back."""
+
+    id: str
+    group_id: str
+    records: ExecutionRecords
+    route: list[str] | None = None
+    ended: bool = False
+    tool_index: dict[str, str] = field(default_factory=dict)  # tool-call id we issued -> call id
+    text_index: dict[str, str] = field(default_factory=dict)  # reply text key -> call id (text-only replies)
+    gen_suffix: dict[str, str] = field(default_factory=dict)  # call id -> generation-prompt text after header
+    metadata: dict[str, Any] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # guards tree reads against an append in flight
+
+    def index(self, rec: CallRecord) -> None:
+        for tid in rec.metadata.get("tool_call_ids", []):
+            self.tool_index[tid] = rec.call_id
+        if rec.metadata.get("text_key"):
+            self.text_index[rec.metadata["text_key"]] = rec.call_id
+        if rec.metadata.get("gen_suffix"):
+            self.gen_suffix[rec.call_id] = rec.metadata["gen_suffix"]
+
+
+@dataclass
+class PreparedCall:
+    """A validated, encoded and matched call, ready for the engine (see `Proxy.prepare`)."""
+
+    ex: Execution
+    conv: Conversation
+    api: str
+    meta: dict[str, Any]
+    ids: array
+    policy: bytearray
+    parent: str | None
+    n: int  # tokens of the context covered by the parent's path
+    role: tuple[str, str, str]  # agent_id, role_class, call_kind
+    sampling: dict[str, Any]
+    msg_id: str
+    t0: float
+
+    @property
+    def input_tokens(self) -> int:
+        return len(self.ids)
