@@ -72,7 +72,7 @@ def test_trace_lines_follow_the_format(small, tmp_path):
 
 
 def test_colocate_never_trains_while_an_admitted_execution_runs(small):
-    _, lines, _ = run_traced(small("colocate", 0.0, 3, bursts=4))
+    res, lines, _ = run_traced(small("colocate", 0.0, 3, bursts=4))
     p = f = claims = 0
     for x in lines:
         p += x["ev"] == "launch"
@@ -81,6 +81,7 @@ def test_colocate_never_trains_while_an_admitted_execution_runs(small):
             claims += 1
             assert p == f, f"claim at t={x['t']} with {p - f} executions running"
     assert claims > 0
+    assert res.counters["claims_while_elastic_cells_ran_executions"] == 0
 
 
 def test_async_never_moves_a_cell(small):

@@ -69,7 +69,9 @@ def _print_result(r: SimResult) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    cfg = SimConfig.model_validate(resolve(_load(args)))
+    raw = resolve(_load(args))
+    raw.pop("compare", None)  # one file serves both commands
+    cfg = SimConfig.model_validate(raw)
     out = Path(args.out) if args.out else Path("sched-out") / cfg.name
     res = run_one(cfg, out, plots=not args.no_plots)
     _print_result(res)

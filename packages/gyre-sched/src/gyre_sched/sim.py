@@ -306,6 +306,7 @@ class Simulator:
                 "dropped_groups": led.dropped,
                 "cancelled_surplus": led.cancelled_surplus,
                 "withdrawn_surplus": led.withdrawn_surplus,
+                "claims_while_elastic_cells_ran_executions": pol.claims_while_running,
             },
             events=self._events,
             wall_s=wall_s,
