@@ -216,6 +216,10 @@ def test_openai_errors_have_openai_shape(stack):
         srv.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {cred}"}, content=b"[1,"
     )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        openai.OpenAI(base_url=srv.url + "/v1", api_key=cred).chat.completions.create(
+            model="p", messages=[{"role": "user", "content": "x"}], n=2
+        )
     r = httpx.post(
         srv.url + "/v1/chat/completions",
         headers={"Authorization": f"Bearer {cred}"},

@@ -148,6 +148,8 @@ def parse_request(body: Any, volatile_patterns) -> tuple[Conversation, Sampling,
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream: must be a boolean")
+    if body.get("n", 1) not in (1, None):
+        raise _bad("n: only n=1 is supported (each choice would be a separate recorded call)")
     so = body.get("stream_options") or {}
     opts = {
         "logprobs": bool(body.get("logprobs")),
