@@ -219,13 +219,10 @@ def test_to_rollout_with_mooncake_loader(engine_url: str, tiny_model: Path, tiny
         async def run() -> None:
             async with TorchEngineClient(engine_url) as client:
                 trainer = _Trainer()
-                mgr = CellRoleManager(
-                    client, trainer.state, CellRoleManagerConfig(initial_role=CellRole.TRAINING)
-                )
+                await trainer.state.offload()
+                mgr = CellRoleManager(client, trainer.state)
                 with WeightSubscriber(WeightManifest.model_validate_json(raw)) as sub:
-                    await mgr.to_training() if mgr.role is CellRole.ROLLOUT else None
-                    await client.pause()
-                    await client.release_memory()
+                    await mgr.to_training()
                     rep = await mgr.to_rollout(mooncake_engine_loader(sub))
                 assert rep.weight_version == "7" and await client.weight_version() == "7"
                 assert (await client.generate(PROMPT, GREEDY)).output_ids == expected_b
