@@ -138,3 +138,20 @@ def test_recorded_trace_replays(small, tmp_path):
     ).run()
     assert colocate.end_time_s > res.end_time_s  # the same recorded workload, another policy
     assert read_trace(path).steps == res.steps
+
+
+def test_replay_with_censored_executions_and_bad_lines(small, tmp_path):
+    cfg = small("elastic", 0.5, 3, bursts=2, policy={"k_spare": 1})
+    res, _, raw = run_traced(cfg)
+    assert res.counters["cancelled_surplus"] > 0  # the recording holds cancelled (censored) executions
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(raw)
+    wl = cfg.workload.model_copy(update={"trace": str(path)})
+    replay = Simulator(
+        cfg.model_copy(update={"workload": wl, "steps": 2 * cfg.steps})
+    ).run()  # cycles the groups
+    assert replay.steps == 2 * cfg.steps
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(raw.splitlines()[0] + b'\n{"t": 1.0, "ev": "launch"}\n')
+    with pytest.raises(ValueError, match=r"(?s)bad.jsonl:2: .*lacks field"):
+        list(iter_trace(bad))
