@@ -20,8 +20,12 @@ def wheels(tmp_path_factory) -> dict[str, Path]:
     if uv is None:
         pytest.fail("uv is not on PATH")
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([uv, "build", "--all-packages", "--wheel", "--out-dir", str(out)], cwd=ROOT, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [uv, "build", "--all-packages", "--wheel", "--out-dir", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     return {p.name.split("-")[0]: p for p in out.glob("*.whl")}
 
 
@@ -35,7 +39,9 @@ def test_light_wheel_installs_alone(wheels, dist, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([uv, "venv", "--python", "3.12", str(venv)], check=True, capture_output=True)
     python = venv / "bin" / "python"
-    subprocess.run([uv, "pip", "install", "--python", str(python), str(wheels[dist])], check=True, capture_output=True)
+    subprocess.run(
+        [uv, "pip", "install", "--python", str(python), str(wheels[dist])], check=True, capture_output=True
+    )
     code = f"import sys, {LIGHT[dist]}; assert 'torch' not in sys.modules; print('ok')"
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr

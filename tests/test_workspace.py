@@ -18,7 +18,11 @@ ALLOWED_EDGES = {
     "gyre-eval": set(),
     "gyre-sched": set(),
     "gyre-train": {"gyre-tito"},
-    "gyre-cell": {"gyre-train", "gyre-sched", "gyre-tito"},  # gyre-tito is reachable through gyre-train anyway
+    "gyre-cell": {
+        "gyre-train",
+        "gyre-sched",
+        "gyre-tito",
+    },  # gyre-tito is reachable through gyre-train anyway
     "gyre": set(PACKAGES),
 }
 
