@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .kv_cache import KVCacheFullError, PagedKVCache
 from .model_runner import ModelRunner, StepInput
 from .request import EngineInputError, EngineStateError, Request, SamplingSpec, Sink
-from .sampling import batched_logprobs, sample_token
+from .sampling import sample_batch
 from .weights import WeightStore, load_checkpoint_dir
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -359,18 +359,9 @@ class TorchEngine:
             return
         stepped = list(self.running)
         logits_BV = self.runner.step(batch, self.kv)
-        logprobs_BV = batched_logprobs(logits_BV, [r.sampling.temperature for r in stepped]).cpu()
-        logits_BV = logits_BV.cpu()
-        for req, logits_V, lp_V in zip(stepped, logits_BV, logprobs_BV, strict=True):
-            sp = req.sampling
-            token, lp = sample_token(
-                logits_V,
-                temperature=sp.temperature,
-                top_p=sp.top_p,
-                top_k=sp.top_k,
-                generator=req.generator or self._gen,
-                logprobs_V=lp_V,
-            )
+        params = [(r.sampling.temperature, r.sampling.top_p, r.sampling.top_k, r.generator) for r in stepped]
+        tokens, logprobs = sample_batch(logits_BV, params, self._gen)
+        for req, token, lp in zip(stepped, tokens, logprobs, strict=True):
             req.append(token, lp, self.weight_version)
             req.pending = [token]
             self._tokens_generated += 1

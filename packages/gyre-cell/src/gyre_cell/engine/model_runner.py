@@ -67,11 +67,9 @@ class ModelRunner:
         total = torch.tensor([len(s.all_slots) for s in batch], device=dev)
         start = torch.tensor([s.start_pos for s in batch], device=dev)
 
-        ids_BL = torch.zeros(B, L, dtype=torch.long, device=dev)
-        gather_BT = torch.zeros(B, T, dtype=torch.long, device=dev)  # padding reads reserved slot 0
-        for b, s in enumerate(batch):
-            ids_BL[b, : len(s.new_tokens)] = torch.tensor(s.new_tokens, device=dev)
-            gather_BT[b, : len(s.all_slots)] = torch.tensor(s.all_slots, device=dev)
+        # one host->device copy per index tensor; padding reads the reserved slot 0
+        ids_BL = torch.tensor([s.new_tokens + [0] * (L - len(s.new_tokens)) for s in batch], device=dev)
+        gather_BT = torch.tensor([s.all_slots + [0] * (T - len(s.all_slots)) for s in batch], device=dev)
         q_idx_L = torch.arange(L, device=dev)
         real_BL = q_idx_L[None, :] < n_new[:, None]
         write_slots = torch.tensor([x for s in batch for x in s.write_slots], dtype=torch.long, device=dev)

@@ -55,3 +55,38 @@ def batched_logprobs(logits_BV: torch.Tensor, temperatures: list[float]) -> torc
         [t if t > 0 else 1.0 for t in temperatures], dtype=logits_BV.dtype, device=logits_BV.device
     )
     return torch.log_softmax(logits_BV / t_B1[:, None], dim=-1)
+
+
+def sample_batch(
+    logits_BV: torch.Tensor,
+    params: list[tuple[float, float, int, torch.Generator | None]],
+    default_generator: torch.Generator,
+) -> tuple[list[int], list[float]]:
+    """Sample one token per row. `params[b] = (temperature, top_p, top_k, generator or None)`.
+
+    The common rows (greedy, or untruncated sampling without a per-request generator) are handled with
+    batched ops; the rest row by row. Returns (tokens, behaviour log-probs)."""
+    logits_BV = logits_BV.float().cpu()
+    lp_BV = batched_logprobs(logits_BV, [p[0] for p in params])
+    greedy_rows = [b for b, p in enumerate(params) if p[0] <= 0.0]
+    plain_rows = [
+        b
+        for b, (t, top_p, top_k, gen) in enumerate(params)
+        if t > 0.0 and gen is None and top_p >= 1.0 and not 0 < top_k < logits_BV.shape[1]
+    ]
+    tokens = [0] * len(params)
+    if greedy_rows:
+        for b, tok in zip(greedy_rows, logits_BV[greedy_rows].argmax(dim=-1).tolist(), strict=True):
+            tokens[b] = tok
+    if plain_rows:
+        drawn = torch.multinomial(lp_BV[plain_rows].exp(), 1, generator=default_generator)[:, 0].tolist()
+        for b, tok in zip(plain_rows, drawn, strict=True):
+            tokens[b] = tok
+    done = set(greedy_rows) | set(plain_rows)
+    for b, (t, top_p, top_k, gen) in enumerate(params):
+        if b not in done:
+            tokens[b], _ = sample_token(
+                logits_BV[b], temperature=t, top_p=top_p, top_k=top_k, generator=gen or default_generator
+            )
+    logprobs = lp_BV.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    return tokens, logprobs
