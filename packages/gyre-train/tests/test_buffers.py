@@ -123,7 +123,7 @@ def test_queue_releases_train_items_after_prepass_and_claims_are_atomic():
     _fill(buf, make_groups(2, n, seed=5, max_len=80))
     packer = StreamPackingBuffer(PackingConfig(group_size=n, batch_groups=2, tokens_per_shard=40), buf)
     packer.open_batch(0, 0)
-    q = MicroStepQueue()
+    q = MicroStepQueue(single_pass=False)
     q.open(0)
     mss = []
     while not packer.closed:

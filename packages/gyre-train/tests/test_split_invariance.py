@@ -70,7 +70,15 @@ def reference(model_path: str, groups, cfg: LossConfig):
 
 
 def streaming(
-    model_path: str, groups, cfg: LossConfig, *, shard: int, dp: int = 1, cells: int = 1, join_after=0
+    model_path: str,
+    groups,
+    cfg: LossConfig,
+    *,
+    shard: int,
+    dp: int = 1,
+    cells: int = 1,
+    join_after=0,
+    single_pass: bool = True,
 ):
     buffer = TrajectoryBuffer(N)
     for gid, v, ex in groups:
@@ -80,7 +88,7 @@ def streaming(
     core = CellWorker(0, TorchBackend(backend_cfg), cfg)
     packing = PackingConfig(group_size=N, batch_groups=B, tokens_per_shard=shard, dp_size=dp, window_shards=2,
                             temperature=TEMP)  # fmt: skip
-    trainer = Trainer(TrainerConfig(packing=packing, loss=cfg), core, buffer)
+    trainer = Trainer(TrainerConfig(packing=packing, loss=cfg, single_pass=single_pass), core, buffer)
     trainer.version = 1
     sats = [CellWorker(c, TorchBackend(TorchBackendConfig(model_path=model_path, dtype="float64", optimizer=False)),
                        cfg) for c in range(1, cells)]  # fmt: skip
@@ -98,17 +106,24 @@ def batch(tiny_model):
 
 @pytest.mark.parametrize("cap_mode", ["truncate", "mask"])
 @pytest.mark.parametrize(
-    ("shard", "dp", "cells", "join_after"),
-    [(100_000, 1, 1, 0), (64, 1, 1, 0), (80, 2, 1, 0), (48, 1, 2, 3)],
-    ids=["one-microstep", "many-microsteps", "two-dp-shards", "two-cells-join-mid-batch"],
-)
-def test_streaming_equals_float64_reference(tiny_model, batch, cap_mode, shard, dp, cells, join_after):
+    ("shard", "dp", "cells", "join_after", "single_pass"),
+    [(100_000, 1, 1, 0, True), (100_000, 1, 1, 0, False), (64, 1, 1, 0, True), (80, 2, 1, 0, True),
+     (48, 1, 2, 3, True)],
+    ids=["one-microstep-single-pass", "one-microstep-prepass", "many-microsteps", "two-dp-shards",
+         "two-cells-join-mid-batch"],
+)  # fmt: skip
+def test_streaming_equals_float64_reference(
+    tiny_model, batch, cap_mode, shard, dp, cells, join_after, single_pass
+):
     cfg = LossConfig(cap_mode=cap_mode)
     ref_loss, ref_grads, ref_execs = reference(tiny_model, batch, cfg)
-    trainer, grads = streaming(tiny_model, batch, cfg, shard=shard, dp=dp, cells=cells, join_after=join_after)
+    trainer, grads = streaming(tiny_model, batch, cfg, shard=shard, dp=dp, cells=cells, join_after=join_after,
+                               single_pass=single_pass)  # fmt: skip
     claims = trainer.queue.train_claims
+    all_claims = sum(trainer.queue.claims.values())
     if shard == 100_000:
         assert sum(claims.values()) == 1
+        assert all_claims == (1 if single_pass else 2)  # the single-pass path skips the pre-pass forward
     else:
         assert sum(claims.values()) >= 4
     if cells == 2:

@@ -41,9 +41,10 @@ class CellWorker:
             ]
             return PrepassResult(batch=ms.batch, index=ms.index, cell=self.cell, partials=partials)
         stats = TokenStats()
+        partials = []
         for r, shard in enumerate(ms.shards):
             loss_fn = make_loss_fn(ms, r, self.loss, dtype=torch.float64)
-            stats = stats + self.backend.forward_backward(
-                PackedTensors.from_shard(shard), ms.temperature, loss_fn
-            )
-        return TrainResult(batch=ms.batch, index=ms.index, cell=self.cell, stats=stats)
+            packed = PackedTensors.from_shard(shard)
+            stats = stats + self.backend.forward_backward(packed, ms.temperature, loss_fn)
+            partials += loss_fn.partials  # single-pass executions (no pre-pass): their s_i sums
+        return TrainResult(batch=ms.batch, index=ms.index, cell=self.cell, stats=stats, partials=partials)

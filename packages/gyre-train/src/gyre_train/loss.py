@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from gyre_train.types import ExecutionInfo, MicroStep, Shard, TokenStats
+from gyre_train.types import ExecutionInfo, ExecutionPartial, MicroStep, Shard, TokenStats
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,20 +166,74 @@ def shard_coefficients(shard: Shard, coefs: list, gates: list, dtype: torch.dtyp
     return coef_T, gate_T, target_T
 
 
-def make_loss_fn(microstep: MicroStep, shard_index: int, cfg: LossConfig, dtype: torch.dtype = torch.float32):
-    """Loss function for one shard of a micro-step: ``loss_fn(logprobs_T) -> (scalar, TokenStats)``.
+class ShardLoss:
+    """Loss function of one shard of a micro-step: ``loss_fn(logprobs_T) -> (scalar, TokenStats)``.
 
-    ``microstep.executions`` must carry pre-pass ``log_ratio_sum`` values (behaviour mode).
+    Executions whose ``log_ratio_sum`` is None (only allowed when all their targets lie in this shard: the queue's
+    single-pass path) get s_i from this very forward (detached), so no pre-pass is needed for them; their partial
+    sums are left in ``partials`` for the caller to report.
     """
-    shard = microstep.shards[shard_index]
-    coefs, gates = execution_coefficients(microstep.executions, microstep.norm, cfg)
-    coef_T, gate_T, target_T = shard_coefficients(shard, coefs, gates, dtype)
-    behavior_T = torch.tensor(shard.behavior_logprobs, dtype=torch.float64)
 
-    def loss_fn(logprobs_T: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
-        return gspo_token_loss(logprobs_T, behavior_T, coef_T, gate_T, target_T.to(logprobs_T.device), cfg)
+    def __init__(self, microstep: MicroStep, shard_index: int, cfg: LossConfig, dtype: torch.dtype) -> None:
+        self.microstep, self.shard, self.cfg, self.dtype = (
+            microstep,
+            microstep.shards[shard_index],
+            cfg,
+            dtype,
+        )
+        self.behavior_T = torch.tensor(self.shard.behavior_logprobs, dtype=torch.float64)
+        self.partials: list[ExecutionPartial] = []
+        self._missing = [
+            k for k, e in enumerate(microstep.executions)
+            if e.log_ratio_sum is None and e.num_targets and cfg.ratio_reference == "behaviour"
+        ]  # fmt: skip
+        self._coefs = None if self._missing else self._coefficients(microstep.executions)
 
-    return loss_fn
+    def _coefficients(self, executions: list[ExecutionInfo]) -> tuple:
+        coefs, gates = execution_coefficients(executions, self.microstep.norm, self.cfg)
+        return shard_coefficients(self.shard, coefs, gates, self.dtype)
+
+    def __call__(self, logprobs_T: torch.Tensor) -> tuple[torch.Tensor, TokenStats]:
+        coefs = self._coefs
+        if coefs is None:  # single pass: the whole execution is in this shard
+            execs = list(self.microstep.executions)
+            sums, counts = prepass_partials(self.shard, logprobs_T, len(execs))
+            for k in self._missing:
+                e = execs[k]
+                if counts[k] != e.num_targets:
+                    raise ValueError(
+                        f"execution {e.execution_id}: {counts[k]} of {e.num_targets} targets in this shard; "
+                        "the single-pass path needs them all (run the pre-pass)"
+                    )
+                execs[k] = e.model_copy(update={"log_ratio_sum": sums[k]})
+                self.partials.append(ExecutionPartial(execution_id=e.execution_id, log_ratio_sum=sums[k],
+                                                      count=counts[k]))  # fmt: skip
+            coefs = self._coefficients(execs)
+        dev = logprobs_T.device
+        coef_T, gate_T, target_T = (t.to(dev) for t in coefs)
+        return gspo_token_loss(logprobs_T, self.behavior_T.to(dev), coef_T, gate_T, target_T, self.cfg)
+
+
+def make_loss_fn(
+    microstep: MicroStep, shard_index: int, cfg: LossConfig, dtype: torch.dtype = torch.float32
+) -> ShardLoss:
+    """Loss function for one shard of a micro-step (see :class:`ShardLoss`)."""
+    return ShardLoss(microstep, shard_index, cfg, dtype)
+
+
+def single_pass_ok(microstep: MicroStep) -> bool:
+    """True if every execution of the micro-step has all its |T_i| targets inside one shard of it."""
+    where: dict[int, set[int]] = {}
+    counts: dict[int, int] = {}
+    for r, shard in enumerate(microstep.shards):
+        for slot in shard.exec_slot:
+            if slot >= 0:
+                where.setdefault(slot, set()).add(r)
+                counts[slot] = counts.get(slot, 0) + 1
+    return all(
+        len(where.get(k, ())) <= 1 and counts.get(k, 0) == e.num_targets
+        for k, e in enumerate(microstep.executions)
+    )
 
 
 def prepass_partials(shard: Shard, logprobs_T: torch.Tensor, num_executions: int) -> tuple[list, list]:

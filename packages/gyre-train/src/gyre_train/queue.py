@@ -4,7 +4,9 @@ Each micro-step enters as a ``prepass`` item (forward only: per-execution partia
 partial counts of an execution reach its |T_i| (known from packing), its log_ratio_sum is final; a micro-step's
 ``train`` item is released once every execution it touches is final, carrying those sums in its ExecutionInfo.
 Weights are frozen during accumulation, so pre-pass values equal the values the train pass recomputes.
-With ``ratio_reference = "proximal"`` no pre-pass is needed: micro-steps enter directly as train items.
+With ``ratio_reference = "proximal"`` no pre-pass is needed: micro-steps enter directly as train items. Single-pass
+path (DESIGN §7.2, ``single_pass=True``): a micro-step in which every execution has all its targets inside one shard
+also skips the pre-pass; the train forward computes those s_i itself (``gyre_train.loss.ShardLoss``).
 
 ``claim`` prefers released train items (oldest first), then pre-pass items. The batch is finished when the stream is
 closed and every train item has been reported. All methods are thread-safe (one lock): the core's own worker and the
@@ -17,6 +19,7 @@ import threading
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from gyre_train.loss import single_pass_ok
 from gyre_train.types import ExecutionInfo, MicroStep, PrepassResult, TokenStats, TrainResult, WorkItem
 
 
@@ -36,8 +39,9 @@ class ExecutionTally:
 class MicroStepQueue:
     """Work queue of one batch (reopened for every batch)."""
 
-    def __init__(self, prepass: bool = True) -> None:
+    def __init__(self, prepass: bool = True, single_pass: bool = True) -> None:
         self.prepass = prepass
+        self.single_pass = single_pass
         self._lock = threading.Lock()
         self._open(-1)
 
@@ -72,7 +76,7 @@ class MicroStepQueue:
                 if known.info != e:
                     raise ValueError(f"execution {e.execution_id} described differently by two micro-steps")
             self._put += 1
-            if self.prepass:
+            if self.prepass and not (self.single_pass and single_pass_ok(microstep)):
                 self._prepass_items.append(microstep)
             else:
                 self._train_items.append(microstep)
@@ -118,6 +122,10 @@ class MicroStepQueue:
             self._check_batch(result.batch)
             self._trained += 1
             self._stats = self._stats + result.stats
+            for p in result.partials:  # single-pass executions: s_i came from the train forward itself
+                tally = self._tally[p.execution_id]
+                tally.log_ratio_sum += p.log_ratio_sum
+                tally.count += p.count
 
     def _check_batch(self, batch: int) -> None:
         if batch != self.batch:

@@ -41,6 +41,8 @@ class TrainerConfig:
     """Global gradient-norm clip, applied once per step by the core."""
     queue_ahead: int = 2
     """Keep at least this many unclaimed micro-steps in the queue while groups are available."""
+    single_pass: bool = True
+    """Skip the pre-pass for micro-steps holding each of their executions whole inside one shard."""
 
 
 class DataStarvation(RuntimeError):
@@ -55,7 +57,9 @@ class Trainer:
         self.core = core
         self.buffer = buffer
         self.packer = StreamPackingBuffer(cfg.packing, buffer)
-        self.queue = MicroStepQueue(prepass=cfg.loss.ratio_reference == "behaviour")
+        self.queue = MicroStepQueue(
+            prepass=cfg.loss.ratio_reference == "behaviour", single_pass=cfg.single_pass
+        )
         self.version = 0
         """Policy version = optimizer steps taken."""
         self._opened_at = 0.0

@@ -180,6 +180,8 @@ class TrainResult(_Wire):
     index: int
     cell: int = Field(ge=0)
     stats: TokenStats
+    partials: list[ExecutionPartial] = Field(default_factory=list)
+    """Single-pass executions (no pre-pass): their sums of (sg(l_t) - b_t), for the batch metrics."""
 
 
 class StepReport(_Wire):
