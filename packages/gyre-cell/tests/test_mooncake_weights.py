@@ -105,6 +105,8 @@ def test_read_equals_published_bytes_and_loads_model(
         sub.load_into(model, snap)
         for name, p in model.state_dict().items():
             assert torch.equal(p, expected_a[name]), name
+        bound = _to_model(tiny_model)
+        sub.bind(bound)  # zero-copy: the next read lands in `bound` directly
 
         # A second publish is visible to the next read; the model follows after load_into.
         expected_b = load_checkpoint_dir(tiny_model_b)
@@ -115,6 +117,10 @@ def test_read_equals_published_bytes_and_loads_model(
         sub.load_into(model, snap2)
         for name, p in model.state_dict().items():
             assert torch.equal(p, expected_b[name]), name
+        for name, p in bound.state_dict().items():
+            assert torch.equal(p, expected_b[name]), name
+        with pytest.raises(ValueError, match="does not match"):
+            sub.bind(torch.nn.Linear(2, 2))
 
 
 def test_version_change_during_read_is_detected_and_retried(

@@ -139,6 +139,28 @@ class WeightSubscriber:
         """Copy a snapshot into `model`'s parameters and buffers (one copy; views, no staging tensors)."""
         model.load_state_dict(snapshot.tensors, strict=strict)
 
+    def bind(self, model: torch.nn.Module) -> None:
+        """Make `model`'s parameters and buffers views of this subscriber's buffer (zero copies).
+
+        Every later `read` then lands directly in the model: use it where the model is not in use during a read
+        (a satellite pulls between batches). A read that ends in an error leaves the model's values undefined.
+        """
+        state = model.state_dict(keep_vars=True)
+        missing = sorted(set(state) - set(self._views))
+        unknown = sorted(set(self._views) - set(state))
+        if missing or unknown:
+            raise ValueError(
+                f"model does not match the manifest: missing {missing[:5]}, unknown {unknown[:5]}"
+            )
+        for name, t in state.items():
+            view = self._views[name]
+            if t.shape != view.shape or t.dtype != view.dtype:
+                raise ValueError(
+                    f"{name}: model has {t.dtype}{list(t.shape)}, manifest {view.dtype}{list(view.shape)}"
+                )
+        for name, t in state.items():
+            t.data = self._views[name]
+
     def close(self) -> None:
         if self._engine is not None:
             self._engine.unregister_memory(self._buffer.data_ptr())
