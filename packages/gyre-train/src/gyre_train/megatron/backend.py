@@ -86,6 +86,7 @@ class MegatronBackend:
         self.thd = cfg.parallel.resolved_spec() == "te"
         self.device = next(self.model.parameters()).device
         self._params = [p for _, p in self.model.named_parameters()]
+        self._tp_partial = self._tp_partial_params()
         # Same optimizer as the torch backend (torch.optim.Adam), so both backends take identical steps.
         self.optimizer = (
             torch.optim.Adam(
@@ -190,8 +191,40 @@ class MegatronBackend:
 
     def forward_backward(self, batch: PackedTensors, temperature: float, loss_fn: LossFn) -> TokenStats:
         self.model.train()
+        before = [p.grad.clone() if p.grad is not None else None for p in self._tp_partial]
         out = self._run(batch, temperature, loss_fn)
+        self._sum_tp_partial_grads(before)
         return out.get("stats", TokenStats())
+
+    def _tp_partial_params(self) -> list[torch.nn.Parameter]:
+        """TP-replicated parameters whose gradient each TP rank only sees part of (megatron's
+        ``finalize_model_grads`` rule: QK-layernorm weights, which act on this rank's heads only, and with sequence
+        parallelism the norms marked ``sequence_parallel``)."""
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return []
+        sp = self.model.config.sequence_parallel
+        return [
+            p
+            for name, p in self.model.named_parameters()
+            if ("q_layernorm" in name or "k_layernorm" in name)
+            or (sp and getattr(p, "sequence_parallel", False))
+        ]
+
+    def _sum_tp_partial_grads(self, before: list[torch.Tensor | None]) -> None:
+        """Sum this call's partial gradients of those parameters over the TP group (only the new increment, so
+        gradients already accumulated from earlier calls are not counted twice)."""
+        if not self._tp_partial:
+            return
+        deltas = [
+            (p.grad - b if b is not None else p.grad) if p.grad is not None else torch.zeros_like(p)
+            for p, b in zip(self._tp_partial, before, strict=True)
+        ]
+        flat = torch.cat([d.reshape(-1) for d in deltas])
+        dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+        for p, b, d in zip(
+            self._tp_partial, before, torch.split(flat, [x.numel() for x in deltas]), strict=True
+        ):
+            p.grad = (b if b is not None else torch.zeros_like(p)) + d.view_as(p)
 
     def zero_grad(self) -> None:
         for p in self._params:

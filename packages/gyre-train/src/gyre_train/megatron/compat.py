@@ -30,6 +30,7 @@ PATCHED_MODULES = (
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.tensor_parallel.random",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.utils",
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "arange", "tensor")
@@ -69,6 +70,10 @@ class _CpuCuda(types.ModuleType):
     @staticmethod
     def manual_seed(seed: int) -> None:
         torch.manual_seed(seed)
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        """CPU work is synchronous (the pipeline's p2p code synchronizes the CUDA stream)."""
 
 
 class _CpuTorch(types.ModuleType):
