@@ -142,6 +142,26 @@ def test_version_change_during_read_is_detected_and_retried(
             assert torch.equal(snap.tensors[name], t), name
 
 
+def test_reads_during_continuous_publishing_are_never_torn(
+    peer: Peer, tiny_model: Path, tiny_model_b: Path
+) -> None:
+    states = [load_checkpoint_dir(tiny_model), load_checkpoint_dir(tiny_model_b)]  # even version: a, odd: b
+    peer.call("publish", {"dir": str(tiny_model)}, 100)
+    with WeightSubscriber(
+        peer.manifest(), config=SubscriberConfig(bucket_bytes=8192, retry_backoff_s=0.0)
+    ) as sub:
+        peer.call("churn", {"dir": str(tiny_model)}, {"dir": str(tiny_model_b)}, 101, 400)
+        versions = set()
+        for _ in range(40):
+            snap = sub.read()
+            versions.add(snap.version)
+            expected = states[snap.version % 2]
+            for name, t in expected.items():  # every tensor from the same publish as the version says
+                assert torch.equal(snap.tensors[name], t), (snap.version, name)
+        assert peer.call("churn_wait") == 500
+    assert len(versions) > 1  # the reads really overlapped the publishing
+
+
 def test_open_write_is_never_read_then_becomes_visible(peer: Peer, tiny_model: Path) -> None:
     peer.call("publish", {"dir": str(tiny_model)}, 20)
     with WeightSubscriber(

@@ -7,6 +7,7 @@ Commands are tuples; every command gets one reply `("ok", value)` or `("error", 
 
 from __future__ import annotations
 
+import threading
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -45,12 +46,15 @@ def publisher_process(conn: Connection, source: dict[str, Any], version: int = 0
     """Child-process main: publish `source` at `version`, then serve commands until `("close",)`.
 
     Commands: ("manifest",) -> WeightManifest JSON; ("serve_manifest",) -> URL; ("publish", source, version);
+    ("churn", source_a, source_b, start, count) publishes a/b alternately in a thread (even version = a);
+    ("churn_wait",) joins it;
     ("begin_write",) leaves a write open (sequence odd); ("end_write", version); ("save", dir) writes the
     current tensors as safetensors (baseline of the benchmark); ("close",).
     """
     from .publisher import WeightPublisher
 
     pub = WeightPublisher(load_source(source), version=version)
+    churner: threading.Thread | None = None
     try:
         while True:
             cmd, *args = conn.recv()
@@ -64,6 +68,23 @@ def publisher_process(conn: Connection, source: dict[str, Any], version: int = 0
                     value = pub.serve_manifest()
                 elif cmd == "publish":
                     pub.publish(load_source(args[0]), version=int(args[1]))
+                    value = pub.version
+                elif (
+                    cmd == "churn"
+                ):  # publish sources a, b, a, ... in a thread; version parity names the source
+                    states = [load_source(args[0]), load_source(args[1])]
+                    start, count = int(args[2]), int(args[3])
+
+                    def churn(states=states, start=start, count=count) -> None:
+                        for v in range(start, start + count):
+                            pub.publish(states[v % 2], version=v)
+
+                    churner = threading.Thread(target=churn, daemon=True)
+                    churner.start()
+                    value = None
+                elif cmd == "churn_wait":
+                    if churner is not None:
+                        churner.join()
                     value = pub.version
                 elif cmd == "begin_write":
                     pub.begin_write()
