@@ -54,8 +54,8 @@ def test_abort_returns_partial_output(served):
 
 
 def test_pause_in_place_then_continue_completes_identically(served):
-    expected = _greedy(served.http, n=60)["output_ids"]
-    t, box = _background(served.http, _body([3, 1, 4, 1, 5], 60))
+    expected = _greedy(served.http, n=300)["output_ids"]
+    t, box = _background(served.http, _body([3, 1, 4, 1, 5], 300))
     _wait_running(served.engine)
     assert served.http.post("/pause_generation", json={"mode": "in_place"}).json()["status"] == "ok"
     n_paused = len(served.engine.running[0].output_ids)
@@ -65,13 +65,13 @@ def test_pause_in_place_then_continue_completes_identically(served):
     r = served.http.post("/release_memory_occupation", json={})
     assert r.status_code == 400 and "idle" in r.json()["error"]["message"]
     served.http.post("/continue_generation", json={})
-    t.join(20)
+    t.join(60)
     assert box["r"].json()["output_ids"] == expected
 
 
 def test_pause_retract_recomputes_and_release_resume_roundtrip(served):
-    expected = _greedy(served.http, n=60)["output_ids"]
-    t, box = _background(served.http, _body([3, 1, 4, 1, 5], 60))
+    expected = _greedy(served.http, n=300)["output_ids"]
+    t, box = _background(served.http, _body([3, 1, 4, 1, 5], 300))
     _wait_running(served.engine)
     served.http.post("/pause_generation", json={"mode": "retract"})
     assert not served.engine.running and len(served.engine.waiting) == 1
@@ -92,7 +92,7 @@ def test_pause_retract_recomputes_and_release_resume_roundtrip(served):
     assert not served.engine.running
     served.http.post("/resume_memory_occupation", json={"tags": ["weights", "kv_cache"]})
     assert served.engine.weights.nbytes() == w_bytes
-    t.join(20)
+    t.join(60)
     out = box["r"].json()
     assert out["output_ids"] == expected and out["meta_info"]["num_retractions"] == 1
 
