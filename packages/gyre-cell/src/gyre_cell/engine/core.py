@@ -68,8 +68,13 @@ class TorchEngine:
         self.update_session_open = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Submission never waits for a running step: new requests land in an inbox under a small lock
+        # and the loop moves them to `waiting` between steps. `_lock` serializes steps and control ops.
         self._by_rid: dict[str, Request] = {}
-        self._cond = threading.Condition(threading.RLock())
+        self._inbox: list[Request] = []
+        self._inbox_lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
         self._stop = False
         self._gen = torch.Generator().manual_seed(config.seed)
         self._tokens_generated = 0
@@ -108,9 +113,9 @@ class TorchEngine:
         return AutoTokenizer.from_pretrained(path)
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._stop = True
-            self._cond.notify_all()
+        self._wake.set()
         self._thread.join(timeout=10)
         self.weights.close()
 
@@ -144,22 +149,24 @@ class TorchEngine:
         if sampling.sampling_seed is not None:
             gen = torch.Generator().manual_seed(sampling.sampling_seed)
         req = Request(rid, list(input_ids), sampling, return_logprob, stream, sink, gen)
-        with self._cond:
+        with self._inbox_lock:
             if rid in self._by_rid:
                 raise EngineInputError(f"rid {rid!r} is already running")
             self._by_rid[rid] = req
-            self.waiting.append(req)
-            self._cond.notify_all()
+            self._inbox.append(req)
+        self._wake.set()
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False, message: str = "Aborted") -> int:
         """Finish requests with finish_reason abort and their partial output; returns how many."""
-        with self._cond:
-            if abort_all:
-                targets = list(self._by_rid.values())
-            else:
-                if rid not in self._by_rid:
-                    raise EngineInputError(f"unknown rid {rid!r}")
-                targets = [self._by_rid[rid]]
+        with self._lock:
+            self._drain_inbox()
+            with self._inbox_lock:
+                if abort_all:
+                    targets = list(self._by_rid.values())
+                else:
+                    if rid not in self._by_rid:
+                        raise EngineInputError(f"unknown rid {rid!r}")
+                    targets = [self._by_rid[rid]]
             for req in targets:
                 self._finish(
                     req, {"type": "abort", "message": message, "status_code": None, "err_type": None}
@@ -168,7 +175,7 @@ class TorchEngine:
 
     # ---- pause / memory ----------------------------------------------------------------------
     def pause(self, mode: str = "abort") -> None:
-        with self._cond:
+        with self._lock:
             if mode == "abort":
                 self.abort(abort_all=True, message="Aborted by pause_generation")
             elif mode == "retract":
@@ -179,9 +186,9 @@ class TorchEngine:
             self.paused = True
 
     def resume_generation(self) -> None:
-        with self._cond:
+        with self._lock:
             self.paused = False
-            self._cond.notify_all()
+        self._wake.set()
 
     def _retract(self, req: Request) -> None:
         """Free a running request's KV and requeue it at the front; it re-prefills input + output."""
@@ -194,7 +201,7 @@ class TorchEngine:
 
     def release_memory(self, tags: list[str] | None) -> None:
         tags = self._check_tags(tags)
-        with self._cond:
+        with self._lock:
             if self.running:
                 raise EngineStateError(
                     f"release_memory_occupation needs an idle engine ({len(self.running)} requests running): "
@@ -208,13 +215,13 @@ class TorchEngine:
 
     def resume_memory(self, tags: list[str] | None) -> None:
         tags = self._check_tags(tags)
-        with self._cond:
+        with self._lock:
             if "weights" in tags:
                 self.weights.resume()
             if "kv_cache" in tags and not self.kv.allocated:
                 self.kv.allocate()
             self.released.difference_update(tags)
-            self._cond.notify_all()
+        self._wake.set()
 
     @staticmethod
     def _check_tags(tags: list[str] | None) -> list[str]:
@@ -226,7 +233,8 @@ class TorchEngine:
         return list(tags)
 
     def flush_cache(self) -> None:
-        with self._cond:
+        with self._lock:
+            self._drain_inbox()
             if self.running or self.waiting:
                 raise EngineStateError("flush_cache refused: requests are running or waiting")
             if self.kv.allocated:
@@ -244,7 +252,7 @@ class TorchEngine:
         model_path: str | None = None,
     ) -> int:
         """Apply tensors by HF name between two steps; running requests continue on the new weights."""
-        with self._cond:
+        with self._lock:
             if abort_all_requests:
                 self.abort(abort_all=True, message="Aborted by weight update")
             n = self.weights.apply(named, strict=strict)
@@ -260,13 +268,13 @@ class TorchEngine:
         return self.update_weights(load_checkpoint_dir(model_path), strict=True, model_path=model_path, **kw)
 
     def begin_weight_update(self) -> None:
-        with self._cond:
+        with self._lock:
             if self.update_session_open:
                 raise EngineStateError("a weight update session is already open")
             self.update_session_open = True
 
     def end_weight_update(self) -> None:
-        with self._cond:
+        with self._lock:
             if not self.update_session_open:
                 raise EngineStateError("no weight update session is open: call /begin_weight_update first")
             self.update_session_open = False
@@ -276,14 +284,14 @@ class TorchEngine:
             raise EngineStateError("weight update outside a session: call /begin_weight_update first")
 
     def set_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
-        with self._cond:
+        with self._lock:
             if abort_all_requests:
                 self.abort(abort_all=True, message="Aborted by update_weight_version")
             self.weight_version = version
 
     # ---- introspection -----------------------------------------------------------------------
     def load(self) -> dict[str, Any]:
-        with self._cond:
+        with self._lock:
             used = self.kv.used_tokens() if self.kv.allocated else 0
             cap = self.kv.capacity_tokens
             elapsed = max(time.monotonic() - self._started, 1e-9)
@@ -299,25 +307,34 @@ class TorchEngine:
             }
 
     def is_idle(self) -> bool:
-        with self._cond:
-            return not self.running and not self.waiting
+        return not self.running and not self.waiting and not self._inbox
 
     # ---- the loop ----------------------------------------------------------------------------
     def _runnable(self) -> bool:
         return not self.paused and not self.released and bool(self.running or self.waiting)
 
+    def _drain_inbox(self) -> None:
+        with self._inbox_lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                while not self._stop and not self._runnable():
-                    self._cond.wait()
+            with self._lock:
+                self._drain_inbox()
                 if self._stop:
                     return
-                try:
-                    self._step()
-                except Exception as e:  # never let the loop die: fail the batch, keep serving
-                    for req in list(self.running) + list(self.waiting):
-                        self._finish(req, {"type": "abort", "message": f"engine error: {e!r}"})
+                if self._runnable():
+                    try:
+                        self._step()
+                    except Exception as e:  # never let the loop die: fail the batch, keep serving
+                        for req in list(self.running) + list(self.waiting):
+                            self._finish(req, {"type": "abort", "message": f"engine error: {e!r}"})
+                    continue
+                self._wake.clear()
+            if self._inbox:  # arrived between the drain and the clear: no wake-up is lost
+                continue
+            self._wake.wait()
 
     def _admit(self) -> None:
         budget = self.config.max_prefill_tokens
@@ -396,7 +413,8 @@ class TorchEngine:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        self._by_rid.pop(req.rid, None)
+        with self._inbox_lock:
+            self._by_rid.pop(req.rid, None)
         req.sink(self._response(req), True)
 
     def _response(self, req: Request) -> dict[str, Any]:

@@ -157,7 +157,7 @@ def create_app(engine: TorchEngine) -> FastAPI:
         body = await parse_body(request, AbortBody)
         if not body.abort_all and not body.rid:
             raise BadRequest("give rid or abort_all=true")
-        engine.abort(body.rid, abort_all=body.abort_all)
+        await asyncio.to_thread(engine.abort, body.rid, abort_all=body.abort_all)
         return Response(status_code=200)
 
     @app.post("/pause_generation")
@@ -258,7 +258,7 @@ def create_app(engine: TorchEngine) -> FastAPI:
             "version": "gyre-cell",
             "accelerator": str(engine.device),
             "num_accelerators": 1,
-            "loads": [engine.load()],
+            "loads": [await asyncio.to_thread(engine.load)],
         }
 
     add_weight_routes(app, engine, parse_body)
