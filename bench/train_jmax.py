@@ -6,7 +6,8 @@ that J_max = 5 takes 74.8% of the all-trajectories forward-backward time.
 
 Trees are built from gyre_tito call records (ExecutionTree) and admitted with gyre_tito's selection (J_max = 5 vs
 J_max = 10**6); both sets go through the same stream packing and one training cell (pre-pass + forward-backward)
-on a tiny Qwen3 model. Baseline = all trajectories, same run. Last line: one JSON object.
+on a tiny Qwen3 model (one torch thread; time = process CPU time of accumulation, the fastest of alternating
+repeats, because wall time on a shared box is noise). Baseline = all trajectories, same run. Last line: JSON.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
 from gyre_train.loss import LossConfig
-from gyre_train.packing import PackingConfig
+from gyre_train.packing import PackingConfig, materialize
 from gyre_train.synthetic import build_tiny_model
 from gyre_train.trainer import Trainer, TrainerConfig
 
@@ -70,23 +71,24 @@ def synthetic_tree(rng: random.Random, eid: str, scale: int) -> ExecutionTree:
 def _time(model: str, trees, j_max: int, n: int, b: int, capacity: int) -> dict:
     buffer = TrajectoryBuffer(n)
     rng = random.Random(1)
-    trajs_total = 0
+    trajs_total = row_tokens = 0
     for g in range(b):
         gid = f"g{g}"
         for i in range(n):
             tree = trees[g * n + i]
             trajs = select_trajectories(tree, gid, SelectionConfig(j_max=j_max))
             trajs_total += len(trajs)
+            row_tokens += sum(len(r) for r in map(materialize, trajs) if r is not None)
             buffer.add_execution(gid, 0, tree.execution_id, rng.random(), trajs)
     backend = TorchBackend(TorchBackendConfig(model_path=model))
     packing = PackingConfig(group_size=n, batch_groups=b, tokens_per_shard=capacity)
     trainer = Trainer(TrainerConfig(packing=packing), CellWorker(0, backend, LossConfig()), buffer)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trainer.accumulate()
-    seconds = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     report = trainer.finish()
-    return {"seconds": seconds, "trajectories": trajs_total, "targets": report.num_target_tokens,
-            "microsteps": report.num_microsteps}  # fmt: skip
+    return {"seconds": cpu, "wall": wall, "trajectories": trajs_total, "targets": report.num_target_tokens,
+            "microsteps": report.num_microsteps, "row_tokens": row_tokens}  # fmt: skip
 
 
 def main(argv=None) -> dict:
@@ -94,22 +96,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    n, b, scale = (4, 2, 4) if args.quick else (8, 4, 8)
+    n, b, scale = (4, 2, 4) if args.quick else (8, 4, 6)
     rng = random.Random(0)
     trees = [synthetic_tree(rng, f"x{k}", scale) for k in range(n * b)]
     leaves = [len(t.leaves()) for t in trees]
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "model", hidden=128, layers=4)
         _time(model, trees[: 2 * 1], 5, 2, 1, 2048)  # warm-up (allocator, kernels)
-        all_ = _time(model, trees, 10**6, n, b, 2048)
-        five = _time(model, trees, 5, n, b, 2048)
+        runs = {"all": [], "five": []}
+        for _ in range(1 if args.quick else 2):  # alternate, keep the fastest: the CI box is shared
+            runs["all"].append(_time(model, trees, 10**6, n, b, 2048))
+            runs["five"].append(_time(model, trees, 5, n, b, 2048))
+        all_ = min(runs["all"], key=lambda r: r["seconds"])
+        five = min(runs["five"], key=lambda r: r["seconds"])
     out = {
-        "bench": "train_jmax", "fwd_bwd_s_jmax5": round(five["seconds"], 3),
-        "baseline_fwd_bwd_s_all": round(all_["seconds"], 3), "ratio": round(five["seconds"] / all_["seconds"], 3),
+        "bench": "train_jmax", "fwd_bwd_cpu_s_jmax5": round(five["seconds"], 3),
+        "baseline_fwd_bwd_cpu_s_all": round(all_["seconds"], 3), "ratio": round(five["seconds"] / all_["seconds"], 3),
         "paper_ratio": 0.748, "trajectories_jmax5": five["trajectories"], "trajectories_all": all_["trajectories"],
         "targets_jmax5": five["targets"], "targets_all": all_["targets"], "microsteps_jmax5": five["microsteps"],
-        "microsteps_all": all_["microsteps"], "executions": n * b, "mean_leaves": round(sum(leaves) / len(leaves), 2),
-        "max_leaves": max(leaves),
+        "microsteps_all": all_["microsteps"], "row_tokens_jmax5": five["row_tokens"],
+        "row_tokens_all": all_["row_tokens"], "executions": n * b, "mean_leaves": round(sum(leaves) / len(leaves), 2),
+        "max_leaves": max(leaves), "wall_s_jmax5": round(five["wall"], 2), "wall_s_all": round(all_["wall"], 2),
     }  # fmt: skip
     print(json.dumps(out))
     return out

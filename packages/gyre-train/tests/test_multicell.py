@@ -47,3 +47,47 @@ def test_two_cell_processes_satellite_joins_mid_batch(tiny_model, tmp_path):
     grads = torch.load(tmp_path / "grads-0.pt")
     assert torch.allclose(grads, ref_grads, atol=1e-6, rtol=0)
     assert float(ref_grads.abs().max()) > 1e-4
+
+
+def test_coordinator_keeps_the_training_set_a_prefix_and_closes_the_window(tiny_model, tmp_path):
+    from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
+    from gyre_train.buffer import TrajectoryBuffer
+    from gyre_train.cell import CellWorker
+    from gyre_train.localrun import free_port
+    from gyre_train.multicell import Coordinator, MultiCellConfig
+    from gyre_train.packing import PackingConfig
+    from gyre_train.trainer import Trainer, TrainerConfig
+    from gyre_train.types import CellRequest
+
+    buffer = TrajectoryBuffer(2)
+    for gid, v, execs in make_groups(1, 2, seed=1, max_len=30):
+        for eid, r, trajs in execs:
+            buffer.add_execution(gid, v, eid, r, trajs)
+    trainer = Trainer(
+        TrainerConfig(packing=PackingConfig(group_size=2, batch_groups=1, tokens_per_shard=32)),
+        CellWorker(0, TorchBackend(TorchBackendConfig(model_path=tiny_model)), LossConfig()),
+        buffer,
+    )
+    cfg = MultiCellConfig(num_cells=3, master_port=1, control_port=free_port(), snapshot_dir=str(tmp_path))
+    coord = Coordinator(cfg, trainer)
+    try:
+        assert coord.handle(CellRequest(op="join", cell=1)).status == "wait"  # no batch open
+        coord.open_batch(0, str(tmp_path / "snap.pt"))
+        trainer.open_batch()
+        assert coord.handle(CellRequest(op="join", cell=2)).status == "wait"  # cell 1 must join first
+        joined = coord.handle(CellRequest(op="join", cell=1))
+        assert joined.status == "joined" and joined.snapshot.endswith("snap.pt") and joined.batch == 0
+        assert coord.handle(CellRequest(op="join", cell=2)).status == "joined"
+        item = coord.handle(CellRequest(op="claim", cell=2))
+        assert item.status == "item" and item.item.microstep.batch == 0
+        assert coord.close_window(broadcast=True) == 3  # prefix of three cells
+        assert coord.handle(CellRequest(op="join", cell=2)).status == "wait"  # window closed: next batch
+        done = coord.handle(CellRequest(op="claim", cell=1))
+        assert (done.status, done.prefix, done.broadcast) == ("batch_done", 3, True)
+        assert coord.handle(CellRequest(op="claim", cell=1)).status == "wait"  # acknowledged once
+        with pytest.raises(ValueError, match="does not exist"):
+            coord.handle(CellRequest(op="claim", cell=3))
+        coord.open_batch(1, str(tmp_path / "snap.pt"))
+        assert coord.participants == {0, 1, 2}  # broadcast receivers stay for the next batch
+    finally:
+        coord.close()

@@ -166,10 +166,8 @@ class Coordinator:
         if req.cell >= self.cfg.num_cells:
             raise ValueError(f"cell {req.cell} does not exist (K={self.cfg.num_cells})")
         with self._lock:
-            if req.op == "report":
-                result = req.prepass if req.prepass is not None else req.train
-                self.trainer.report(result)
-                return CoordinatorReply(status="ok")
+            if req.op == "report":  # record, then answer like a claim (one round trip per item)
+                self.trainer.report(req.prepass if req.prepass is not None else req.train)
             if req.op == "join":
                 if self._stopping and not self._window_open:
                     return CoordinatorReply(status="stop")
@@ -180,7 +178,7 @@ class Coordinator:
                 self._participants.add(req.cell)
                 self._lock.notify_all()
                 return CoordinatorReply(status="joined", batch=self._batch, snapshot=self._snapshot)
-            # claim
+            # claim (or report)
             if self._done is not None and req.cell not in self._acked and req.cell in self._participants:
                 batch, prefix, broadcast = self._done
                 self._acked.add(req.cell)
@@ -300,14 +298,14 @@ class SatelliteRunner:
                 backend.load_flat_params(torch.load(reply.snapshot))  # the core's consistent snapshot
                 joined = True
             reply = self._ask("claim")
-            if reply.status == "item":
+            while reply.status == "item":  # a report is answered with the next claim
                 result = self.worker.run(reply.item)
                 self.items_run += 1
                 if isinstance(result, PrepassResult):
-                    self._ask("report", prepass=result)
+                    reply = self._ask("report", prepass=result)
                 else:
-                    self._ask("report", train=result)
-            elif reply.status == "batch_done":
+                    reply = self._ask("report", train=result)
+            if reply.status == "batch_done":
                 group = self.groups.for_prefix(reply.prefix)
                 dist.reduce(backend.flat_grads(), dst=0, op=dist.ReduceOp.SUM, group=group)
                 backend.zero_grad()

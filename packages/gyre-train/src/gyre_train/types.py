@@ -227,7 +227,8 @@ class CellRequest(_Wire):
 class CoordinatorReply(_Wire):
     """The coordinator's answer.
 
-    ``joined``: load the weight snapshot at ``snapshot`` and start claiming for ``batch``. ``item``: run ``item``.
+    ``joined``: load the weight snapshot at ``snapshot`` and start claiming for ``batch``. ``item``: run ``item``
+    (a ``report`` is answered like a ``claim``, so one round trip per item).
     ``wait``: nothing now, ask again. ``batch_done``: accumulation is over; sum gradients into the core over the
     prefix group of ``prefix`` cells, then receive a parameter broadcast if ``broadcast`` (stay for the next batch)
     or leave training. ``stop``: the run is over.
