@@ -107,3 +107,15 @@ def test_rng_tracker_forks_the_cpu_generator() -> None:
     mrandom.model_parallel_cuda_manual_seed(123, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
     with mrandom.get_cuda_rng_tracker().fork():
         assert torch.equal(torch.rand(3), a)  # same seed, same stream
+
+
+def test_building_model_keeps_tensor_cuda_on_cpu_only_inside_the_block() -> None:
+    compat.apply()
+    t = torch.ones(2)
+    with compat.building_model():
+        assert t.cuda() is t  # GPTModel's tied-embedding copy stays where it is
+    with pytest.raises((RuntimeError, AssertionError)):
+        t.cuda()  # the real method is back
+    compat.revert()
+    with compat.building_model(), pytest.raises((RuntimeError, AssertionError)):
+        t.cuda()  # not applied: nothing is patched

@@ -1,7 +1,8 @@
 """Megatron backend with tensor and pipeline parallelism: two ranks under torchrun (gloo on CPU, NCCL on 2 GPUs).
 
-The ranks first run TP=2 (weights sharded by KV group / vocab / FFN halves), then tear down megatron's groups and run
-PP=2 (one layer per stage) in the same processes. Each layout computes packed log-probs, one backward of a GSPO-shaped
+The ranks run, one after the other in the same processes (megatron's groups are torn down in between): TP=2 (weights
+sharded by KV group / vocab / FFN halves), PP=2 (one layer per stage), and PP=2 on a model with tied embeddings (the
+last stage holds a copy of the embedding whose gradient is summed with the first stage's). Each layout computes packed log-probs, one backward of a GSPO-shaped
 loss (a weighted sum of l_t), the global grad norm, and exports weights and gradients back to HF names; the test
 compares them with a one-process HF forward/backward on the same shard.
 """
@@ -16,7 +17,7 @@ import textwrap
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 pytestmark = [
     pytest.mark.slow,  # two processes each import megatron-core (~1.5 min on a shared 2-core box)
@@ -26,7 +27,7 @@ pytestmark = [
 ]
 
 TEMPERATURE = 0.7
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+LAYOUTS = ("tp2", "pp2", "pp2tied")
 
 WORKER = textwrap.dedent(
     """
@@ -35,7 +36,7 @@ WORKER = textwrap.dedent(
     from gyre_train.backends.base import PackedTensors
     from gyre_train.types import TokenStats
 
-    model_path, out, temperature = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    model_path, tied_path, out, temperature = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
     # The process group outlives both layouts; each backend creates (and its close() removes) megatron's groups only.
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     g = torch.Generator().manual_seed(0)
@@ -45,9 +46,10 @@ WORKER = textwrap.dedent(
     labels = torch.cat([ids[1:10], torch.tensor([-100]), ids[11:24], torch.tensor([-100])])
     batch = PackedTensors(input_ids=ids, position_ids=pos, cu_seqlens=cu, labels=labels)
     weight_T = torch.linspace(0.5, 1.5, 24)
-    for name, (tp, pp) in {"tp2": (2, 1), "pp2": (1, 2)}.items():
+    layouts = {"tp2": (2, 1, model_path), "pp2": (1, 2, model_path), "pp2tied": (1, 2, tied_path)}
+    for name, (tp, pp, path) in layouts.items():
         b = MegatronBackend(MegatronBackendConfig(
-            model_path=model_path, parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), optimizer=False
+            model_path=path, parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), optimizer=False
         ))
         l_T = b.logprobs(batch, temperature)
         b.forward_backward(batch, temperature, lambda lp: ((weight_T * lp).sum(), TokenStats()))
@@ -60,6 +62,16 @@ WORKER = textwrap.dedent(
     dist.destroy_process_group()
     """
 )
+
+
+def build_tiny_model(path, seed: int, tied: bool) -> str:
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied,
+    )  # fmt: skip
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
 
 
 def _reference(model_path: str, r: dict):
@@ -76,6 +88,7 @@ def _reference(model_path: str, r: dict):
 
 
 def test_tp2_and_pp2_match_hf(tiny_model, tmp_path) -> None:
+    tied = build_tiny_model(tmp_path / "tied", seed=5, tied=True)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "out"
@@ -83,7 +96,7 @@ def test_tp2_and_pp2_match_hf(tiny_model, tmp_path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # Own session, so a hang kills torchrun and both workers (and nothing else).
     proc = subprocess.Popen(
-        [*cmd, str(script), tiny_model, str(out), str(TEMPERATURE)],
+        [*cmd, str(script), tiny_model, tied, str(out), str(TEMPERATURE)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
     )  # fmt: skip
     try:
@@ -93,9 +106,11 @@ def test_tp2_and_pp2_match_hf(tiny_model, tmp_path) -> None:
         proc.communicate()
         pytest.fail("torchrun workers did not finish in 480 s")
     assert proc.returncode == 0, stderr[-6000:]
-    ref_l, params = _reference(tiny_model, torch.load(f"{out}.tp2.0"))
-    ref_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params.values())))
     for layout in LAYOUTS:
+        ref_l, params = _reference(
+            tied if layout == "pp2tied" else tiny_model, torch.load(f"{out}.{layout}.0")
+        )
+        ref_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params.values())))
         ranks = [torch.load(f"{out}.{layout}.{r}", weights_only=False) for r in range(2)]
         seen: set[str] = set()
         for rank, res in enumerate(ranks):

@@ -86,7 +86,7 @@ class MegatronBackend:
         self.thd = cfg.parallel.resolved_spec() == "te"
         self.device = next(self.model.parameters()).device
         self._params = [p for _, p in self.model.named_parameters()]
-        self._tp_partial = self._tp_partial_params()
+        self._partial_grads = self._partial_grad_groups()
         # Same optimizer as the torch backend (torch.optim.Adam), so both backends take identical steps.
         self.optimizer = (
             torch.optim.Adam(
@@ -191,39 +191,56 @@ class MegatronBackend:
 
     def forward_backward(self, batch: PackedTensors, temperature: float, loss_fn: LossFn) -> TokenStats:
         self.model.train()
-        before = [p.grad.clone() if p.grad is not None else None for p in self._tp_partial]
+        before = [
+            [p.grad.clone() if p.grad is not None else None for p in ps] for ps, _ in self._partial_grads
+        ]
         out = self._run(batch, temperature, loss_fn)
-        self._sum_tp_partial_grads(before)
+        for (params, group), prev in zip(self._partial_grads, before, strict=True):
+            self._sum_increments(params, prev, group)
         return out.get("stats", TokenStats())
 
-    def _tp_partial_params(self) -> list[torch.nn.Parameter]:
-        """TP-replicated parameters whose gradient each TP rank only sees part of (megatron's
-        ``finalize_model_grads`` rule: QK-layernorm weights, which act on this rank's heads only, and with sequence
-        parallelism the norms marked ``sequence_parallel``)."""
-        if parallel_state.get_tensor_model_parallel_world_size() == 1:
-            return []
-        sp = self.model.config.sequence_parallel
-        return [
-            p
-            for name, p in self.model.named_parameters()
-            if ("q_layernorm" in name or "k_layernorm" in name)
-            or (sp and getattr(p, "sequence_parallel", False))
-        ]
+    def _partial_grad_groups(self) -> list[tuple[list[torch.nn.Parameter], Any]]:
+        """Parameters whose gradient each rank of a group only sees part of, with that group (megatron's
+        ``finalize_model_grads`` rules, which need its DDP wrapper, not used here):
 
-    def _sum_tp_partial_grads(self, before: list[torch.Tensor | None]) -> None:
-        """Sum this call's partial gradients of those parameters over the TP group (only the new increment, so
-        gradients already accumulated from earlier calls are not counted twice)."""
-        if not self._tp_partial:
+        - TP: QK-layernorm weights (they act on this rank's heads only) and, with sequence parallelism, the norms
+          marked ``sequence_parallel``;
+        - PP with tied embeddings: the embedding (first stage) and its copy as output layer (last stage).
+        """
+        out = []
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            sp = self.model.config.sequence_parallel
+            tp = [
+                p
+                for name, p in self.model.named_parameters()
+                if "q_layernorm" in name
+                or "k_layernorm" in name
+                or (sp and getattr(p, "sequence_parallel", False))
+            ]
+            out.append((tp, parallel_state.get_tensor_model_parallel_group()))
+        if (
+            self.shape.tie_word_embeddings
+            and parallel_state.get_pipeline_model_parallel_world_size() > 1
+            and parallel_state.is_rank_in_embedding_group()
+        ):
+            out.append(
+                ([self.model.shared_embedding_or_output_weight()], parallel_state.get_embedding_group())
+            )
+        return out
+
+    @staticmethod
+    def _sum_increments(params: list[torch.nn.Parameter], before: list, group: Any) -> None:
+        """Sum this call's gradient increments of ``params`` over ``group`` (only the increment, so gradients
+        accumulated by earlier calls are not counted twice)."""
+        if not params:
             return
         deltas = [
             (p.grad - b if b is not None else p.grad) if p.grad is not None else torch.zeros_like(p)
-            for p, b in zip(self._tp_partial, before, strict=True)
+            for p, b in zip(params, before, strict=True)
         ]
         flat = torch.cat([d.reshape(-1) for d in deltas])
-        dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
-        for p, b, d in zip(
-            self._tp_partial, before, torch.split(flat, [x.numel() for x in deltas]), strict=True
-        ):
+        dist.all_reduce(flat, group=group)
+        for p, b, d in zip(params, before, torch.split(flat, [x.numel() for x in deltas]), strict=True):
             p.grad = (b if b is not None else torch.zeros_like(p)) + d.view_as(p)
 
     def zero_grad(self) -> None:
@@ -262,7 +279,10 @@ class MegatronBackend:
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self._params:
             # TP-replicated tensors (norms) are identical on every TP rank: count them on rank 0 only.
-            if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
+            # The last stage's copy of a tied embedding (``shared``) is counted on the first stage.
+            if p.grad is None or getattr(p, "shared", False):
+                continue
+            if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
                 sq += p.grad.double().pow(2).sum()
         group = parallel_state.get_model_parallel_group()  # TP x PP ranks of this model replica
         if dist.get_world_size(group) > 1:

@@ -10,20 +10,24 @@ on a CPU machine.
 ``torch`` name rebound to a proxy that forwards everything to the real ``torch`` except ``torch.cuda``'s device
 and RNG functions and the ``device="cuda"`` argument of tensor factories. Code outside those modules (the torch
 backend, tests, other packages in the same process) sees the unmodified ``torch``. ``apply()`` is idempotent and
-does nothing on a machine with CUDA; ``revert()`` undoes it (for tests).
+does nothing on a machine with CUDA; ``revert()`` undoes it (for tests). One more assumption sits in a Tensor method
+(``weight.data.cuda()`` when GPTModel ties embeddings across pipeline stages); ``building_model()`` covers it for
+the duration of model construction only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["PATCHED_MODULES", "apply", "is_applied", "needed", "revert"]
+__all__ = ["PATCHED_MODULES", "apply", "building_model", "is_applied", "needed", "revert"]
 
 # The megatron modules whose module-level ``torch`` is replaced (found by running forward/backward on CPU).
 PATCHED_MODULES = (
@@ -144,6 +148,22 @@ def _get_cpu_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bo
 
 def _set_cpu_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
     torch.set_rng_state(new_state)
+
+
+@contextlib.contextmanager
+def building_model() -> Iterator[None]:
+    """Wrap GPTModel construction: with PP > 1 and tied embeddings its constructor moves the last stage's copy of
+    the embedding with the Tensor method ``.cuda()`` (not reachable through a module's ``torch``), so while the
+    layer is applied ``Tensor.cuda`` returns the tensor itself for the duration of the block only."""
+    if not is_applied():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
 def revert() -> None:

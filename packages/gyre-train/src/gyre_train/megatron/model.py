@@ -195,18 +195,19 @@ def build_gpt_model(
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    model = GPTModel(
-        config,
-        spec,
-        vocab_size=hf.vocab_size,
-        max_sequence_length=hf.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=True,
-        share_embeddings_and_output_weights=shape.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=_rope_theta(hf),
-    )
+    with compat.building_model():
+        model = GPTModel(
+            config,
+            spec,
+            vocab_size=hf.vocab_size,
+            max_sequence_length=hf.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            parallel_output=True,
+            share_embeddings_and_output_weights=shape.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=_rope_theta(hf),
+        )
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     return model, shape
