@@ -35,7 +35,13 @@ def _trainer(model_path: str, fill: bool) -> Trainer:
 
 def test_resume_gives_identical_next_step(tiny_model, tmp_path):
     a = _trainer(tiny_model, fill=True)
-    a.step()
+    events = []
+    a.on_event = lambda ev, fields: events.append((ev, fields))
+    first = a.step()
+    assert events[0] == ("batch_open", {"batch": 0})
+    claims = [f for ev, f in events if ev == "microstep_claim"]
+    assert len([c for c in claims if c["kind"] == "train"]) == first.num_microsteps and claims[0]["cell"] == 0
+    assert events[-1] == ("step_end", {"version": 1, "groups": first.group_ids, "staleness": first.staleness})
     ckpt = save_checkpoint(tmp_path / "checkpoints", a)
     assert latest_checkpoint(tmp_path / "checkpoints") == ckpt
     ra = a.step()

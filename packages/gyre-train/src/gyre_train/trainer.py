@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +65,8 @@ class Trainer:
         self._opened_at = 0.0
         self.in_batch = False
         """True from open_batch until finish (checkpoints are only taken outside)."""
+        self.on_event: Callable[[str, dict], None] | None = None
+        """Optional sink for trace events (DESIGN §3.4): batch_open, microstep_claim, step_end."""
         self._pump_lock = threading.Lock()  # the core's main thread and the coordinator's threads both pump
 
     # --- batch pieces ----------------------------------------------------------------------------------------
@@ -74,7 +76,12 @@ class Trainer:
         self.queue.open(self.version)
         self.packer.open_batch(self.version, self.version)
         self._opened_at = time.perf_counter()
+        self._emit("batch_open", batch=self.version)
         self.pump()
+
+    def _emit(self, ev: str, **fields) -> None:
+        if self.on_event is not None:
+            self.on_event(ev, fields)
 
     def pump(self) -> None:
         """Feed the queue from the packing buffer; close the stream after the batch's last micro-step."""
@@ -93,8 +100,7 @@ class Trainer:
 
     def run_one(self, worker: CellWorker) -> bool:
         """Claim and run one item on ``worker``; False if nothing was claimable."""
-        self.pump()
-        item = self.queue.claim(worker.cell)
+        item = self.claim(worker.cell)
         if item is None:
             return False
         self.report(worker.run(item))
@@ -109,7 +115,11 @@ class Trainer:
 
     def claim(self, cell: int) -> WorkItem | None:
         self.pump()
-        return self.queue.claim(cell)
+        item = self.queue.claim(cell)
+        if item is not None:
+            self._emit("microstep_claim", cell=cell, kind=item.kind, batch=item.microstep.batch,
+                       index=item.microstep.index)  # fmt: skip
+        return item
 
     @property
     def starving(self) -> bool:
@@ -154,6 +164,9 @@ class Trainer:
         )  # fmt: skip
         self.version += 1
         self.in_batch = False
+        self._emit(
+            "step_end", version=report.policy_version, groups=report.group_ids, staleness=report.staleness
+        )
         return report
 
     # --- all in this process ---------------------------------------------------------------------------------
