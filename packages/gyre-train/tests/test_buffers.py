@@ -167,3 +167,31 @@ def test_queue_releases_train_items_after_prepass_and_claims_are_atomic():
     assert q.finished and q.token_stats.num_targets == len(mss)
     with pytest.raises(ValueError, match="batch 3"):
         q.report_train(TrainResult(batch=3, index=0, cell=1, stats=TokenStats()))
+
+
+def test_trajectory_buffer_concurrent_adds_and_pops():
+    buf = TrajectoryBuffer(3)
+    popped, lock, stop = [], threading.Lock(), threading.Event()
+
+    def add(k):
+        for g in range(k, 200, 4):
+            for i in range(3):
+                buf.add_execution(f"g{g}", g % 7, f"g{g}-{i}", float(i))
+
+    def pop():
+        while not stop.is_set() or buf.num_ready:
+            group = buf.pop_ready()
+            if group is not None:
+                with lock:
+                    popped.append(group.group_id)
+
+    poppers = [threading.Thread(target=pop) for _ in range(2)]
+    adders = [threading.Thread(target=add, args=(k,)) for k in range(4)]
+    for t in poppers + adders:
+        t.start()
+    for t in adders:
+        t.join()
+    stop.set()
+    for t in poppers:
+        t.join()
+    assert sorted(popped) == sorted(f"g{g}" for g in range(200))  # each complete group exactly once

@@ -54,6 +54,8 @@ class MultiCellConfig:
     """Address of the core."""
     poll_s: float = 0.005
     """Sleep between polls when there is nothing to claim."""
+    starve_timeout_s: float = 0.0
+    """How long the core waits for more ready groups (added by another thread) before DataStarvation."""
 
     def __post_init__(self) -> None:
         if self.num_cells < 1 or self.steps_per_burst < 1:
@@ -226,15 +228,19 @@ class CoreRunner:
         coord.open_batch(batch, self._write_snapshot(batch))
         trainer.open_batch()
         done = 0
+        starving_since = None
         while not trainer.queue.finished:
             if before_core_item is not None:
                 before_core_item(done)
             if trainer.run_one(trainer.core):
                 done += 1
-            elif trainer.starving:
-                raise DataStarvation(f"batch {batch} needs more ready groups than the buffer holds")
-            else:
-                time.sleep(self.cfg.poll_s)  # satellites hold the remaining items
+                starving_since = None
+                continue
+            if trainer.starving:
+                starving_since = starving_since or time.monotonic()
+                if time.monotonic() - starving_since >= self.cfg.starve_timeout_s:
+                    raise DataStarvation(f"batch {batch} needs more ready groups than the buffer holds")
+            time.sleep(self.cfg.poll_s)  # satellites hold the remaining items, or groups are still arriving
         final = (batch + 1) % self.cfg.steps_per_burst == 0
         prefix = coord.close_window(broadcast=not final)
         backend = trainer.core.backend
