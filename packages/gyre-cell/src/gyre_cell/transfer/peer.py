@@ -46,8 +46,8 @@ def publisher_process(conn: Connection, source: dict[str, Any], version: int = 0
     """Child-process main: publish `source` at `version`, then serve commands until `("close",)`.
 
     Commands: ("manifest",) -> WeightManifest JSON; ("serve_manifest",) -> URL; ("publish", source, version);
-    ("churn", source_a, source_b, start, count) publishes a/b alternately in a thread (even version = a);
-    ("churn_wait",) joins it;
+    ("churn", source_a, source_b, start, gap_s) publishes a/b alternately in a thread (even version = a, a pause
+    of gap_s after each) until ("churn_stop",), which returns the last version;
     ("begin_write",) leaves a write open (sequence odd); ("end_write", version); ("save", dir) writes the
     current tensors as safetensors (baseline of the benchmark); ("close",).
     """
@@ -55,6 +55,7 @@ def publisher_process(conn: Connection, source: dict[str, Any], version: int = 0
 
     pub = WeightPublisher(load_source(source), version=version)
     churner: threading.Thread | None = None
+    stop = threading.Event()
     try:
         while True:
             cmd, *args = conn.recv()
@@ -69,20 +70,21 @@ def publisher_process(conn: Connection, source: dict[str, Any], version: int = 0
                 elif cmd == "publish":
                     pub.publish(load_source(args[0]), version=int(args[1]))
                     value = pub.version
-                elif (
-                    cmd == "churn"
-                ):  # publish sources a, b, a, ... in a thread; version parity names the source
+                elif cmd == "churn":  # a, b, a, ... until churn_stop (even version = a); see gap_s
                     states = [load_source(args[0]), load_source(args[1])]
-                    start, count = int(args[2]), int(args[3])
+                    stop.clear()
 
-                    def churn(states=states, start=start, count=count) -> None:
-                        for v in range(start, start + count):
+                    def churn(states=states, v=int(args[2]), gap_s=float(args[3])) -> None:
+                        while not stop.is_set():
                             pub.publish(states[v % 2], version=v)
+                            v += 1
+                            stop.wait(gap_s)  # back-to-back writes would starve every reader (seqlock)
 
                     churner = threading.Thread(target=churn, daemon=True)
                     churner.start()
                     value = None
-                elif cmd == "churn_wait":
+                elif cmd == "churn_stop":
+                    stop.set()
                     if churner is not None:
                         churner.join()
                     value = pub.version
