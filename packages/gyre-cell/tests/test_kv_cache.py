@@ -67,3 +67,17 @@ def test_release_frees_pool_and_flush_forgets_prefixes():
     assert kv.nbytes() == 0 and not kv.allocated
     kv.allocate()
     assert kv.nbytes() > 0
+
+
+def test_slots_track_every_written_token_including_reused_prefix():
+    kv = _cache()
+    a = kv.new_sequence(list(range(9)), reuse_prefix=True)
+    kv.reserve(a, 9)
+    kv.reserve(a, 1)
+    bs = kv.block_size
+    assert kv.slots_of(a) == [a.blocks[p // bs] * bs + p % bs for p in range(10)]
+    kv.free_sequence(a, list(range(10)))
+    b = kv.new_sequence(list(range(10)), reuse_prefix=True)
+    kv.reserve(b, 2)
+    assert len(kv.slots_of(b)) == b.num_tokens == 10
+    assert kv.slots_of(b) == [b.blocks[p // bs] * bs + p % bs for p in range(10)]

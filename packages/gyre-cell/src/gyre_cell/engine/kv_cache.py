@@ -178,11 +178,12 @@ class PagedKVCache:
             seq.blocks[p // bs] * bs + p % bs for p in range(seq.num_tokens, seq.num_tokens + new_tokens)
         ]
         seq.num_tokens += new_tokens
+        seq.slots.extend(slots)
         return slots
 
     def slots_of(self, seq: SeqBlocks) -> list[int]:
-        bs = self.block_size
-        return [seq.blocks[p // bs] * bs + p % bs for p in range(seq.num_tokens)]
+        """Slots of every written token (the list is owned by `seq`; do not mutate)."""
+        return seq.slots
 
     def free_sequence(self, seq: SeqBlocks, tokens: list[int] | None) -> None:
         """Release a sequence's blocks. With `tokens` (its written tokens) full blocks stay cached."""
