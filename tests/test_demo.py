@@ -86,6 +86,16 @@ def test_demo_runs_the_whole_loop(tmp_path):
     assert [s["policy_version"] for s in steps] == [1, 2]
     assert all(s["num_target_tokens"] > 0 and s["num_executions"] == 8 for s in steps)
     assert (run_dir / "checkpoints" / "policy-v1" / "config.json").exists()
+
+    # Role switches went through gyre-cell's role manager (pause, flush, release / offload, resume, load, continue).
+    switches = [
+        json.loads(line) for line in (run_dir / "metrics" / "switches.jsonl").read_text().splitlines()
+    ]
+    to_training = [s for s in switches if s["to_role"] == "training"]
+    assert to_training and [p["name"] for p in to_training[0]["phases"]][:3] == [
+        "pause_generation", "flush_cache", "release_memory",
+    ]  # fmt: skip
+    assert all(s["weight_version"] is not None for s in switches if s["to_role"] == "rollout")
     report = (run_dir / "report.html").read_text()
     assert "data:image/png;base64," in report and "mean reward" in report
 

@@ -23,6 +23,7 @@ from gyre.runner import ExecutionRunner
 from gyre.tasks import Query
 from gyre.training import LocalTraining
 from gyre_cell.client import RolloutEngine
+from gyre_cell.roles import CellRoleManager, DiskWeights
 from gyre_eval.service import AssessmentService
 from gyre_eval.types import Submission
 from gyre_sched import events as ev
@@ -38,10 +39,11 @@ __all__ = ["Controller"]
 
 class Controller:
     def __init__(self, cfg: RunConfig, run_dir: Path, policy: PolicyCore, trace: TraceWriter,
-                 runner: ExecutionRunner, engines: list[RolloutEngine], training: LocalTraining,
-                 assessments: AssessmentService, queries: list[Query]) -> None:  # fmt: skip
+                 runner: ExecutionRunner, engines: list[RolloutEngine], cells: list[CellRoleManager],
+                 training: LocalTraining, assessments: AssessmentService, queries: list[Query]) -> None:  # fmt: skip
         self.cfg, self.run_dir, self.policy, self.trace = cfg, run_dir, policy, trace
         self.runner, self.engines, self.training, self.assessments = runner, engines, training, assessments
+        self.cells = cells
         self.queries = queries
         self.events: asyncio.Queue[ev.Event | BaseException] = asyncio.Queue()
         self.t0 = time.monotonic()
@@ -163,17 +165,18 @@ class Controller:
 
     # ---- cells ------------------------------------------------------------------------------------------------
     async def _transition(self, cell: int, dst: CellRole, reroutes: Awaitable) -> None:
-        engine = self.engines[cell]
+        manager = self.cells[cell]
         if dst is CellRole.TO_TRAINING:
-            await reroutes
-            await self.runner.admin_call("POST", "/engines/drain", {"engine": engine.base_url})
-            await engine.release_memory()
+            await reroutes  # the cell's executions have their new routes: now its in-flight calls can move
+            await self.runner.admin_call("POST", "/engines/drain", {"engine": manager.engine.base_url})
+            report = await manager.to_training()
         else:
-            await engine.resume_memory()
             path, version = self.published
-            await engine.update_weights_from_disk(path, weight_version=str(version))
+            report = await manager.to_rollout(DiskWeights(path=path, version=str(version)))
             rollout = [e.base_url for i, e in enumerate(self.engines) if i == cell or self._serving(i)]
             await self.runner.admin_call("PUT", "/routes", {"engines": rollout})
+        with (self.run_dir / "metrics" / "switches.jsonl").open("ab") as out:
+            out.write(report.model_dump_json().encode() + b"\n")
         self.events.put_nowait(ev.TransitionDone(cell))
 
     def _serving(self, cell: int) -> bool:

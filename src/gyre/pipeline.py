@@ -23,6 +23,7 @@ from gyre.services import LocalServices
 from gyre.tasks import demo_queries, scoring_command
 from gyre.training import LocalTraining
 from gyre_cell.client import RolloutEngine
+from gyre_cell.roles import CellRoleManager, CellRoleManagerConfig
 from gyre_cell.tiny_model import build_tiny_model
 from gyre_eval.config import ServiceConfig
 from gyre_eval.exec_check import ExecCheckConfig
@@ -98,12 +99,21 @@ async def run_local(cfg: RunConfig) -> dict:
             run_dir, services.proxy_url, services.admin_token, agent_argv, cfg.agent.harness_timeout_s
         )
         engines = [RolloutEngine(url) for url in services.engine_urls]
+        states = training.cell_states()
+        for state in states:  # every cell starts in rollout: its training state is off the device
+            await state.offload()
+        cells = [
+            CellRoleManager(engine, state, CellRoleManagerConfig(cell=str(i)))
+            for i, (engine, state) in enumerate(zip(engines, states, strict=True))
+        ]
         assessments = _assessment_service(run_dir, queries)
         header = {"K": params.K, "C_e": params.C_e, "C_s": params.C_s, "N": params.N, "B": params.B,
                   "phi": params.phi, "mu": params.mu, "policy": params.kind, "real": True}  # fmt: skip
         # Unbuffered: every trace line reaches the file when written, so a crash loses no event.
         trace = TraceWriter((run_dir / "trace.jsonl").open("wb", buffering=0), header)
-        controller = Controller(cfg, run_dir, policy, trace, runner, engines, training, assessments, queries)
+        controller = Controller(
+            cfg, run_dir, policy, trace, runner, engines, cells, training, assessments, queries
+        )
         log.info("running %d optimizer steps (policy %s, K=%d, N=%d, B=%d)", cfg.algorithm.steps,
                  params.kind, params.K, params.N, params.B)  # fmt: skip
         try:

@@ -11,6 +11,7 @@ import contextlib
 import shutil
 from pathlib import Path
 
+from gyre_cell.roles import TorchTrainingState
 from gyre_tito.types import Trajectory
 from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
 from gyre_train.buffer import TrajectoryBuffer
@@ -46,6 +47,12 @@ class LocalTraining:
         packing = PackingConfig(group_size=group_size, batch_groups=batch_groups, temperature=temperature)
         self.trainer = Trainer(TrainerConfig(packing=packing), core, self.buffer)
         self.batch_groups = batch_groups
+
+    def cell_states(self) -> list[TorchTrainingState]:
+        """Each cell's training state (model + optimizer) as the role manager offloads and restores it."""
+        core = self.trainer.core.backend
+        states = [TorchTrainingState(core.model, core.optimizer)]
+        return states + [TorchTrainingState(w.backend.model, None) for w in self.satellites]
 
     @property
     def version(self) -> int:
