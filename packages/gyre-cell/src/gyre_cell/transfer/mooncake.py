@@ -13,9 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 INSTALL_HINT = (
-    "install the system library with `apt-get install libibverbs1` and the Python wheel "
-    "`mooncake-transfer-engine-non-cuda` (CPU machines; the CUDA wheel `mooncake-transfer-engine` also needs "
-    "libcudart.so.12)"
+    "install the system library with `apt-get install libibverbs1` and the Python wheel: "
+    "`pip install 'gyre-cell[mooncake]'` (CPU machines) or `pip install 'gyre-cell[mooncake-cuda]'` (the CUDA "
+    "wheel, which also needs libcudart.so.12); never both"
 )
 
 
