@@ -102,6 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="shorter requests, fewer repeats")
     ap.add_argument("--repeats", type=int, default=None, help="runs per figure (default 2 quick, 3 full)")
+    ap.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=1,
+        help="engine's torch intra-op threads (1: best for the tiny model)",
+    )
     args = ap.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 3)
     with tempfile.TemporaryDirectory() as d:
@@ -117,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
             str(model),
             "--port",
             str(port),
+            "--cpu-threads",
+            str(args.cpu_threads),
         ]
         print(json.dumps({"quick": args.quick, "repeats": repeats, "server": cmd[1:]}), flush=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -133,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                     raise SystemExit("engine server did not start")
                 time.sleep(0.3)
             result = asyncio.run(_run(url, args.quick, repeats))
+            result["cpu_threads"] = args.cpu_threads
         finally:
             proc.terminate()
             proc.wait(timeout=30)

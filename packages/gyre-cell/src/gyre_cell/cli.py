@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         help="where released weights go",
     )
     s.add_argument("--no-prefix-cache", action="store_true", help="disable prefix KV reuse")
+    s.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads on CPU")
     s.add_argument("--seed", type=int, default=0, help="sampler seed")
     return p
 
@@ -57,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         weight_version=args.weight_version,
         weights_backup=args.weights_backup,
         enable_prefix_cache=not args.no_prefix_cache,
+        cpu_threads=args.cpu_threads,
         seed=args.seed,
     )
     print(cfg.model_dump_json(), flush=True)  # the resolved config, first

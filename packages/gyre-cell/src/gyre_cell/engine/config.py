@@ -35,6 +35,9 @@ class EngineConfig(BaseModel):
     an update must follow resume). `auto` = cpu on CUDA, disk on CPU, so a release really frees memory."""
     require_update_session: bool = True
     """Mirror SGLang 0.5.23: from_tensor/from_distributed updates need /begin_weight_update first."""
+    cpu_threads: int | None = None
+    """torch intra-op threads when running on CPU (None: torch's default). 1 is fastest for tiny models on
+    shared machines, where a descheduled worker thread stalls every op."""
     seed: int = 0
     """Seed of the engine's sampler (per-request `sampling_seed` overrides it)."""
     served_model_name: str | None = None

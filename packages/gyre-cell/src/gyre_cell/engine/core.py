@@ -40,6 +40,8 @@ class TorchEngine:
 
         self.config = config
         self.device = resolve_device(config.device)
+        if config.cpu_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)  # process-wide: the engine owns its server process
         dtype = getattr(torch, config.dtype)
         hf_cfg = AutoConfig.from_pretrained(config.model_path)
         model = AutoModelForCausalLM.from_pretrained(
