@@ -94,8 +94,8 @@ def test_abort_pause_continue(engine):
             res = await task
             assert res.finish_reason.type == "abort" and 0 < len(res.output_ids) < 3000
 
-            expected = (await c.generate([5, 6], {**SHORT, "max_new_tokens": 40})).output_ids
-            task = asyncio.create_task(c.generate([5, 6], {**SHORT, "max_new_tokens": 40}))
+            expected = (await c.generate([5, 6], {**SHORT, "max_new_tokens": 1000})).output_ids
+            task = asyncio.create_task(c.generate([5, 6], {**SHORT, "max_new_tokens": 1000}))
             await _running(c)
             await c.pause("in_place")
             await c.continue_generation()

@@ -11,15 +11,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from .checkpoint import eos_token_ids, load_tokenizer
 from .config import EngineConfig
 from .kv_cache import KVCacheFullError, PagedKVCache
 from .model_runner import ModelRunner, StepInput
-from .request import EngineInputError, EngineStateError, Request, SamplingSpec, Sink
+from .request import (
+    EngineInputError,
+    EngineStateError,
+    Request,
+    SamplingSpec,
+    Sink,
+    check_finish,
+    render_response,
+)
 from .sampling import sample_batch
 from .weights import WeightStore, load_checkpoint_dir
 
@@ -51,9 +59,12 @@ class TorchEngine:
         self.runner = ModelRunner(self.model)
         self.vocab_size = self.runner.vocab_size
         self.context_len = int(getattr(hf_cfg, "max_position_embeddings", 4096))
-        self.eos_ids = self._eos_ids(hf_cfg)
-        self.tokenizer = self._load_tokenizer(config.model_path)
-        self.weights = WeightStore(self.model, device=self.device, backup=self._backup_mode())
+        self.eos_ids = eos_token_ids(config.model_path, hf_cfg)
+        self.tokenizer = load_tokenizer(config.model_path)
+        backup = config.weights_backup
+        if backup == "auto":  # a release must really free memory: CPU copy off the GPU, disk file on CPU
+            backup = "cpu" if self.device.type == "cuda" else "disk"
+        self.weights = WeightStore(self.model, device=self.device, backup=backup)
         self.kv = PagedKVCache(
             num_layers=self.runner.num_layers,
             kv_heads=self.runner.num_kv_heads,
@@ -83,36 +94,6 @@ class TorchEngine:
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
         self._thread.start()
-
-    # ---- setup helpers -----------------------------------------------------------------------
-    def _backup_mode(self) -> str:
-        if self.config.weights_backup != "auto":
-            return self.config.weights_backup
-        return "cpu" if self.device.type == "cuda" else "disk"
-
-    @staticmethod
-    def _eos_ids(hf_cfg: Any) -> set[int]:
-        ids: set[int] = set()
-        eos = getattr(hf_cfg, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        return ids
-
-    def _load_tokenizer(self, path: str) -> Any | None:
-        """The checkpoint's tokenizer when it has one (for `text` and stop strings), else None."""
-        if (
-            not (Path(path) / "tokenizer.json").exists()
-            and not (Path(path) / "tokenizer_config.json").exists()
-        ):
-            return None
-        from transformers import AutoTokenizer, GenerationConfig
-
-        try:
-            gen_cfg = GenerationConfig.from_pretrained(path)
-            eos = gen_cfg.eos_token_id
-            self.eos_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        except OSError:
-            pass
-        return AutoTokenizer.from_pretrained(path)
 
     def close(self) -> None:
         with self._lock:
@@ -391,20 +372,9 @@ class TorchEngine:
                 req.sink(self._response(req), False)
 
     def _check_finish(self, req: Request, token: int) -> dict[str, Any] | None:
-        sp = req.sampling
-        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
-            return {"type": "stop", "matched": token}
-        if sp.stop:
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens)
-            for s in sp.stop:
-                if s and s in text:
-                    return {"type": "stop", "matched": s}
-        if (
-            len(req.output_ids) >= sp.max_new_tokens
-            or len(req.input_ids) + len(req.output_ids) >= self.context_len
-        ):
-            return {"type": "length", "length": len(req.output_ids)}
-        return None
+        return check_finish(
+            req, token, eos_ids=self.eos_ids, tokenizer=self.tokenizer, context_len=self.context_len
+        )
 
     def _finish(self, req: Request, finish: dict[str, Any]) -> None:
         req.finish = finish
@@ -420,10 +390,4 @@ class TorchEngine:
         req.sink(self._response(req), True)
 
     def _response(self, req: Request) -> dict[str, Any]:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
-            matched = (req.finish or {}).get("matched")
-            if isinstance(matched, str) and not req.sampling.no_stop_trim and matched in text:
-                text = text[: text.index(matched)]
-        return req.response(text=text, weight_version=self.weight_version)
+        return render_response(req, tokenizer=self.tokenizer, weight_version=self.weight_version)

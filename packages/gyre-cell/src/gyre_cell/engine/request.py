@@ -108,3 +108,31 @@ class Request:
         out["output_ids"] = list(self.output_ids)
         out["meta_info"] = meta
         return out
+
+
+def check_finish(
+    req: Request, token: int, *, eos_ids: set[int], tokenizer: Any | None, context_len: int
+) -> dict[str, Any] | None:
+    """SGLang's finish_reason after `token` was appended, or None while the request goes on."""
+    sp = req.sampling
+    if token in sp.stop_token_ids or (not sp.ignore_eos and token in eos_ids):
+        return {"type": "stop", "matched": token}
+    if sp.stop and tokenizer is not None:
+        text = tokenizer.decode(req.output_ids, skip_special_tokens=sp.skip_special_tokens)
+        for s in sp.stop:
+            if s and s in text:
+                return {"type": "stop", "matched": s}
+    if len(req.output_ids) >= sp.max_new_tokens or len(req.input_ids) + len(req.output_ids) >= context_len:
+        return {"type": "length", "length": len(req.output_ids)}
+    return None
+
+
+def render_response(req: Request, *, tokenizer: Any | None, weight_version: str) -> dict[str, Any]:
+    """The response with `text` when a tokenizer exists (trimmed at a matched stop string, as SGLang)."""
+    text = None
+    if tokenizer is not None:
+        text = tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+        matched = (req.finish or {}).get("matched")
+        if isinstance(matched, str) and not req.sampling.no_stop_trim and matched in text:
+            text = text[: text.index(matched)]
+    return req.response(text=text, weight_version=weight_version)
