@@ -11,6 +11,7 @@ is appended to RUN/trace.jsonl with gyre_sched's trace writer, so the run can be
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable
@@ -86,8 +87,7 @@ class Controller:
         return self.step_reports
 
     async def shutdown(self) -> None:
-        for eid in list(self.runner._procs):
-            self.runner.cancel(eid)
+        self.runner.cancel_all()
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -101,9 +101,14 @@ class Controller:
             except BaseException as exc:  # surfaces in run(): a failed part must stop the run loudly
                 self.events.put_nowait(exc)
 
+        def finished(task: asyncio.Task) -> None:
+            self.tasks.discard(task)
+            if inspect.iscoroutine(coro):
+                coro.close()  # a task cancelled before it started never ran its coroutine: close it quietly
+
         task = asyncio.create_task(guarded())
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(finished)
 
     def _apply(self, t: float, decisions: list[ev.Decision]) -> None:
         self.trace.decisions(t, decisions)

@@ -95,6 +95,10 @@ class ExecutionRunner:
         if proc is not None:
             self._kill(proc)
 
+    def cancel_all(self) -> None:
+        for execution_id in list(self._procs):
+            self.cancel(execution_id)
+
     async def reroute(self, execution_id: str, engine_url: str) -> None:
         await self.admin_call("PUT", f"/executions/{execution_id}/route", {"engines": [engine_url]})
 
