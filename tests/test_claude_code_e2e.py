@@ -71,7 +71,11 @@ def test_claude_code_cli_through_proxy(tmp_path):
     url = eng.start()
     try:
         cfg = ProxyConfig(
-            engines=[url], tokenizer=str(tok_dir), store=str(tmp_path / "store"), admin_token="adm"
+            engines=[url],
+            tokenizer=str(tok_dir),
+            store=str(tmp_path / "store"),
+            admin_token="adm",
+            export_dirs=[str(tmp_path)],  # the export below writes t.jsonl next to the store
         )
         with ProxyServer(cfg) as srv:
             eid, cred = srv.register("cc-exec", group_id="g1")

@@ -43,6 +43,8 @@ def test_serve_writes_resolved_config_and_answers(tmp_path):
             str(port),
             "--admin-token",
             "secret",
+            "--export-dir",
+            str(tmp_path / "traj"),
         ],
     )
     try:
@@ -55,6 +57,7 @@ def test_serve_writes_resolved_config_and_answers(tmp_path):
                 time.sleep(0.2)
         cfg = json.loads((store / "config.json").read_text())
         assert cfg["engines"] == ["http://127.0.0.1:9"] and cfg["port"] == port and "admin_token" not in cfg
+        assert cfg["export_dirs"] == [str((tmp_path / "traj").resolve())]
         r = httpx.post(
             f"http://127.0.0.1:{port}/admin/executions", json={}, headers={"Authorization": "Bearer secret"}
         )

@@ -6,14 +6,16 @@
 | `GET /admin/executions/{id}` | | `{execution_id, group_id, ended, calls, route}` |
 | `POST /admin/executions/{id}/end` | | `{execution_id, ended: true}` |
 | `PUT /admin/executions/{id}/route` | `{engines: [url] \\| null}` | `{execution_id, route}` |
-| `POST /admin/executions/{id}/export` | `{j_max?, seed?, include_other?, path?}` | `{trajectories: [...]}` (and JSONL/Parquet at `path`) |
+| `POST /admin/executions/{id}/export` | `{j_max?, seed?, include_other?, path?}` | `{trajectories: [...]}` (and JSONL/Parquet at `path`, which must resolve under the store or an `--export-dir`) |
 | `GET /admin/engines` / `PUT /admin/routes` | `{engines: [url]}` | engine list |
 | `POST /admin/engines/drain` | `{engine, abort_inflight?: true, timeout_s?}` | `{engine, inflight_at_drain}` |
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -21,14 +23,33 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from gyre_tito.conversation import ProtocolError
+from gyre_tito.execution import Execution
 
-__all__ = ["admin_router", "export_trajectories"]
+__all__ = ["admin_router", "export_target", "export_trajectories"]
 
 
 def _err(e: ProtocolError) -> JSONResponse:
     return JSONResponse(
         {"type": "error", "error": {"type": e.kind, "message": e.message}}, status_code=e.status
     )
+
+
+def export_target(proxy, path: Any) -> Path:
+    """Where an export may write: a resolved path under the store or an `--export-dir` root (else a 400)."""
+    roots = [Path(proxy.config.store).resolve(), *(Path(d).resolve() for d in proxy.config.export_dirs)]
+    if not isinstance(path, str) or not path:
+        raise ProtocolError(400, "invalid_request_error", "path: must be a non-empty string")
+    target = Path(path).resolve()  # `..` and symlinks resolved: what is checked is where the bytes would go
+    if not any(target != root and target.is_relative_to(root) for root in roots):
+        raise ProtocolError(
+            400,
+            "invalid_request_error",
+            f"path: {path!r} resolves to {str(target)!r}, outside the allowed export roots "
+            f"{[str(r) for r in roots]} (the store and --export-dir directories)",
+        )
+    if target.suffix not in (".jsonl", ".parquet"):
+        raise ProtocolError(400, "invalid_request_error", f"path: {path!r} must end in .jsonl or .parquet")
+    return target
 
 
 def export_trajectories(proxy, execution_id: str, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -39,15 +60,16 @@ def export_trajectories(proxy, execution_id: str, body: dict[str, Any]) -> list[
     from gyre_tito.types import ROLE_PRIORITY
 
     ex = proxy.get(execution_id)
+    target = export_target(proxy, body["path"]) if body.get("path") is not None else None
     priority = (*ROLE_PRIORITY, "other") if body.get("include_other") else ROLE_PRIORITY
     cfg = SelectionConfig(j_max=int(body.get("j_max", 5)), seed=int(body.get("seed", 0)), priority=priority)
     if body.get("no_work"):
         trajs = [placeholder_trajectory(ex.id, ex.group_id)]
     else:
-        trajs = select_trajectories(ex.records.tree, ex.group_id, cfg)
-    path = body.get("path")
-    if path:
-        write_trajectories(path, trajs)
+        trajs = select_trajectories(proxy.tree(execution_id), ex.group_id, cfg)
+    if target is not None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_trajectories(target, trajs)
     return [orjson.loads(t.model_dump_json()) for t in trajs]
 
 
@@ -87,7 +109,7 @@ def admin_router(proxy) -> APIRouter:
             "execution_id": ex.id,
             "group_id": ex.group_id,
             "ended": ex.ended,
-            "calls": len(ex.records.tree),
+            "calls": proxy.calls(ex.id),
             "route": ex.route,
         }
 
@@ -136,8 +158,12 @@ def admin_router(proxy) -> APIRouter:
     async def export_(eid: str, req: Request):
         try:
             body = await guard(req)
-            async with proxy.get(eid).lock:
-                trajs = export_trajectories(proxy, eid, body)
+            ex = proxy.get(eid)
+            if isinstance(ex, Execution):
+                async with ex.lock:
+                    trajs = export_trajectories(proxy, eid, body)
+            else:  # ended: its tree is reloaded from the log for this export only (off the event loop)
+                trajs = await asyncio.to_thread(export_trajectories, proxy, eid, body)
             return {"execution_id": eid, "trajectories": trajs}
         except ProtocolError as e:
             return _err(e)

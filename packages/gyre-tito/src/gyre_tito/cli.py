@@ -2,7 +2,8 @@
 
 - `gyre-tito serve --engine URL [--engine URL ...] --tokenizer PATH --store DIR --port N [--admin-token T]`: run the
   proxy; writes its resolved config to `DIR/config.json` first. The admin token comes from `--admin-token` or the
-  `GYRE_TITO_ADMIN_TOKEN` environment variable (it is not written to config.json).
+  `GYRE_TITO_ADMIN_TOKEN` environment variable (it is not written to config.json). Admin export writes only under
+  the store or a `--export-dir DIR` (repeatable).
 - `gyre-tito tiny-tokenizer DIR`: write the tiny offline Qwen3-style tokenizer (tests, demos).
 - `gyre-tito scripted-engine --tokenizer DIR --script FILE --port N`: serve a scripted `/generate` engine.
 """
@@ -38,6 +39,7 @@ def _serve(a: argparse.Namespace) -> int:
         admin_token=a.admin_token or os.environ.get("GYRE_TITO_ADMIN_TOKEN"),
         max_context_tokens=a.max_context,
         fsync=not a.no_fsync,
+        export_dirs=[str(Path(d).resolve()) for d in a.export_dir],
     )
     Path(cfg.store).mkdir(parents=True, exist_ok=True)
     resolved = cfg.model_dump(exclude={"admin_token"}) | {"host": a.host, "port": a.port}
@@ -80,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model-name", default="gyre-policy", help="model name reported to harnesses")
     s.add_argument("--admin-token", default=None, help="admin API token (or env GYRE_TITO_ADMIN_TOKEN)")
     s.add_argument("--max-context", type=int, default=131072, help="model context limit in tokens")
+    s.add_argument(
+        "--export-dir", action="append", default=[], help="admin export may also write under DIR (repeatable)"
+    )
     s.add_argument("--no-fsync", action="store_true", help="skip fsync per record (benchmarks only)")
     s.add_argument("--log-level", default="warning")
     s.set_defaults(fn=_serve)

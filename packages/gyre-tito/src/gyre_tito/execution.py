@@ -6,13 +6,14 @@ import asyncio
 import hashlib
 from array import array
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gyre_tito.conversation import Conversation
 from gyre_tito.records import ExecutionRecords
 from gyre_tito.types import CallRecord
 
-__all__ = ["Execution", "PreparedCall", "credential_hash", "text_key"]
+__all__ = ["EndedExecution", "Execution", "PreparedCall", "credential_hash", "text_key"]
 
 
 def text_key(text: str) -> str:
@@ -39,6 +40,7 @@ class Execution:
     gen_suffix: dict[str, str] = field(default_factory=dict)  # call id -> generation-prompt text after header
     metadata: dict[str, Any] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # guards tree reads against an append in flight
+    inflight: int = 0  # calls between `Proxy.finish` start and end: an ended execution is unloaded only at 0
 
     def index(self, rec: CallRecord) -> None:
         for tid in rec.metadata.get("tool_call_ids", []):
@@ -47,6 +49,20 @@ class Execution:
             self.text_index[rec.metadata["text_key"]] = rec.call_id
         if rec.metadata.get("gen_suffix"):
             self.gen_suffix[rec.call_id] = rec.metadata["gen_suffix"]
+
+
+@dataclass(slots=True)
+class EndedExecution:
+    """What stays in memory of an ended execution (a long run ends tens of thousands): no tree, no payload cache.
+
+    Anything that needs the tree reloads it read-only from ``log_path`` (``Proxy.tree``)."""
+
+    id: str
+    group_id: str
+    log_path: Path
+    route: list[str] | None = None
+    calls: int | None = None  # None after a restart until first asked for (counted from the log, not kept)
+    ended: bool = True
 
 
 @dataclass

@@ -34,11 +34,12 @@ from gyre_tito.conversation import (
     Turn,
 )
 from gyre_tito.engine_client import EngineError, EnginePool, EnginePoolConfig, EngineRejected
-from gyre_tito.execution import Execution, PreparedCall, credential_hash, text_key
+from gyre_tito.execution import EndedExecution, Execution, PreparedCall, credential_hash, text_key
 from gyre_tito.parse import parse_output
-from gyre_tito.records import RecordLogConfig, RecordStore
+from gyre_tito.records import RecordLogConfig, RecordStore, read_log
 from gyre_tito.render import ChatTokenizer
 from gyre_tito.roles import RoleClassifier, make_classifier
+from gyre_tito.tree import ExecutionTree
 from gyre_tito.types import CallRecord, OutputSegment, Timings, runs_from_mask
 
 __all__ = ["Execution", "PreparedCall", "Proxy", "ProxyConfig"]  # Execution, PreparedCall re-exported
@@ -61,6 +62,9 @@ class ProxyConfig(BaseModel):
     openai_classifier: str = Field("static", description="role classifier for OpenAI requests")
     keepalive_s: float = Field(5.0, description="ping interval on a streamed response while the engine works")
     fsync: bool = Field(True, description="fsync every record (off only for benchmarks)")
+    export_dirs: list[str] = Field(
+        default_factory=list, description="directories admin export may write under, besides the store"
+    )
     engine: EnginePoolConfig = Field(default_factory=EnginePoolConfig, description="engine pool settings")
 
 
@@ -78,7 +82,8 @@ class Proxy:
             "anthropic": make_classifier(config.classifier),
             "openai": make_classifier(config.openai_classifier),
         }
-        self.executions: dict[str, Execution] = {}
+        self.executions: dict[str, Execution] = {}  # loaded: running (and ended with a call still in flight)
+        self.ended: dict[str, EndedExecution] = {}  # ended and unloaded: a summary only
         self._by_credential: dict[str, str] = {}  # sha256(credential) -> execution id
         self._registry = self.store_dir / "executions.jsonl"
         self.turn_cache: dict[bytes, list[Turn]] = {}  # parsed messages by JSON bytes (see anthropic_api)
@@ -96,25 +101,29 @@ class Proxy:
                 os.fsync(f.fileno())
 
     def _load_registry(self) -> None:
+        """Replay the registry; only executions still running get their tree and payload cache loaded."""
         if not self._registry.is_file():
             return
+        regs: dict[str, dict[str, Any]] = {}
+        ended: set[str] = set()
         for line in self._registry.read_bytes().splitlines():
             try:
                 ev = orjson.loads(line)
             except orjson.JSONDecodeError:
                 continue  # a torn last line: the registration was never acknowledged
+            eid = ev.get("execution_id")
             if ev.get("ev") == "register":
-                self._open(
-                    ev["execution_id"],
-                    ev["group_id"],
-                    ev["credential_sha256"],
-                    ev.get("route"),
-                    ev.get("metadata"),
-                )
-            elif ev.get("ev") == "end" and ev.get("execution_id") in self.executions:
-                self.executions[ev["execution_id"]].ended = True
-            elif ev.get("ev") == "route" and ev.get("execution_id") in self.executions:
-                self.executions[ev["execution_id"]].route = ev.get("route")
+                regs.setdefault(eid, ev)
+            elif ev.get("ev") == "end" and eid in regs:
+                ended.add(eid)
+            elif ev.get("ev") == "route" and eid in regs:
+                regs[eid] = regs[eid] | {"route": ev.get("route")}
+        for eid, ev in regs.items():
+            if eid in ended:
+                self._by_credential[ev["credential_sha256"]] = eid
+                self.ended[eid] = EndedExecution(eid, ev["group_id"], self.records.path(eid), ev.get("route"))
+            else:
+                self._open(eid, ev["group_id"], ev["credential_sha256"], ev.get("route"), ev.get("metadata"))
 
     def _open(self, eid: str, group: str, cred_hash: str, route, metadata) -> Execution:
         ex = Execution(eid, group, self.records.open(eid), route, metadata=metadata or {})
@@ -124,6 +133,17 @@ class Proxy:
         self._by_credential[cred_hash] = eid
         return ex
 
+    def _unload(self, ex: Execution) -> None:
+        """Replace an ended execution (no call in flight) by its summary: tree, log handle and caches go."""
+        summary = EndedExecution(ex.id, ex.group_id, ex.records.log.path, ex.route, len(ex.records.tree))
+        self.ended[ex.id] = summary
+        del self.executions[ex.id]
+        self.records.release(ex.id)
+
+    def loaded_executions(self) -> list[str]:
+        """Ids of the executions whose tree is held in memory (running ones, and ended ones with a call in flight)."""
+        return sorted(self.executions)
+
     def register(
         self,
         execution_id: str | None = None,
@@ -132,7 +152,7 @@ class Proxy:
         metadata: dict[str, Any] | None = None,
     ) -> tuple[Execution, str]:
         eid = execution_id or f"ex-{uuid.uuid4().hex[:12]}"
-        if eid in self.executions:
+        if eid in self.executions or eid in self.ended:
             raise ProtocolError(409, "invalid_request_error", f"execution {eid!r} already exists")
         credential = "tito-" + secrets.token_urlsafe(24)
         ev = {
@@ -147,23 +167,43 @@ class Proxy:
         self._log_event(ev)
         return self._open(eid, ev["group_id"], ev["credential_sha256"], route, metadata), credential
 
-    def end(self, execution_id: str) -> Execution:
+    def end(self, execution_id: str) -> Execution | EndedExecution:
+        """End an execution: its credential stops working; its tree leaves memory once no call is in flight."""
         ex = self.get(execution_id)
         if not ex.ended:
             self._log_event({"ev": "end", "execution_id": execution_id, "t": time.time()})
             ex.ended = True
-        return ex
+        if isinstance(ex, Execution) and ex.inflight == 0:
+            self._unload(ex)
+        return self.get(execution_id)
 
     def set_route(self, execution_id: str, route: list[str] | None) -> None:
         ex = self.get(execution_id)
         self._log_event({"ev": "route", "execution_id": execution_id, "route": route, "t": time.time()})
         ex.route = route
 
-    def get(self, execution_id: str) -> Execution:
-        ex = self.executions.get(execution_id)
+    def get(self, execution_id: str) -> Execution | EndedExecution:
+        ex = self.executions.get(execution_id) or self.ended.get(execution_id)
         if ex is None:
             raise ProtocolError(404, "not_found_error", f"no execution {execution_id!r}")
         return ex
+
+    def calls(self, execution_id: str) -> int:
+        """Recorded calls of an execution (an ended one's count is read from its log once after a restart)."""
+        ex = self.get(execution_id)
+        if isinstance(ex, Execution):
+            return len(ex.records.tree)
+        if ex.calls is None:
+            ex.calls = len(self.tree(execution_id))
+        return ex.calls
+
+    def tree(self, execution_id: str) -> ExecutionTree:
+        """An execution's tree: the live one, or for an ended execution a read-only reload that is not kept."""
+        ex = self.get(execution_id)
+        if isinstance(ex, Execution):
+            return ex.records.tree
+        records = read_log(ex.log_path).records if ex.log_path.is_file() else []
+        return ExecutionTree.from_records(ex.id, records)
 
     def authenticate(self, credential: str | None) -> Execution:
         if not credential:
@@ -173,8 +213,8 @@ class Proxy:
         eid = self._by_credential.get(credential_hash(credential))
         if eid is None:
             raise ProtocolError(401, "authentication_error", "invalid credential: no such execution")
-        ex = self.executions[eid]
-        if ex.ended:
+        ex = self.get(eid)
+        if ex.ended or not isinstance(ex, Execution):
             raise ProtocolError(401, "authentication_error", f"execution {eid} has ended")
         return ex
 
@@ -205,6 +245,7 @@ class Proxy:
         return enc.ids, enc.policy
 
     async def count_tokens(self, ex: Execution, conv: Conversation) -> int:
+        self._check_running(ex)
         async with ex.lock:
             return len(self.encode(ex, conv)[0])
 
@@ -233,6 +274,7 @@ class Proxy:
     ) -> PreparedCall:
         """Everything that can fail because of the request itself, before any engine work (raises ProtocolError)."""
         t0 = time.time()
+        self._check_running(ex)
         async with ex.lock:  # the tree is not read while a record is being added to it (in a worker thread)
             ids, policy = self.encode(ex, conv)
             parent, n = ex.records.match(ids)
@@ -258,8 +300,23 @@ class Proxy:
         msg_id = ("msg_" if api == "anthropic" else "chatcmpl-") + uuid.uuid4().hex[:24]
         return PreparedCall(ex, conv, api, meta, ids, policy, parent, n, tuple(role), sp, msg_id, t0)
 
+    def _check_running(self, ex: Execution) -> None:
+        # ended between authentication and now (the request body was still arriving)
+        if ex.ended:
+            raise ProtocolError(401, "authentication_error", f"execution {ex.id} has ended")
+
     async def finish(self, call: PreparedCall) -> tuple[Reply, CallRecord]:
         """Generate (with retries across engines), record durably, and build the reply."""
+        self._check_running(call.ex)
+        call.ex.inflight += 1  # no await since the check: `end` cannot unload the execution under this call
+        try:
+            return await self._finish(call)
+        finally:
+            call.ex.inflight -= 1
+            if call.ex.ended and call.ex.inflight == 0 and call.ex.id in self.executions:
+                self._unload(call.ex)
+
+    async def _finish(self, call: PreparedCall) -> tuple[Reply, CallRecord]:
         ex, conv, api, meta, ids, policy, parent, n = (
             call.ex,
             call.conv,

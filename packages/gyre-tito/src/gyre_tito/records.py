@@ -13,7 +13,7 @@ API summary
   step; ``append(record)`` assigns ``seq``, checks the record against the tree, makes it durable, then adds it to the
   tree (thread-safe). Reopening rebuilds the identical tree from the log.
 - ``RecordStore(directory, config)``: one ``ExecutionRecords`` per execution id under a directory (``open(id)``,
-  ``execution_ids()``, ``close()``).
+  ``release(id)`` (close it and forget it), ``execution_ids()``, ``close()``).
 
 File format (one file per execution, ``<quoted execution id>.tito.jsonl``): UTF-8 lines
 ``<crc32 of the JSON bytes, 8 lowercase hex digits> <CallRecord JSON>\\n``. Readable with any JSON library: strip the
@@ -231,6 +231,16 @@ class RecordStore:
             if execution_id not in self._open:
                 self._open[execution_id] = ExecutionRecords(self.directory, execution_id, self.config)
             return self._open[execution_id]
+
+    def release(self, execution_id: str) -> None:
+        """Close an execution's log and drop its tree from memory (reopen with ``open`` or read with ``read_log``)."""
+        with self._lock:
+            records = self._open.pop(execution_id, None)
+        if records is not None:
+            records.close()
+
+    def path(self, execution_id: str) -> Path:
+        return log_path(self.directory, execution_id)
 
     def execution_ids(self) -> list[str]:
         """Ids of every execution with a log in the directory (sorted)."""

@@ -205,7 +205,11 @@ def create_app(proxy: Proxy) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "engines": proxy.pool.engines(), "executions": len(proxy.executions)}
+        return {
+            "status": "ok",
+            "engines": proxy.pool.engines(),
+            "executions": len(proxy.executions) + len(proxy.ended),
+        }
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -223,7 +227,8 @@ def create_app(proxy: Proxy) -> FastAPI:
             f"gyre_tito_engine_retries_total {proxy.pool.retries}",
             "# TYPE gyre_tito_executions gauge",
             f'gyre_tito_executions{{state="active"}} {sum(not e.ended for e in proxy.executions.values())}',
-            f'gyre_tito_executions{{state="ended"}} {sum(e.ended for e in proxy.executions.values())}',
+            f'gyre_tito_executions{{state="ended"}} '
+            f"{len(proxy.ended) + sum(e.ended for e in proxy.executions.values())}",
             "# TYPE gyre_tito_engine_inflight gauge",
         ]
         lines += [
