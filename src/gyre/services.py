@@ -92,8 +92,10 @@ class LocalServices:
 
     async def start_proxy(self, tokenizer_dir: Path, timeout_s: float = 120.0) -> None:
         port = free_port()
+        # the proxy writes exports only under its store or an --export-dir: runner.export writes to trajectories/
         argv = [_bin("gyre-tito"), "serve", "--tokenizer", str(tokenizer_dir), "--store",
-                str(self.run_dir / "records"), "--port", str(port)]  # fmt: skip
+                str(self.run_dir / "records"), "--port", str(port),
+                "--export-dir", str(self.run_dir / "trajectories")]  # fmt: skip
         for url in self.engine_urls:
             argv += ["--engine", url]
         self._spawn("proxy", argv, env={"GYRE_TITO_ADMIN_TOKEN": self.admin_token})
