@@ -24,7 +24,7 @@ from gyre.runner import ExecutionRunner
 from gyre.tasks import Query
 from gyre.training import LocalTraining
 from gyre_cell.client import RolloutEngine
-from gyre_cell.roles import CellRoleManager, DiskWeights
+from gyre_cell.roles import CellRoleManager, DiskWeights, RoleSwitchError
 from gyre_eval.service import AssessmentService
 from gyre_eval.types import Submission
 from gyre_sched import events as ev
@@ -174,7 +174,7 @@ class Controller:
         if dst is CellRole.TO_TRAINING:
             await reroutes  # the cell's executions have their new routes: now its in-flight calls can move
             await self.runner.admin_call("POST", "/engines/drain", {"engine": manager.engine.base_url})
-            report = await manager.to_training()
+            report = await self._retry_switch(manager.to_training)
         else:
             path, version = self.published
             report = await manager.to_rollout(DiskWeights(path=path, version=str(version)))
@@ -183,6 +183,19 @@ class Controller:
         with (self.run_dir / "metrics" / "switches.jsonl").open("ab") as out:
             out.write(report.model_dump_json().encode() + b"\n")
         self.events.put_nowait(ev.TransitionDone(cell))
+
+    @staticmethod
+    async def _retry_switch(switch, attempts: int = 5):
+        """A request that reached the engine just before it paused makes flush/release refuse: pause and retry."""
+        for attempt in range(attempts):
+            try:
+                return await switch()
+            except RoleSwitchError as exc:
+                if attempt == attempts - 1:
+                    raise
+                log.warning("role switch retried after %s", exc)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def _serving(self, cell: int) -> bool:
         return self.policy.roles[cell] is CellRole.ROLLOUT

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,12 @@ class ExecutionRunner:
         self.harness_timeout_s = harness_timeout_s
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._cancelled: set[str] = set()
+        # Registration, reroutes and the end of one execution are serialized: a reroute decided while the
+        # registration is still in flight must not be lost (the harness would call a draining engine), and a
+        # reroute that arrives after the end has nothing to move.
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._routes: dict[str, str] = {}
+        self._state: dict[str, str] = {}
 
     async def aclose(self) -> None:
         await self.admin.aclose()
@@ -55,9 +62,11 @@ class ExecutionRunner:
 
     async def run(self, execution_id: str, group_id: str, engine_url: str, task: str) -> Finished:
         """Launch the harness for one execution and wait for its single ending."""
-        registered = await self.admin_call(
-            "POST", "/executions", {"execution_id": execution_id, "group_id": group_id, "route": [engine_url]}
-        )
+        async with self._locks[execution_id]:
+            route = self._routes.setdefault(execution_id, engine_url)
+            body = {"execution_id": execution_id, "group_id": group_id, "route": [route]}
+            registered = await self.admin_call("POST", "/executions", body)
+            self._state[execution_id] = "registered"
         workspace = self.run_dir / "workspaces" / execution_id
         workspace.mkdir(parents=True, exist_ok=True)
         env = {
@@ -85,7 +94,9 @@ class ExecutionRunner:
                 self._procs.pop(execution_id, None)
         if execution_id in self._cancelled:
             outcome = "cancelled"
-        await self.admin_call("POST", f"/executions/{execution_id}/end")
+        async with self._locks[execution_id]:
+            self._state[execution_id] = "ended"
+            await self.admin_call("POST", f"/executions/{execution_id}/end")
         return Finished(execution_id, outcome, workspace, launched_at)
 
     def cancel(self, execution_id: str) -> None:
@@ -100,7 +111,10 @@ class ExecutionRunner:
             self.cancel(execution_id)
 
     async def reroute(self, execution_id: str, engine_url: str) -> None:
-        await self.admin_call("PUT", f"/executions/{execution_id}/route", {"engines": [engine_url]})
+        async with self._locks[execution_id]:
+            self._routes[execution_id] = engine_url
+            if self._state.get(execution_id) == "registered":
+                await self.admin_call("PUT", f"/executions/{execution_id}/route", {"engines": [engine_url]})
 
     async def export(self, execution_id: str, j_max: int, seed: int) -> list[dict]:
         path = self.run_dir / "trajectories" / f"{execution_id}.parquet"
