@@ -138,7 +138,9 @@ def test_queue_releases_train_items_after_prepass_and_claims_are_atomic():
         while (item := q.claim(cell)) is not None:
             with lock:
                 claimed.append(item)
+                holders[item.microstep.index] = cell
 
+    holders = {}
     threads = [threading.Thread(target=grab, args=(c,)) for c in range(4)]
     [t.start() for t in threads]
     [t.join() for t in threads]
@@ -155,7 +157,7 @@ def test_queue_releases_train_items_after_prepass_and_claims_are_atomic():
                     counts[slot] = counts.get(slot, 0) + 1
         parts = [ExecutionPartial(execution_id=ms.executions[k].execution_id, log_ratio_sum=0.01 * c, count=c)
                  for k, c in counts.items()]  # fmt: skip
-        q.report_prepass(PrepassResult(batch=0, index=ms.index, cell=0, partials=parts))
+        q.report_prepass(PrepassResult(batch=0, index=ms.index, cell=holders[ms.index], partials=parts))
     trains = []
     while (item := q.claim(1)) is not None:
         trains.append(item)

@@ -80,7 +80,7 @@ def test_coordinator_keeps_the_training_set_a_prefix_and_closes_the_window(tiny_
         assert coord.handle(CellRequest(op="join", cell=2)).status == "joined"
         item = coord.handle(CellRequest(op="claim", cell=2))
         assert item.status == "item" and item.item.microstep.batch == 0
-        assert coord.close_window(broadcast=True) == 3  # prefix of three cells
+        assert coord.close_window(broadcast=True) == [0, 1, 2]  # prefix of three cells
         assert coord.handle(CellRequest(op="join", cell=2)).status == "wait"  # window closed: next batch
         done = coord.handle(CellRequest(op="claim", cell=1))
         assert (done.status, done.prefix, done.broadcast) == ("batch_done", 3, True)
@@ -91,3 +91,38 @@ def test_coordinator_keeps_the_training_set_a_prefix_and_closes_the_window(tiny_
         assert coord.participants == {0, 1, 2}  # broadcast receivers stay for the next batch
     finally:
         coord.close()
+
+
+@pytest.mark.slow
+def test_satellite_killed_holding_a_claim_the_batch_completes_with_the_reference_gradient(
+    tiny_model, tmp_path
+):
+    spec = LocalRunSpec(model_path=tiny_model, out_dir=str(tmp_path), num_cells=2, steps=1, wait_join_at=2,
+                        save_grads=True, kill_at_item=2)  # fmt: skip
+    assert launch(spec, timeout=240) == [
+        0,
+        -9,
+    ]  # the satellite died by SIGKILL on its 2nd item; the core finished
+    (report,) = [json.loads(line) for line in (tmp_path / "reports.jsonl").read_text().splitlines()]
+    by_cell = {int(k): v for k, v in report["microsteps_by_cell"].items()}
+    assert by_cell == {0: report["num_microsteps"]}  # nothing of the dead cell is counted
+    ref_loss, ref_grads = _reference_grads(tiny_model, spec)
+    assert report["loss"] == pytest.approx(ref_loss, abs=1e-9)
+    grads = torch.load(tmp_path / "grads-0.pt")
+    assert torch.allclose(grads, ref_grads, atol=1e-6, rtol=0)
+    assert float(ref_grads.abs().max()) > 1e-4
+
+
+@pytest.mark.slow
+def test_middle_satellite_killed_survivors_reduce_over_a_fresh_group(tiny_model, tmp_path):
+    # cells 0, 1, 2 train; cell 1 dies: the members {0, 2} are no prefix, so they reduce over a fresh gloo group
+    spec = LocalRunSpec(model_path=tiny_model, out_dir=str(tmp_path), num_cells=3, steps=1, wait_join_at=1,
+                        save_grads=True, kill_at_item=2)  # fmt: skip
+    assert launch(spec, timeout=240) == [0, -9, 0]
+    (report,) = [json.loads(line) for line in (tmp_path / "reports.jsonl").read_text().splitlines()]
+    by_cell = {int(k): v for k, v in report["microsteps_by_cell"].items()}
+    assert 1 not in by_cell and by_cell.get(2, 0) >= 1 and sum(by_cell.values()) == report["num_microsteps"]
+    ref_loss, ref_grads = _reference_grads(tiny_model, spec)
+    assert report["loss"] == pytest.approx(ref_loss, abs=1e-9)
+    grads = torch.load(tmp_path / "grads-0.pt")
+    assert torch.allclose(grads, ref_grads, atol=1e-6, rtol=0)

@@ -45,7 +45,8 @@ def _examples():
                    num_executions=8, num_target_tokens=100, num_microsteps=3, microsteps_by_cell={0: 2, 1: 1},
                    group_ids=["a", "b"], staleness=[0, 1], metrics={"clip_frac_all": 0.25}),
         CellRequest(op="report", cell=1, prepass=pre), CellRequest(op="claim", cell=2),
-        CoordinatorReply(status="batch_done", batch=3, prefix=2, broadcast=True),
+        CoordinatorReply(status="batch_done", batch=3, prefix=2, members=[0, 1], broadcast=True),
+        CoordinatorReply(status="dropped"),
         CoordinatorReply(status="item", item=WorkItem(kind="prepass", microstep=ms)),
     ]  # fmt: skip
 

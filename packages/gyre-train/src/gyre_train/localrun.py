@@ -8,6 +8,8 @@ StepReport per line) and, if asked, the summed gradient of each step (``grads-<s
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +20,9 @@ from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
 from gyre_train.loss import LossConfig
-from gyre_train.multicell import CoreRunner, MultiCellConfig, SatelliteRunner, init_cell_process
+from gyre_train.multicell import CoreRunner, MultiCellConfig, init_cell_process
 from gyre_train.packing import PackingConfig
+from gyre_train.satellite import SatelliteRunner
 from gyre_train.synthetic import make_groups
 from gyre_train.trainer import Trainer, TrainerConfig
 
@@ -53,11 +56,15 @@ class LocalRunSpec:
     steps_per_burst: int = 1
     """mu."""
     wait_join_at: int | None = None
-    """If set, the core waits for cell 1 to join before its item number ``wait_join_at`` (forces a mid-batch join)."""
+    """If set, the core waits for the last cell to join before its item number ``wait_join_at`` (mid-batch join)."""
     save_grads: bool = False
     """Write each step's summed gradient."""
     threads: int = 1
     """torch intra-op threads per cell process."""
+    kill_at_item: int | None = None
+    """If set, cell 1 SIGKILLs itself on receiving its n-th item, before running it (lost-satellite tests)."""
+    claim_timeout_s: float = 300.0
+    """Claim lease of the coordinator."""
 
 
 def free_port() -> int:
@@ -75,8 +82,17 @@ def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int) -> None:
     )
     worker = CellWorker(cell, backend, loss)
     if cell > 0:
-        SatelliteRunner(mc, worker, groups).run()
-        torch.distributed.barrier()
+        received = 0
+
+        def on_item(item, cell: int = cell) -> None:
+            nonlocal received
+            received += 1
+            if cell == 1 and received == spec.kill_at_item:
+                os.kill(os.getpid(), signal.SIGKILL)  # dies holding a claim
+
+        runner = SatelliteRunner(mc, worker, groups, on_item=on_item)
+        runner.run()
+        groups.barrier(runner.stop_members)  # the live cells leave together
         torch.distributed.destroy_process_group()
         return
     buffer = TrajectoryBuffer(spec.group_size)
@@ -95,7 +111,7 @@ def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int) -> None:
 
             def hook(n: int, step: int = step) -> None:
                 if spec.wait_join_at is not None and step == 0 and n == spec.wait_join_at:
-                    core.coordinator.wait_joined(1, timeout=120)
+                    core.coordinator.wait_joined(spec.num_cells - 1, timeout=120)
 
             def save(g: torch.Tensor, step: int = step) -> None:
                 if spec.save_grads:
@@ -105,7 +121,8 @@ def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int) -> None:
             f.write(report.model_dump_json() + "\n")
             f.flush()
     core.stop()
-    torch.distributed.barrier()  # satellites have seen `stop`: everyone leaves together
+    # satellites have seen `stop`: the live cells leave together
+    groups.barrier(core.coordinator.live_cells())
     core.coordinator.close()
     torch.distributed.destroy_process_group()
 
@@ -116,6 +133,7 @@ def launch(spec: LocalRunSpec, timeout: float = 300.0) -> list[int]:
     mc = MultiCellConfig(
         num_cells=spec.num_cells, master_port=free_port(), control_port=free_port(),
         snapshot_dir=str(Path(spec.out_dir) / "snapshots"), steps_per_burst=spec.steps_per_burst,
+        claim_timeout_s=spec.claim_timeout_s,
     )  # fmt: skip
     ctx = mp.get_context("spawn")
     procs = [

@@ -12,7 +12,18 @@
   accumulation), claims items, reports results. The joining window closes when the queue drains, before the update;
   a late joiner waits for the next batch.
 
-The core itself also claims and runs items between serving satellites (its main thread), like any cell.
+The core itself also claims and runs items between serving satellites (its main thread), like any cell. The
+satellite side is :class:`gyre_train.satellite.SatelliteRunner`.
+
+**Lost satellites.** The coordinator drops a satellite from the open batch when its control connection closes (the
+process died: it is dead for the rest of the run) or when it holds a claim longer than ``claim_timeout_s`` (it is
+only dropped from this batch; a later request is answered ``dropped``, it discards its gradients and may join
+again). The queue requeues the items it claimed and did not report, and the train items it did report (their
+gradients are in its backend, which is not summed); its late reports are refused. The batch completes with the
+remaining cells, and the end-of-batch collectives run over exactly the remaining members: their prefix group when
+they form a prefix, otherwise a fresh gloo group of just those ranks (``new_group(use_local_synchronization=True)``,
+cached, created only by its members, so the dead rank is never contacted). A satellite that dies after the window
+closed (during the reduce) is not handled: the collective fails after gloo's timeout.
 """
 
 from __future__ import annotations
@@ -22,16 +33,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 
 import orjson
 import torch
 import torch.distributed as dist
 
-from gyre_train.cell import CellWorker
 from gyre_train.trainer import DataStarvation, Trainer
-from gyre_train.types import CellRequest, CoordinatorReply, PrepassResult, StepReport
+from gyre_train.types import CellRequest, CoordinatorReply, StepReport, WorkItem
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,10 +66,14 @@ class MultiCellConfig:
     """Sleep between polls when there is nothing to claim."""
     starve_timeout_s: float = 0.0
     """How long the core waits for more ready groups (added by another thread) before DataStarvation."""
+    claim_timeout_s: float = 300.0
+    """Claim lease: a satellite holding one item longer than this is dropped from the batch, its work requeued."""
 
     def __post_init__(self) -> None:
         if self.num_cells < 1 or self.steps_per_burst < 1:
             raise ValueError("num_cells and steps_per_burst must be >= 1")
+        if self.claim_timeout_s <= 0:
+            raise ValueError("claim_timeout_s must be > 0")
 
 
 def init_cell_process(cfg: MultiCellConfig, cell: int) -> PrefixGroups:
@@ -76,11 +90,35 @@ class PrefixGroups:
     def __init__(self, num_cells: int) -> None:
         self.num_cells = num_cells
         self.groups = {p: dist.new_group(list(range(p))) for p in range(2, num_cells + 1)}
+        self._fresh: dict[tuple[int, ...], object] = {}
 
     def for_prefix(self, prefix: int):
         if prefix not in self.groups:
             raise ValueError(f"no communication group for a prefix of {prefix} cells (K={self.num_cells})")
         return self.groups[prefix]
+
+    def for_members(self, members: list[int]):
+        """Group of exactly ``members`` (None for one cell): a prefix group, else a fresh group of those ranks.
+
+        A fresh group is created by its members only (``use_local_synchronization``), so a dead rank outside it
+        is never contacted; it is cached by rank set, and every member calls this with the same set in the same
+        order (the coordinator's ``members``), so their group names agree.
+        """
+        members = sorted(members)
+        if len(members) <= 1:
+            return None
+        if members == list(range(len(members))):
+            return self.for_prefix(len(members))
+        key = tuple(members)
+        if key not in self._fresh:
+            self._fresh[key] = dist.new_group(members, use_local_synchronization=True)
+        return self._fresh[key]
+
+    def barrier(self, members: list[int]) -> None:
+        """Barrier over ``members`` (the live cells at the end of a run)."""
+        group = self.for_members(members)
+        if group is not None:
+            dist.barrier(group=group)
 
 
 class Coordinator:
@@ -95,9 +133,14 @@ class Coordinator:
         self._participants: set[int] = {0}
         self._carry: set[int] = set()
         self._window_open = False
-        self._done: tuple[int, int, bool] | None = None  # (batch, prefix, broadcast)
+        self._done: tuple[int, list[int], bool] | None = None  # (batch, members, broadcast)
         self._acked: set[int] = set()
         self._stopping = False
+        self._dead: set[int] = set()  # control connection closed: gone for the rest of the run
+        self._dropped: set[int] = set()  # dropped (lease expired), not yet told
+        self._leases: dict[int, float] = {}  # cell -> monotonic deadline of its current claim
+        self.lost: list[tuple[int | None, int, str, int]] = []
+        """(batch, cell, reason, items requeued) of every drop, in order."""
         self._listener = Listener((cfg.host, cfg.control_port), authkey=cfg.authkey.encode())
         self._threads: list[threading.Thread] = []
         threading.Thread(target=self._accept, daemon=True, name="coordinator-accept").start()
@@ -114,15 +157,50 @@ class Coordinator:
             self._window_open = True
             self._lock.notify_all()
 
-    def close_window(self, broadcast: bool) -> int:
-        """Close the joining window; returns the participating prefix size."""
+    def close_window(self, broadcast: bool) -> list[int]:
+        """Close the joining window; returns the cells that take part in the reduce (sorted, core first)."""
         with self._lock:
             self._window_open = False
-            prefix = max(self._participants) + 1
-            self._done = (self._batch, prefix, broadcast)
+            self._leases.clear()
+            members = sorted(self._participants)
+            self._done = (self._batch, members, broadcast)
             self._carry = (self._participants - {0}) if broadcast else set()
             self._lock.notify_all()
-            return prefix
+            return members
+
+    def lose(self, cell: int, reason: str, dead: bool) -> int:
+        """Drop ``cell`` from the open batch and requeue its work; returns the number of items requeued.
+
+        ``dead``: the process is gone (never rejoins). Outside the accumulation window only the bookkeeping changes.
+        """
+        with self._lock:
+            if dead:
+                self._dead.add(cell)
+            self._leases.pop(cell, None)
+            self._carry.discard(cell)
+            if not (self._window_open and cell in self._participants):
+                return 0
+            self._participants.discard(cell)
+            requeued = self.trainer.queue.drop_cell(cell)
+            if not dead:
+                self._dropped.add(cell)
+            self.lost.append((self._batch, cell, reason, len(requeued)))
+            self._lock.notify_all()
+            return len(requeued)
+
+    def expire_leases(self) -> list[int]:
+        """Drop every satellite whose claim lease ran out (called from the core's loop); returns them."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [c for c, deadline in self._leases.items() if deadline <= now]
+        for cell in expired:
+            self.lose(cell, f"claim lease expired ({self.cfg.claim_timeout_s} s)", dead=False)
+        return expired
+
+    def live_cells(self) -> list[int]:
+        """Cells whose process has not been lost."""
+        with self._lock:
+            return [c for c in range(self.cfg.num_cells) if c not in self._dead]
 
     def wait_joined(self, cell: int, timeout: float) -> None:
         """Block until ``cell`` participates in the open batch (tests use it to force a mid-batch join)."""
@@ -152,47 +230,74 @@ class Coordinator:
             self._threads.append(t)
 
     def _serve(self, conn: Connection) -> None:
+        cell = None  # the satellite on this connection (one per process)
         with conn:
             while True:
                 try:
                     raw = conn.recv_bytes()
                 except (EOFError, OSError):
-                    return
+                    break
                 try:
-                    reply = self.handle(CellRequest.model_validate(orjson.loads(raw)))
+                    req = CellRequest.model_validate(orjson.loads(raw))
+                    cell = req.cell
+                    reply = self.handle(req)
                 except Exception as exc:  # a malformed request gets an error reply, not a dead server
                     reply = CoordinatorReply(status="wait", error=f"{type(exc).__name__}: {exc}")
-                conn.send_bytes(reply.model_dump_json().encode())
+                try:
+                    conn.send_bytes(reply.model_dump_json().encode())
+                except OSError:
+                    break
+        with self._lock:
+            stopping = self._stopping
+        if cell is not None and not stopping:  # the satellite's process is gone
+            self.lose(cell, "control connection closed", dead=True)
+
+    def _stop_reply(self) -> CoordinatorReply:
+        return CoordinatorReply(
+            status="stop", members=[c for c in range(self.cfg.num_cells) if c not in self._dead]
+        )
 
     def handle(self, req: CellRequest) -> CoordinatorReply:
         if req.cell >= self.cfg.num_cells:
             raise ValueError(f"cell {req.cell} does not exist (K={self.cfg.num_cells})")
         with self._lock:
+            if req.cell in self._dead:
+                return self._stop_reply()
+            if req.cell in self._dropped and req.op != "join":  # its late report is refused (work requeued)
+                self._dropped.discard(req.cell)
+                return CoordinatorReply(status="dropped", batch=self._batch)
             if req.op == "report":  # record, then answer like a claim (one round trip per item)
+                self._leases.pop(req.cell, None)
                 self.trainer.report(req.prepass if req.prepass is not None else req.train)
             if req.op == "join":
+                self._dropped.discard(req.cell)
                 if self._stopping and not self._window_open:
-                    return CoordinatorReply(status="stop")
-                if not self._window_open or req.cell - 1 not in self._participants:
-                    return CoordinatorReply(
-                        status="wait"
-                    )  # cells join serially: the training set is a prefix
+                    return self._stop_reply()
+                # cells join serially (the training set is a prefix, up to dead cells)
+                ahead = all(c in self._participants or c in self._dead for c in range(req.cell))
+                if not self._window_open or not ahead:
+                    return CoordinatorReply(status="wait")
                 self._participants.add(req.cell)
                 self._lock.notify_all()
                 return CoordinatorReply(status="joined", batch=self._batch, snapshot=self._snapshot)
             # claim (or report)
             if self._done is not None and req.cell not in self._acked and req.cell in self._participants:
-                batch, prefix, broadcast = self._done
+                batch, members, broadcast = self._done
                 self._acked.add(req.cell)
-                return CoordinatorReply(status="batch_done", batch=batch, prefix=prefix, broadcast=broadcast)
+                prefix = len(members) if members == list(range(len(members))) else None
+                return CoordinatorReply(
+                    status="batch_done", batch=batch, prefix=prefix, members=members, broadcast=broadcast
+                )
             if req.cell not in self._participants or not self._window_open:
                 if self._stopping and self._done is not None:
-                    return CoordinatorReply(status="stop")
+                    return self._stop_reply()
                 return CoordinatorReply(status="wait")
-        item = self.trainer.claim(req.cell)
-        if item is None:
-            return CoordinatorReply(status="wait")
-        return CoordinatorReply(status="item", batch=item.microstep.batch, item=item)
+            # claim under the lock, so a concurrent drop (lease expiry) sees the claim and requeues it
+            item: WorkItem | None = self.trainer.claim(req.cell)
+            if item is None:
+                return CoordinatorReply(status="wait")
+            self._leases[req.cell] = time.monotonic() + self.cfg.claim_timeout_s
+            return CoordinatorReply(status="item", batch=item.microstep.batch, item=item)
 
     def close(self) -> None:
         self._listener.close()
@@ -230,6 +335,7 @@ class CoreRunner:
         done = 0
         starving_since = None
         while not trainer.queue.finished:
+            coord.expire_leases()
             if before_core_item is not None:
                 before_core_item(done)
             if trainer.run_one(trainer.core):
@@ -242,86 +348,20 @@ class CoreRunner:
                     raise DataStarvation(f"batch {batch} needs more ready groups than the buffer holds")
             time.sleep(self.cfg.poll_s)  # satellites hold the remaining items, or groups are still arriving
         final = (batch + 1) % self.cfg.steps_per_burst == 0
-        prefix = coord.close_window(broadcast=not final)
+        group = self.groups.for_members(coord.close_window(broadcast=not final))  # lost cells excluded
         backend = trainer.core.backend
-        if prefix > 1:
+        if group is not None:
             flat = backend.flat_grads()
-            dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=self.groups.for_prefix(prefix))
+            dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=group)
             backend.set_flat_grads(flat)
         if on_summed_grads is not None:
             on_summed_grads(backend.flat_grads())
         report = trainer.finish()
-        if prefix > 1 and not final:
-            dist.broadcast(backend.flat_params(), src=0, group=self.groups.for_prefix(prefix))
+        if group is not None and not final:
+            dist.broadcast(backend.flat_params(), src=0, group=group)
         return report
 
     def stop(self) -> None:
         """Tell satellites the run is over (they get ``stop`` on their next request), then close the listener."""
         self.coordinator.stop()
         time.sleep(10 * self.cfg.poll_s)
-
-
-class SatelliteRunner:
-    """A satellite cell process: join, load the snapshot, claim and run items, reduce, receive broadcasts."""
-
-    def __init__(self, cfg: MultiCellConfig, worker: CellWorker, groups: PrefixGroups) -> None:
-        self.cfg = cfg
-        self.worker = worker
-        self.groups = groups
-        self.conn = self._connect()
-        self.items_run = 0
-
-    def _connect(self, timeout: float = 60.0):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return Client((self.cfg.host, self.cfg.control_port), authkey=self.cfg.authkey.encode())
-            except (ConnectionRefusedError, OSError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def _ask(self, op: str, **kw) -> CoordinatorReply:
-        self.conn.send_bytes(CellRequest(op=op, cell=self.worker.cell, **kw).model_dump_json().encode())
-        reply = CoordinatorReply.model_validate(orjson.loads(self.conn.recv_bytes()))
-        if reply.error:
-            raise RuntimeError(f"coordinator refused {op}: {reply.error}")
-        return reply
-
-    def run(self) -> int:
-        """Serve until the core stops; returns the number of items this cell ran."""
-        backend = self.worker.backend
-        joined = False
-        while True:
-            if not joined:
-                reply = self._ask("join")
-                if reply.status == "stop":
-                    return self.items_run
-                if reply.status == "wait":
-                    time.sleep(self.cfg.poll_s)
-                    continue
-                backend.zero_grad()
-                backend.load_flat_params(torch.load(reply.snapshot))  # the core's consistent snapshot
-                joined = True
-            reply = self._ask("claim")
-            while reply.status == "item":  # a report is answered with the next claim
-                result = self.worker.run(reply.item)
-                self.items_run += 1
-                if isinstance(result, PrepassResult):
-                    reply = self._ask("report", prepass=result)
-                else:
-                    reply = self._ask("report", train=result)
-            if reply.status == "batch_done":
-                group = self.groups.for_prefix(reply.prefix)
-                dist.reduce(backend.flat_grads(), dst=0, op=dist.ReduceOp.SUM, group=group)
-                backend.zero_grad()
-                if reply.broadcast:
-                    flat = backend.flat_params()
-                    dist.broadcast(flat, src=0, group=group)
-                    backend.load_flat_params(flat)  # stays in training for the next batch of the burst
-                else:
-                    joined = False  # burst over: back to rollout; a later join pulls a fresh snapshot
-            elif reply.status == "stop":
-                return self.items_run
-            else:
-                time.sleep(self.cfg.poll_s)

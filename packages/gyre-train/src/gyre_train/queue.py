@@ -11,6 +11,12 @@ also skips the pre-pass; the train forward computes those s_i itself (``gyre_tra
 ``claim`` prefers released train items (oldest first), then pre-pass items. The batch is finished when the stream is
 closed and every train item has been reported. All methods are thread-safe (one lock): the core's own worker and the
 coordinator thread serving satellites share one queue.
+
+Lost cells (``drop_cell``): the queue records which cell holds each claim and which cell trained each micro-step. A
+dropped cell's claimed-but-unreported items (pre-pass and train) go back to the front of their queues, and so do
+the train items it already reported: their gradients live only in that cell's backend, which is not summed. Its
+reported pre-pass partials stay (they are values held here). A report is accepted only from the cell that holds the
+claim, so a late report of a requeued item is refused (``LateReport``) and nothing is counted twice.
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ class ExecutionTally:
         return self.count == self.info.num_targets
 
 
+class LateReport(ValueError):
+    """A result for an item the reporting cell does not hold (requeued after its cell was dropped)."""
+
+
 class MicroStepQueue:
     """Work queue of one batch (reopened for every batch)."""
 
@@ -49,13 +59,13 @@ class MicroStepQueue:
         self.batch = batch
         self._prepass_items: deque[MicroStep] = deque()
         self._train_items: deque[MicroStep] = deque()
-        self._in_prepass: dict[int, MicroStep] = {}
+        self._in_prepass: dict[int, tuple[int, MicroStep]] = {}  # index -> (claiming cell, micro-step)
+        self._in_train: dict[int, tuple[int, MicroStep]] = {}
+        self._trained: dict[int, tuple[MicroStep, TrainResult]] = {}  # index -> (train item, its result)
         self._waiting: dict[int, MicroStep] = {}
         self._tally: dict[str, ExecutionTally] = {}
         self._closed = False
         self._put = 0
-        self._trained = 0
-        self._stats = TokenStats()
         self.claims: Counter[int] = Counter()
         self.train_claims: Counter[int] = Counter()
 
@@ -92,22 +102,51 @@ class MicroStepQueue:
             if self._train_items:
                 self.claims[cell] += 1
                 self.train_claims[cell] += 1
-                return WorkItem(kind="train", microstep=self._train_items.popleft())
+                microstep = self._train_items.popleft()
+                self._in_train[microstep.index] = (cell, microstep)
+                return WorkItem(kind="train", microstep=microstep)
             if self._prepass_items:
                 self.claims[cell] += 1
                 microstep = self._prepass_items.popleft()
-                self._in_prepass[microstep.index] = microstep
+                self._in_prepass[microstep.index] = (cell, microstep)
                 return WorkItem(kind="prepass", microstep=microstep)
             return None
+
+    def drop_cell(self, cell: int) -> list[WorkItem]:
+        """Requeue everything whose result depends on ``cell``'s state; returns the requeued items.
+
+        Claimed-but-unreported pre-pass and train items, and train items ``cell`` already reported (their gradient
+        stays in the dropped cell). Requeued items go to the front (oldest first); later reports from ``cell``
+        for them are refused.
+        """
+        with self._lock:
+            prepass = sorted(i for i, (c, _) in self._in_prepass.items() if c == cell)
+            train = sorted(i for i, (c, _) in self._in_train.items() if c == cell)
+            trained = sorted(i for i, (_, r) in self._trained.items() if r.cell == cell)
+            back_prepass = [self._in_prepass.pop(i)[1] for i in prepass]
+            back_train = [self._in_train.pop(i)[1] for i in train]
+            back_train += [self._trained.pop(i)[0] for i in trained]
+            back_train.sort(key=lambda ms: ms.index)
+            self._prepass_items.extendleft(reversed(back_prepass))
+            self._train_items.extendleft(reversed(back_train))
+            return [WorkItem(kind="prepass", microstep=m) for m in back_prepass] + [
+                WorkItem(kind="train", microstep=m) for m in back_train
+            ]
 
     def report_prepass(self, result: PrepassResult) -> None:
         with self._lock:
             self._check_batch(result.batch)
-            microstep = self._in_prepass.pop(result.index, None)
-            if microstep is None:
-                raise ValueError(
+            holder = self._in_prepass.get(result.index)
+            if holder is None:
+                raise LateReport(
                     f"pre-pass result for micro-step {result.index}, which is not being pre-passed"
                 )
+            if holder[0] != result.cell:
+                raise LateReport(
+                    f"pre-pass result for micro-step {result.index} from cell {result.cell}; "
+                    f"cell {holder[0]} holds it (requeued)"
+                )
+            microstep = self._in_prepass.pop(result.index)[1]
             for p in result.partials:
                 tally = self._tally[p.execution_id]
                 tally.log_ratio_sum += p.log_ratio_sum
@@ -120,12 +159,13 @@ class MicroStepQueue:
     def report_train(self, result: TrainResult) -> None:
         with self._lock:
             self._check_batch(result.batch)
-            self._trained += 1
-            self._stats = self._stats + result.stats
-            for p in result.partials:  # single-pass executions: s_i came from the train forward itself
-                tally = self._tally[p.execution_id]
-                tally.log_ratio_sum += p.log_ratio_sum
-                tally.count += p.count
+            holder = self._in_train.get(result.index)
+            if holder is None or holder[0] != result.cell:
+                who = "nobody" if holder is None else f"cell {holder[0]}"
+                raise LateReport(
+                    f"train result for micro-step {result.index} from cell {result.cell}; {who} holds it"
+                )
+            self._trained[result.index] = (self._in_train.pop(result.index)[1], result)
 
     def _check_batch(self, batch: int) -> None:
         if batch != self.batch:
@@ -141,7 +181,7 @@ class MicroStepQueue:
                 del self._waiting[index]
 
     def _finished_locked(self) -> bool:
-        return self._closed and self._trained == self._put
+        return self._closed and len(self._trained) == self._put
 
     @property
     def finished(self) -> bool:
@@ -152,7 +192,7 @@ class MicroStepQueue:
     def outstanding(self) -> int:
         """Micro-steps put but not yet trained."""
         with self._lock:
-            return self._put - self._trained
+            return self._put - len(self._trained)
 
     @property
     def unclaimed(self) -> int:
@@ -161,9 +201,25 @@ class MicroStepQueue:
 
     @property
     def token_stats(self) -> TokenStats:
+        """Sum over the accepted train results (micro-step order)."""
         with self._lock:
-            return self._stats
+            stats = TokenStats()
+            for index in sorted(self._trained):
+                stats = stats + self._trained[index][1].stats
+            return stats
+
+    @property
+    def trained_by_cell(self) -> Counter[int]:
+        """Accepted train results per cell (a dropped cell's results are not counted)."""
+        with self._lock:
+            return Counter(r.cell for _, r in self._trained.values())
 
     def tallies(self) -> dict[str, ExecutionTally]:
+        """Per-execution sums: pre-pass reports plus single-pass partials of the accepted train results."""
         with self._lock:
-            return dict(self._tally)
+            out = {k: ExecutionTally(t.info, t.log_ratio_sum, t.count) for k, t in self._tally.items()}
+            for index in sorted(self._trained):
+                for p in self._trained[index][1].partials:  # single-pass: s_i came from the train forward
+                    out[p.execution_id].log_ratio_sum += p.log_ratio_sum
+                    out[p.execution_id].count += p.count
+            return out

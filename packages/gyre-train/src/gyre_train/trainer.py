@@ -157,8 +157,8 @@ class Trainer:
         report = StepReport(
             step=self.version, policy_version=self.version + 1, loss=stats.loss, surrogate=stats.surrogate,
             grad_norm=grad_norm, num_groups=len(groups), num_executions=len(self.packer.executions),
-            num_target_tokens=stats.num_targets, num_microsteps=sum(self.queue.train_claims.values()),
-            microsteps_by_cell=dict(microsteps_by_cell or self.queue.train_claims),
+            num_target_tokens=stats.num_targets, num_microsteps=sum(self.queue.trained_by_cell.values()),
+            microsteps_by_cell=dict(microsteps_by_cell or self.queue.trained_by_cell),
             group_ids=[g.group_id for g in groups], staleness=[self.version - g.policy_version for g in groups],
             metrics=batch_metrics(execs, stats, self.cfg.loss), seconds=time.perf_counter() - self._opened_at,
         )  # fmt: skip

@@ -230,14 +230,17 @@ class CoordinatorReply(_Wire):
     ``joined``: load the weight snapshot at ``snapshot`` and start claiming for ``batch``. ``item``: run ``item``
     (a ``report`` is answered like a ``claim``, so one round trip per item).
     ``wait``: nothing now, ask again. ``batch_done``: accumulation is over; sum gradients into the core over the
-    prefix group of ``prefix`` cells, then receive a parameter broadcast if ``broadcast`` (stay for the next batch)
-    or leave training. ``stop``: the run is over.
+    group of the cells ``members`` (the prefix group of ``prefix`` cells when they are a prefix), then receive a
+    parameter broadcast if ``broadcast`` (stay for the next batch) or leave training. ``dropped``: this cell was
+    removed from the batch (claim lease expired) and its items requeued: discard gradients, join again.
+    ``stop``: the run is over; ``members`` are the cells still alive (they leave through one barrier).
     """
 
-    status: Literal["ok", "joined", "item", "wait", "batch_done", "stop"]
+    status: Literal["ok", "joined", "item", "wait", "batch_done", "dropped", "stop"]
     batch: int | None = None
     item: WorkItem | None = None
     snapshot: str | None = None
     prefix: int | None = Field(default=None, ge=1)
+    members: list[int] | None = None
     broadcast: bool = False
     error: str | None = None
