@@ -168,6 +168,33 @@ def test_drain_aborts_and_continues_on_other_engine(tok_dir, tmp_path, engines):
         assert busy not in [e["url"] for e in srv.proxy.pool.engines()]
 
 
+def test_interrupted_call_continues_on_the_executions_new_route(tok_dir, tmp_path, engines):
+    """A cell leaving rollout: the controller reroutes the execution, then drains its engine. The interrupted call
+    must continue on the new route, not go back to the drained engine once the pool has forgotten it."""
+    es, urls = engines
+    for e in es:
+        e.config.token_delay_s = 0.01
+    with ProxyServer(_cfg(tok_dir, tmp_path, urls)) as srv:
+        eid, cred = srv.register()
+        assert srv.admin("PUT", f"/admin/executions/{eid}/route", {"engines": [urls[0]]}).status_code == 200
+        out = {}
+        th = threading.Thread(
+            target=lambda: out.setdefault("r", _msg(srv.url, cred, [{"role": "user", "content": "go"}]))
+        )
+        th.start()
+        deadline = time.time() + 10
+        while not len(es[0].requests) and time.time() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)
+        assert srv.admin("PUT", f"/admin/executions/{eid}/route", {"engines": [urls[1]]}).status_code == 200
+        assert srv.admin("POST", "/admin/engines/drain", {"engine": urls[0]}).status_code == 200
+        th.join(30)
+        assert out["r"].status_code == 200
+        rec = list(srv.proxy.executions[eid].records.tree.records())[-1]
+        assert [s.engine_id for s in rec.output_segments] == [urls[0].rstrip("/"), urls[1].rstrip("/")]
+        assert len(es[0].requests) == 1  # the drained engine was never called again
+
+
 def test_per_execution_route_and_least_loaded(tok_dir, tmp_path, engines):
     es, urls = engines
     with ProxyServer(_cfg(tok_dir, tmp_path, urls)) as srv:

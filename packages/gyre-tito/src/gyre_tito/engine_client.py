@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,10 +195,14 @@ class EnginePool:
         self,
         input_ids: list[int],
         sampling: dict[str, Any],
-        route: list[str] | None = None,
+        route: list[str] | Callable[[], list[str] | None] | None = None,
         rid: str | None = None,
     ) -> GenerateResult:
-        """Generate up to `sampling["max_new_tokens"]` tokens after `input_ids`, retrying across engines."""
+        """Generate up to `sampling["max_new_tokens"]` tokens after `input_ids`, retrying across engines.
+
+        `route` may be a callable: it is read again before every attempt, so a call interrupted because its engine
+        left rollout continues on the execution's *new* route, never back on the engine being drained.
+        """
         if not isinstance(input_ids, list):
             input_ids = list(input_ids)
         res = GenerateResult()
@@ -205,7 +210,7 @@ class EnginePool:
         base = rid or uuid.uuid4().hex
         for attempt in range(self.config.max_attempts):
             res.attempts = attempt + 1
-            st = self._pick(route)
+            st = self._pick(route() if callable(route) else route)
             if st is None:
                 await asyncio.sleep(self.config.retry_backoff_s * (attempt + 1))
                 continue

@@ -331,7 +331,7 @@ class Proxy:
         sp, msg_id, t0 = call.sampling, call.msg_id, call.t0
         t_engine = time.time()
         try:
-            res = await self.pool.generate(ids, sp, route=ex.route)
+            res = await self.pool.generate(ids, sp, route=lambda: ex.route)  # re-read on every retry
         except EngineError as e:
             raise ProtocolError(529, "overloaded_error", f"no engine available: {e}") from e
         except EngineRejected as e:
