@@ -24,6 +24,23 @@ ROOT = Path(__file__).resolve().parents[1]
 CLAUDE = ROOT / "node_modules" / ".bin" / "claude"
 
 
+def _run_claude(base_url: str, credential: str, home: Path, cwd: Path, prompt: str, tools: str):
+    """The real CLI in -p mode against the proxy, with the execution's credential and a private HOME."""
+    env = dict(
+        os.environ,
+        ANTHROPIC_BASE_URL=base_url,
+        ANTHROPIC_API_KEY=credential,
+        DISABLE_TELEMETRY="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        HOME=str(home),
+    )
+    env.pop("ANTHROPIC_AUTH_TOKEN", None)
+    return subprocess.run(
+        [str(CLAUDE), "-p", prompt, "--allowedTools", tools, "--output-format", "json"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+
+
 def _call(name: str, args: dict) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
@@ -79,30 +96,8 @@ def test_claude_code_cli_through_proxy(tmp_path):
         )
         with ProxyServer(cfg) as srv:
             eid, cred = srv.register("cc-exec", group_id="g1")
-            env = dict(
-                os.environ,
-                ANTHROPIC_BASE_URL=srv.url,
-                ANTHROPIC_API_KEY=cred,
-                DISABLE_TELEMETRY="1",
-                CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-                HOME=str(home),
-            )
-            env.pop("ANTHROPIC_AUTH_TOKEN", None)
-            proc = subprocess.run(
-                [
-                    str(CLAUDE),
-                    "-p",
-                    "Run the scripted file task.",
-                    "--allowedTools",
-                    "Bash Write Edit Read",
-                    "--output-format",
-                    "json",
-                ],
-                cwd=work,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=240,
+            proc = _run_claude(
+                srv.url, cred, home, work, "Run the scripted file task.", "Bash Write Edit Read"
             )
             assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
             result = json.loads(proc.stdout)
@@ -226,30 +221,8 @@ def test_claude_code_subagent_through_proxy(tmp_path):
         )
         with ProxyServer(cfg) as srv:
             eid, cred = srv.register("cc-sub")
-            env = dict(
-                os.environ,
-                ANTHROPIC_BASE_URL=srv.url,
-                ANTHROPIC_API_KEY=cred,
-                DISABLE_TELEMETRY="1",
-                CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-                HOME=str(home),
-            )
-            env.pop("ANTHROPIC_AUTH_TOKEN", None)
-            proc = subprocess.run(
-                [
-                    str(CLAUDE),
-                    "-p",
-                    "Delegate the file task.",
-                    "--allowedTools",
-                    "Bash Write Edit Read Agent",
-                    "--output-format",
-                    "json",
-                ],
-                cwd=work,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=240,
+            proc = _run_claude(
+                srv.url, cred, home, work, "Delegate the file task.", "Bash Write Edit Read Agent"
             )
             assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
             assert json.loads(proc.stdout)["result"] == "All done."

@@ -31,8 +31,8 @@ class EngineUnderTest:
 def _sglang(model) -> Iterator[EngineUnderTest]:
     from gyre_cell.sglang_adapter import SGLangEngine, SGLangLaunchConfig, SGLangServer
 
-    if not torch.cuda.is_available():
-        pytest.skip("SGLang needs a CUDA device")
+    # Only the `gpu`-marked parameter reaches here: without CUDA that run must fail, not pass silently.
+    assert torch.cuda.is_available(), "the SGLang contract run (pytest -m gpu) needs a CUDA device"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
