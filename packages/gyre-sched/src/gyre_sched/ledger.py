@@ -217,6 +217,16 @@ class Ledger:
         """Ready groups not in a batch, oldest policy version first (then readiness order)."""
         return sorted(self.ready.values(), key=lambda g: (g.v_d, g.ready_seq))
 
+    def members(self, gid: str) -> list[str]:
+        """The N executions whose rewards a ready group counts: the first N non-excluded, in dispatch-index order.
+
+        The one definition of group membership; the trainer and the advantages receive it from here.
+        """
+        g = self.groups.get(gid)
+        if g is None or g.state in (GroupState.OPEN, GroupState.DROPPED):
+            raise InvariantError(f"members of {gid}, which is {g.state.value if g else 'unknown'}")
+        return [eid for eid in g.execs if self.execs[eid].status != "excluded"][: self.N]
+
     def assign(self, gid: str) -> Group:
         g = self.groups.get(gid)
         if g is None or g.state is not GroupState.READY:
