@@ -9,6 +9,7 @@ from .engine_loader import mooncake_engine_loader
 from .manifest import TensorEntry, WeightManifest
 from .mooncake import MooncakeConfig, MooncakeUnavailableError, import_transfer_engine, open_transfer_engine
 from .publisher import WeightPublisher
+from .snapshot_channel import MooncakeSnapshotChannel, StaleSnapshotError
 from .subscriber import (
     Snapshot,
     SubscriberConfig,
@@ -20,8 +21,10 @@ from .subscriber import (
 
 __all__ = [
     "MooncakeConfig",
+    "MooncakeSnapshotChannel",
     "MooncakeUnavailableError",
     "Snapshot",
+    "StaleSnapshotError",
     "SubscriberConfig",
     "TensorEntry",
     "TornSnapshotError",

@@ -3,6 +3,7 @@
 Start with `multiprocessing.get_context("spawn").Process(target=publisher_process, args=(conn, source))`;
 `source` is `{"dir": PATH}` (a Hugging Face checkpoint directory) or `{"random": NUM_PARAMS, "seed": S}`.
 Commands are tuples; every command gets one reply `("ok", value)` or `("error", message)`.
+`snapshot_core_process(conn)` is the same for a `MooncakeSnapshotChannel` core (flat parameters per batch).
 """
 
 from __future__ import annotations
@@ -108,4 +109,41 @@ def publisher_process(conn: Connection, source: dict[str, Any], version: int = 0
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         pub.close()
+        conn.close()
+
+
+def random_flat(num_params: int, seed: int) -> torch.Tensor:
+    """Deterministic float32 flat parameters (tests and benchmarks rebuild them to compare bytes)."""
+    return torch.randn(num_params, generator=torch.Generator().manual_seed(seed))
+
+
+def snapshot_core_process(conn: Connection, mooncake_json: str | None = None) -> None:
+    """Child-process main for a snapshot-channel core; commands until `("close",)`.
+
+    ("publish", batch, num_params, seed) -> ref of `random_flat(num_params, seed)` published as `batch`;
+    ("load", ref) -> the flat tensor (the core reading its own ref); ("close",).
+    """
+    from .mooncake import MooncakeConfig
+    from .snapshot_channel import MooncakeSnapshotChannel
+
+    cfg = MooncakeConfig.model_validate_json(mooncake_json) if mooncake_json else None
+    channel = MooncakeSnapshotChannel(cfg)
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            try:
+                if cmd == "close":
+                    conn.send(("ok", None))
+                    return
+                if cmd == "publish":
+                    value: Any = channel.publish(int(args[0]), random_flat(int(args[1]), int(args[2])))
+                elif cmd == "load":
+                    value = channel.load(str(args[0]))
+                else:
+                    raise ValueError(f"unknown command {cmd!r}")
+                conn.send(("ok", value))
+            except Exception as e:
+                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        channel.close()
         conn.close()

@@ -1,0 +1,149 @@
+"""The core's per-batch weight snapshot for satellites, over Mooncake (DESIGN §7.3, §8).
+
+`MooncakeSnapshotChannel` implements gyre-train's `SnapshotChannel` protocol (structurally):
+
+- core: `publish(batch, flat_params) -> ref` copies the flat parameters into one registered `WeightPublisher`
+  buffer (`{"flat": params}`, layout fixed by the first publish) at version = batch and serves its manifest over HTTP;
+- satellite: `load(ref)` pulls a consistent snapshot with a cached `WeightSubscriber` (one per manifest URL) and
+  checks that its version is the ref's batch, so a satellite never trains on another batch's weights.
+
+A ref is `mooncake+<manifest URL>#batch=<batch>`, e.g. `mooncake+http://127.0.0.1:41233/weights/manifest#batch=3`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..weight_sync import dtype_name
+from .mooncake import MooncakeConfig
+from .publisher import WeightPublisher
+from .subscriber import SubscriberConfig, TransferError, WeightSubscriber, fetch_manifest
+
+REF_SCHEME = "mooncake+"
+FLAT = "flat"
+
+
+class StaleSnapshotError(RuntimeError):
+    """The publisher no longer holds the batch a ref names (it has moved on, or never reached it)."""
+
+
+def make_ref(manifest_url: str, batch: int) -> str:
+    return f"{REF_SCHEME}{manifest_url}#batch={batch}"
+
+
+def parse_ref(ref: str) -> tuple[str, int]:
+    """(manifest URL, batch) of a ref made by `make_ref`; ValueError naming the expected form otherwise."""
+    url, sep, batch = ref.removeprefix(REF_SCHEME).rpartition("#batch=")
+    if not ref.startswith(REF_SCHEME) or not sep or not url or not batch.isdigit():
+        raise ValueError(
+            f"not a Mooncake snapshot ref: {ref!r} (expected 'mooncake+<manifest URL>#batch=<N>')"
+        )
+    return url, int(batch)
+
+
+class MooncakeSnapshotChannel:
+    """One object per process; the core publishes through it, satellites load through it.
+
+    `mooncake` says how this process opens its transfer engine (TCP on loopback by default; RDMA in production);
+    its `local_hostname` is also the address the manifest is served on. `subscriber` tunes the reads.
+    """
+
+    def __init__(
+        self,
+        mooncake: MooncakeConfig | None = None,
+        *,
+        subscriber: SubscriberConfig | None = None,
+    ) -> None:
+        self.mooncake = mooncake or MooncakeConfig()
+        self.subscriber_config = subscriber or SubscriberConfig()
+        self._publisher: WeightPublisher | None = None
+        self._url: str | None = None
+        self._subscribers: dict[str, WeightSubscriber] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---- core ------------------------------------------------------------------------------------
+    @property
+    def manifest_url(self) -> str | None:
+        """Where this process serves its manifest (None before the first publish)."""
+        return self._url
+
+    def publish(self, batch: int, params: torch.Tensor) -> str:
+        """Core, at batch open: expose the flat parameters (fixed during accumulation); return a reference string."""
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0, got {batch}")
+        flat = params.detach()
+        with self._lock:
+            self._check_open()
+            if self._publisher is None:
+                self._publisher = WeightPublisher({FLAT: flat}, version=batch, config=self.mooncake)
+                self._url = self._publisher.serve_manifest(host=self.mooncake.local_hostname)
+            else:
+                entry = self._publisher.manifest().tensors[0]
+                if list(flat.shape) != entry.shape or dtype_name(flat.dtype) != entry.dtype:
+                    raise ValueError(
+                        f"flat parameters changed layout: {flat.dtype}{list(flat.shape)}, the first publish "
+                        f"fixed {entry.dtype}{entry.shape}"
+                    )
+                self._publisher.publish({FLAT: flat}, version=batch)
+            assert self._url is not None
+            return make_ref(self._url, batch)
+
+    # ---- satellite -------------------------------------------------------------------------------
+    def load(self, ref: str) -> torch.Tensor:
+        """Satellite: the flat parameters the reference names (a consistent snapshot; raise on a torn or stale read).
+
+        Raises `StaleSnapshotError` if the publisher holds another batch, `TornSnapshotError` if no consistent read
+        succeeds within the subscriber's attempts, `TransferError` if the publisher is unreachable.
+        """
+        url, batch = parse_ref(ref)
+        with self._lock:
+            self._check_open()
+            if url == self._url and self._publisher is not None:  # the core reading its own ref: no transfer
+                version, flat = self._publisher.version, self._publisher.tensors()[FLAT].clone()
+            else:
+                sub = self._subscribers.get(url)
+                if sub is None:
+                    manifest = fetch_manifest(url)
+                    if [e.name for e in manifest.tensors] != [FLAT]:
+                        raise TransferError(f"{url} does not describe a flat-parameter snapshot")
+                    sub = WeightSubscriber(manifest, config=self.subscriber_config, mooncake=self.mooncake)
+                    self._subscribers[url] = sub
+                try:
+                    snap = sub.read()
+                except TransferError:
+                    self._subscribers.pop(url).close()  # publisher gone: a later ref fetches a fresh manifest
+                    raise
+                version, flat = (
+                    snap.version,
+                    snap.tensors[FLAT].clone(),
+                )  # views are refilled by the next read
+        if version != batch:
+            moved = "has moved on to" if version > batch else "has not reached"
+            raise StaleSnapshotError(
+                f"stale snapshot ref {ref!r}: the publisher {moved} batch {batch} (it holds batch {version})"
+            )
+        return flat
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for sub in self._subscribers.values():
+                sub.close()
+            self._subscribers.clear()
+            if self._publisher is not None:
+                self._publisher.close()
+                self._publisher = None
+                self._url = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("snapshot channel is closed")
+
+    def __enter__(self) -> MooncakeSnapshotChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,139 @@
+"""MooncakeSnapshotChannel between two real processes: the core in a spawned child, a satellite in the test process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from gyre_cell.transfer import (
+    MooncakeSnapshotChannel,
+    StaleSnapshotError,
+    SubscriberConfig,
+    TransferError,
+)
+from gyre_cell.transfer.peer import random_flat, snapshot_core_process
+from gyre_cell.transfer.snapshot_channel import make_ref, parse_ref
+
+N = 300_000  # 1.2 MB of float32: many 64 KiB buckets per read
+
+
+class Core:
+    """Driver of a snapshot-channel core in a spawned process."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=snapshot_core_process, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def ask(self, *cmd: Any, timeout_s: float = 120.0) -> tuple[str, Any]:
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"core did not answer {cmd[0]!r}")
+        return self.conn.recv()
+
+    def call(self, *cmd: Any) -> Any:
+        status, value = self.ask(*cmd)
+        assert status == "ok", value
+        return value
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("close")
+        except (OSError, EOFError, TimeoutError):
+            pass
+        finally:
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout=5)
+            self.conn.close()
+
+
+@pytest.fixture
+def core() -> Iterator[Core]:
+    c = Core()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.mark.slow
+def test_satellite_loads_each_batch_bit_exact_and_a_stale_ref_raises(core: Core) -> None:
+    ref3 = core.call("publish", 3, N, 103)
+    url, batch = parse_ref(ref3)
+    assert batch == 3 and url.startswith("http://127.0.0.1:") and url.endswith("/weights/manifest")
+    with MooncakeSnapshotChannel(subscriber=SubscriberConfig(bucket_bytes=64 << 10)) as sat:
+        flat3 = sat.load(ref3)
+        assert flat3.dtype == torch.float32 and torch.equal(flat3, random_flat(N, 103))
+        assert sat.load(ref3).data_ptr() != flat3.data_ptr()  # a copy, not a view of the subscriber's buffer
+
+        ref4 = core.call("publish", 4, N, 104)
+        assert parse_ref(ref4) == (url, 4)  # same publisher, same manifest URL
+        flat4 = sat.load(ref4)
+        assert torch.equal(flat4, random_flat(N, 104))
+        assert torch.equal(flat3, random_flat(N, 103))  # the earlier result was not overwritten by the read
+        assert len(sat._subscribers) == 1  # one cached subscriber per manifest URL
+
+        with pytest.raises(StaleSnapshotError, match=r"moved on to batch 3 .*holds batch 4"):
+            sat.load(ref3)
+        with pytest.raises(StaleSnapshotError, match="not reached batch 9"):
+            sat.load(make_ref(url, 9))
+
+        # The core reading its own ref takes no transfer and gives the same bytes.
+        assert torch.equal(core.call("load", ref4), random_flat(N, 104))
+        # The layout is fixed by the first publish.
+        status, msg = core.ask("publish", 5, N + 1, 105)
+        assert status == "error" and "changed layout" in msg
+        assert torch.equal(sat.load(ref4), random_flat(N, 104))  # the refused publish left batch 4 intact
+
+        core.close()  # publisher gone: a clear error, and the cached subscriber is dropped
+        with pytest.raises(TransferError):
+            sat.load(ref4)
+        assert sat._subscribers == {}
+
+
+def test_core_side_in_process_and_closed_channel() -> None:
+    params = torch.arange(10, dtype=torch.float32)
+    with MooncakeSnapshotChannel() as ch:
+        ref = ch.publish(0, params)
+        assert ch.manifest_url is not None and parse_ref(ref) == (ch.manifest_url, 0)
+        got = ch.load(ref)
+        assert torch.equal(got, params) and got.data_ptr() != params.data_ptr()
+        ref1 = ch.publish(1, params * 2)
+        assert torch.equal(ch.load(ref1), params * 2)
+        with pytest.raises(StaleSnapshotError, match="moved on"):
+            ch.load(ref)
+        with pytest.raises(ValueError, match="changed layout"):
+            ch.publish(2, params.double())
+        with pytest.raises(ValueError, match="batch must be >= 0"):
+            ch.publish(-1, params)
+    with pytest.raises(RuntimeError, match="closed"):
+        ch.publish(3, params)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "http://x/weights/manifest#batch=1",
+        "mooncake+#batch=1",
+        "mooncake+http://x",
+        "mooncake+u#batch=-1",
+    ],
+)
+def test_malformed_ref_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="not a Mooncake snapshot ref"):
+        parse_ref(bad)
+
+
+def test_ref_round_trip() -> None:
+    url = "http://10.0.0.7:4100/weights/manifest"
+    assert parse_ref(make_ref(url, 12)) == (url, 12)
