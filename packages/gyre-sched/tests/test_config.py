@@ -48,3 +48,41 @@ def test_compare_colocate_with_extra_dispatch_needs_standalone_pool():
     assert (c.policy.phi, c.policy.mu, c.policy_params().C_s) == (0.5, 3, 144)
     with pytest.raises(ValueError, match="whole mu"):
         compare_configs({"preset": "nl2repo", "compare": {"staleness": 1.25, "policies": ["colocate"]}})
+
+
+def test_policy_config_builds_params_for_a_real_run():
+    from gyre_sched.config import PolicyConfig, PolicyParams
+
+    cfg = PolicyConfig(kind="async", N=4, B=2, phi=0.5, mu=1, tau_s=1.0, async_train_cells=1, k_spare=1)
+    p = cfg.params(K=3, C_e=4, C_s=2, harness_timeout_s=120.0, overall_budget_s=300.0)
+    assert isinstance(p, PolicyParams)
+    assert (p.kind, p.K, p.C_e, p.C_s, p.N, p.B, p.phi, p.mu, p.tau_s, p.N_d) == (
+        "async", 3, 4, 2, 4, 2, 0.5, 1, 1.0, 5,
+    )  # fmt: skip
+    assert (p.harness_timeout_s, p.overall_budget_s, p.async_train_cells) == (120.0, 300.0, 1)
+    # the simulator derives its parameters through the same builder
+    sim = SimConfig.model_validate({"policy": cfg.model_dump(), "cluster": {"nodes": 3, "nodes_per_cell": 1}})
+    assert sim.policy_params() == cfg.params(
+        K=3, C_e=36, C_s=0, harness_timeout_s=4 * 3600.0, overall_budget_s=5 * 3600.0
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "shape", "fields"),
+    [
+        ({"kind": "colocate", "phi": 0.5}, {"C_s": 0}, ["phi=0.5", "C_s=0"]),
+        ({"kind": "async", "async_train_cells": 2}, {"K": 2}, ["async_train_cells=2", "K=2"]),
+        ({"phi": 0.25, "B": 2}, {}, ["phi=0.25", "B=2"]),
+        ({"kind": "colocate", "phi": 0.0, "dispatch": "continuous"}, {}, ["dispatch=continuous"]),
+        ({}, {"harness_timeout_s": 600.0, "overall_budget_s": 300.0}, ["harness_timeout_s=600.0"]),
+        ({}, {"C_e": 0}, ["C_e=0"]),
+    ],
+)
+def test_policy_config_invalid_combination_names_fields(policy, shape, fields):
+    from gyre_sched.config import PolicyConfig
+
+    kw = {"K": 2, "C_e": 4, "C_s": 0, "harness_timeout_s": 120.0, "overall_budget_s": 300.0, **shape}
+    with pytest.raises(ValueError) as err:
+        PolicyConfig(**policy).params(**kw)
+    for f in fields:
+        assert f in str(err.value), err.value

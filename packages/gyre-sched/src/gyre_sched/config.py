@@ -61,27 +61,40 @@ class PolicyParams:
     def __post_init__(self) -> None:
         errs = []
         if self.K < 1 or self.C_e < 1 or self.C_s < 0:
-            errs.append("need K >= 1, C_e >= 1, C_s >= 0")
+            errs.append(f"need K >= 1, C_e >= 1, C_s >= 0 (K={self.K}, C_e={self.C_e}, C_s={self.C_s})")
         if self.N < 1 or self.B < 1 or self.mu < 1 or self.k_spare < 0:
-            errs.append("need N >= 1, B >= 1, mu >= 1, k_spare >= 0")
+            errs.append(
+                f"need N >= 1, B >= 1, mu >= 1, k_spare >= 0 (N={self.N}, B={self.B}, mu={self.mu}, "
+                f"k_spare={self.k_spare})"
+            )
         if self.phi < 0 or abs(self.phi * self.B - round(self.phi * self.B)) > 1e-9:
             errs.append(f"phi * B must be a non-negative whole number (phi={self.phi}, B={self.B})")
         if not 0 < self.rho_min <= 1:
-            errs.append("rho_min must be in (0, 1]")
+            errs.append(f"rho_min must be in (0, 1] (rho_min={self.rho_min})")
         if self.tau_s < 0:
-            errs.append("tau_s must be >= 0")
+            errs.append(f"tau_s must be >= 0 (tau_s={self.tau_s})")
         if self.kind == "async" and not 1 <= self.async_train_cells < self.K + (1 if self.C_s > 0 else 0):
-            errs.append("async_train_cells must be in [1, K-1] (or K with a standalone pool)")
+            errs.append(
+                f"async_train_cells must be in [1, K-1] (or K with a standalone pool, C_s > 0) "
+                f"(async_train_cells={self.async_train_cells}, K={self.K}, C_s={self.C_s})"
+            )
         if self.kind == "colocate" and self.phi > 0 and self.C_s == 0:
             errs.append(
-                "colocate with phi > 0 needs a standalone pool (C_s > 0) to serve executions while it trains"
+                f"colocate with phi > 0 needs a standalone pool (C_s > 0) to serve executions while it trains "
+                f"(kind=colocate, phi={self.phi}, C_s=0)"
             )
         if self.kind == "colocate" and self.dispatch == "continuous":
             errs.append(
-                "colocate waits for its admitted executions to finish: continuous dispatch never lets it"
+                "colocate waits for its admitted executions to finish: continuous dispatch never lets it "
+                "(kind=colocate, dispatch=continuous)"
             )
         if self.dispatch == "continuous" and self.q_c is not None and self.q_c < 1:
-            errs.append("q_c must be >= 1")
+            errs.append(f"q_c must be >= 1 (q_c={self.q_c})")
+        if not self.harness_timeout_s > 0 or self.overall_budget_s < self.harness_timeout_s:
+            errs.append(
+                "need 0 < harness_timeout_s <= overall_budget_s (the overall budget covers execution plus "
+                f"evaluation) (harness_timeout_s={self.harness_timeout_s}, overall_budget_s={self.overall_budget_s})"
+            )
         if errs:
             raise ValueError("; ".join(errs))
 
@@ -100,7 +113,9 @@ class PolicyParams:
 
 
 class PolicyConfig(_Cfg):
-    """The algorithm and scheduling knobs (TOML table [policy])."""
+    """The algorithm and scheduling knobs: the simulator's TOML table [policy], a real run's [scheduler].
+
+    ``params(K=..., C_e=..., C_s=..., harness_timeout_s=..., overall_budget_s=...)`` builds the core's PolicyParams."""
 
     kind: PolicyKind = "elastic"
     N: int = Field(16, ge=1)
@@ -125,6 +140,32 @@ class PolicyConfig(_Cfg):
     """Continuous dispatch depth in groups (default (phi + mu) * B)."""
     async_train_cells: int = Field(2, ge=1)
     """Async: the fixed number of training cells."""
+
+    def params(
+        self, *, K: int, C_e: int, C_s: int, harness_timeout_s: float, overall_budget_s: float
+    ) -> PolicyParams:
+        """The policy core's parameters: these knobs plus the cluster's shape and the task budgets, which the
+        embedding config owns (the simulator's ``[cluster]``/``[workload]``, a real run's cluster and agent).
+        ValueError names the fields of an invalid combination (e.g. colocate with phi > 0 and C_s = 0)."""
+        return PolicyParams(
+            kind=self.kind,
+            K=K,
+            C_e=C_e,
+            C_s=C_s,
+            N=self.N,
+            B=self.B,
+            phi=self.phi,
+            mu=self.mu,
+            rho_min=self.rho_min,
+            tau_s=self.tau_s,
+            k_spare=self.k_spare,
+            streaming=self.streaming,
+            dispatch=self.dispatch,
+            q_c=self.q_c,
+            async_train_cells=self.async_train_cells,
+            harness_timeout_s=harness_timeout_s,
+            overall_budget_s=overall_budget_s,
+        )
 
 
 class ClusterConfig(_Cfg):
@@ -240,31 +281,19 @@ class SimConfig(_Cfg):
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
-        self.policy_params()  # raises ValueError with every problem named
         if self.workload.overall_budget_s < self.workload.harness_timeout_s:
             raise ValueError("workload.overall_budget_s must be >= workload.harness_timeout_s")
+        self.policy_params()  # raises ValueError with every problem named
         return self
 
     def policy_params(self) -> PolicyParams:
-        p, c = self.policy, self.cluster
-        return PolicyParams(
-            kind=p.kind,
+        c, w = self.cluster, self.workload
+        return self.policy.params(
             K=c.K,
             C_e=c.C_e,
             C_s=c.C_s_resolved,
-            N=p.N,
-            B=p.B,
-            phi=p.phi,
-            mu=p.mu,
-            rho_min=p.rho_min,
-            tau_s=p.tau_s,
-            k_spare=p.k_spare,
-            streaming=p.streaming,
-            dispatch=p.dispatch,
-            q_c=p.q_c,
-            async_train_cells=p.async_train_cells,
-            harness_timeout_s=self.workload.harness_timeout_s,
-            overall_budget_s=self.workload.overall_budget_s,
+            harness_timeout_s=w.harness_timeout_s,
+            overall_budget_s=w.overall_budget_s,
         )
 
     def cell_train_s_per_group(self) -> float:
