@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -15,58 +13,20 @@ from gyre_cell.transfer import (
     SubscriberConfig,
     TransferError,
 )
-from gyre_cell.transfer.peer import random_flat, snapshot_core_process
+from gyre_cell.transfer.peer import PeerProcess, random_flat, snapshot_core_process
 from gyre_cell.transfer.snapshot_channel import make_ref, parse_ref
 
 N = 300_000  # 1.2 MB of float32: many 64 KiB buckets per read
 
 
-class Core:
-    """Driver of a snapshot-channel core in a spawned process."""
-
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=snapshot_core_process, args=(child,), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def ask(self, *cmd: Any, timeout_s: float = 120.0) -> tuple[str, Any]:
-        self.conn.send(cmd)
-        if not self.conn.poll(timeout_s):
-            raise TimeoutError(f"core did not answer {cmd[0]!r}")
-        return self.conn.recv()
-
-    def call(self, *cmd: Any) -> Any:
-        status, value = self.ask(*cmd)
-        assert status == "ok", value
-        return value
-
-    def close(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.call("close")
-        except (OSError, EOFError, TimeoutError):
-            pass
-        finally:
-            self.proc.join(timeout=10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(timeout=5)
-            self.conn.close()
-
-
 @pytest.fixture
-def core() -> Iterator[Core]:
-    c = Core()
-    try:
+def core() -> Iterator[PeerProcess]:
+    with PeerProcess(snapshot_core_process) as c:
         yield c
-    finally:
-        c.close()
 
 
 @pytest.mark.slow
-def test_satellite_loads_each_batch_bit_exact_and_a_stale_ref_raises(core: Core) -> None:
+def test_satellite_loads_each_batch_bit_exact_and_a_stale_ref_raises(core: PeerProcess) -> None:
     ref3 = core.call("publish", 3, N, 103)
     url, batch = parse_ref(ref3)
     assert batch == 3 and url.startswith("http://127.0.0.1:") and url.endswith("/weights/manifest")

@@ -5,7 +5,7 @@ a seqlock; `WeightSubscriber` reads the whole buffer with batched Mooncake reads
 snapshot; `WeightManifest` is the handshake (peer, address, length, version, layout), sent directly or over HTTP.
 """
 
-from .engine_loader import mooncake_engine_loader
+from .engine_loader import mooncake_engine_loader, published_weights_loader, pull_into_engine
 from .manifest import TensorEntry, WeightManifest
 from .mooncake import MooncakeConfig, MooncakeUnavailableError, import_transfer_engine, open_transfer_engine
 from .publisher import WeightPublisher
@@ -36,4 +36,6 @@ __all__ = [
     "import_transfer_engine",
     "mooncake_engine_loader",
     "open_transfer_engine",
+    "published_weights_loader",
+    "pull_into_engine",
 ]

@@ -1,16 +1,53 @@
-"""Feeding a Mooncake snapshot into a rollout engine through its SGLang weight-update endpoints.
+"""Feeding a Mooncake snapshot into a rollout engine.
 
-No engine has an "update from Mooncake" endpoint (SGLang neither), so the subscriber reads next to the client and
-pushes the tensors with `/update_weights_from_tensor` inside a begin/end session (SGLang 0.5.23 rules).
+- In-process CPU torch engine (`pull_into_engine`, `published_weights_loader`): the subscriber reads next to the
+  engine and the tensors are applied by HF name with `TorchEngine.update_weights` (no HTTP, no serialization).
+- Any engine over HTTP (`mooncake_engine_loader`, for SGLang): no engine has an "update from Mooncake" endpoint, so
+  the subscriber reads next to the client and pushes the tensors with `/update_weights_from_tensor` inside a
+  begin/end session (SGLang 0.5.23 rules).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from ..client import RolloutEngine
 from .subscriber import WeightSubscriber
+
+if TYPE_CHECKING:
+    from ..engine import TorchEngine
+
+
+def pull_into_engine(engine: TorchEngine, subscriber: WeightSubscriber) -> str:
+    """Read a consistent snapshot of HF-named weights and apply it to an in-process engine; return its version.
+
+    Every parameter must be in the snapshot (all-or-nothing: names and shapes are checked before any copy).
+    The update lands between two engine steps: running requests continue on the new weights (their per-token
+    weight-version spans show where), the prefix cache is flushed, and `/model_info` reports the new version.
+    Blocking (Mooncake read + copy): call it from a worker thread in async code.
+    """
+    with subscriber.lock:  # the snapshot's views are refilled by the next read on this subscriber
+        snap = subscriber.read()
+        version = str(snap.version)
+        engine.update_weights(snap.tensors, weight_version=version, flush_cache=True, strict=True)
+    return version
+
+
+def published_weights_loader(
+    subscriber: WeightSubscriber, engine: TorchEngine
+) -> Callable[[RolloutEngine], Awaitable[str]]:
+    """A `CellRoleManager.to_rollout` loader for an in-process TorchEngine: pulls into `engine` directly.
+
+    The role manager passes its HTTP client of that same engine; the load bypasses it (`engine` is the handle
+    the client talks to), so the weights never cross HTTP.
+    """
+
+    async def load(_client: RolloutEngine) -> str:
+        return await asyncio.to_thread(pull_into_engine, engine, subscriber)
+
+    return load
 
 
 def mooncake_engine_loader(

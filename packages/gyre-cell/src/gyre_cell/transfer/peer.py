@@ -4,17 +4,66 @@ Start with `multiprocessing.get_context("spawn").Process(target=publisher_proces
 `source` is `{"dir": PATH}` (a Hugging Face checkpoint directory) or `{"random": NUM_PARAMS, "seed": S}`.
 Commands are tuples; every command gets one reply `("ok", value)` or `("error", message)`.
 `snapshot_core_process(conn)` is the same for a `MooncakeSnapshotChannel` core (flat parameters per batch).
+`PeerProcess(target, *args)` starts either and drives it.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import threading
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
+
+
+class PeerProcess:
+    """A spawned child running `target(conn, *args)`, driven over a pipe (one reply per command)."""
+
+    def __init__(self, target: Callable[..., None], *args: Any, timeout_s: float = 120.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.timeout_s = timeout_s
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def ask(self, *cmd: Any) -> tuple[str, Any]:
+        """Send one command; its reply `("ok", value)` or `("error", message)`."""
+        self.conn.send(cmd)
+        if not self.conn.poll(self.timeout_s):
+            raise TimeoutError(f"peer process did not answer {cmd[0]!r} within {self.timeout_s} s")
+        return self.conn.recv()
+
+    def call(self, *cmd: Any) -> Any:
+        """Send one command; its value, or RuntimeError with the child's message."""
+        status, value = self.ask(*cmd)
+        if status != "ok":
+            raise RuntimeError(f"peer process failed {cmd[0]!r}: {value}")
+        return value
+
+    def close(self) -> None:
+        """Ask the child to close (it unregisters and frees its ports), then join it; kill if it hangs."""
+        try:
+            if self.proc.is_alive():
+                self.call("close")
+        except (OSError, EOFError, TimeoutError, RuntimeError):
+            pass
+        finally:
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout=5)
+            self.conn.close()
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def random_state_dict(num_params: int, seed: int, *, width: int = 1024) -> dict[str, torch.Tensor]:

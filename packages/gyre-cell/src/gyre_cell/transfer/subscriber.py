@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ class WeightSubscriber:
         self._before = self._buffer[manifest.length : manifest.length + HEADER_BYTES]
         self._after = self._buffer[manifest.length + HEADER_BYTES :]
         self._views = tensor_views(self._buffer, manifest.tensors)
+        self.lock = threading.Lock()
+        """Held by callers that use a snapshot's views after `read` returns (the next read refills them)."""
         self._engine: Any = open_transfer_engine(mooncake)
         rc = self._engine.register_memory(self._buffer.data_ptr(), self._buffer.numel())
         if rc != 0:
