@@ -1,4 +1,4 @@
-"""`gyre-cell` command line: build the tiny model, serve the torch engine."""
+"""`gyre-cell` command line: build the tiny model, serve the torch engine, run a cell worker."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-prefix-cache", action="store_true", help="disable prefix KV reuse")
     s.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads on CPU")
     s.add_argument("--seed", type=int, default=0, help="sampler seed")
+    w = sub.add_parser("worker", help="one cell worker process (engine + training side), driven by a controller")
+    w.add_argument("--config", required=True, help="CellWorkerConfig as JSON")
     return p
 
 
@@ -78,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         out = build_tiny_model(args.out_dir, TinyModelConfig(seed=args.seed))
         print(f"wrote tiny model to {out}")
         return 0
+    if args.cmd == "worker":
+        from .worker import main as worker_main
+
+        return worker_main(["--config", args.config])
     return _serve(args)
 
 

@@ -1,0 +1,356 @@
+"""The cell worker process: one per cell, alive for the whole run, holding its rollout engine and its training side.
+
+One HTTP server per process: the engine's SGLang protocol subset at the root (the TITO proxy routes model calls
+here) and the controller's commands under ``/cell`` (types in ``gyre_cell.worker_types``):
+
+| command | who | what |
+|---|---|---|
+| `GET /cell/status` | all | ready, role, served weight version, the core's latest published weights |
+| `GET /cell/events?after=N&timeout=S` | all | long poll of what happened (claims, group assignments, steps) |
+| `POST /cell/to_training` | elastic | pause, flush, release engine memory, restore training state (DESIGN §8) |
+| `POST /cell/to_rollout` | elastic | leave the burst, offload training state, resume the engine with the given weights |
+| `POST /cell/join` | satellite | join the open batch: pull the core's snapshot, claim micro-steps until the burst ends |
+| `POST /cell/groups` | core | a ready group (advantages given, trajectories as files) for the trajectory buffer |
+| `POST /cell/open_batch` | core | run one optimizer step over streamed micro-steps claimed by every training cell |
+| `POST /cell/publish` | core | refresh the published weights (Mooncake buffer; checkpoint when asked or with disk weights) |
+| `POST /cell/load_weights` | rollout | pull published weights into the engine (Mooncake, or a checkpoint on disk) |
+| `POST /cell/save` | core | final checkpoint: policy + trainer state |
+| `POST /cell/shutdown` | all | stop serving; the process exits |
+
+Role switches run through gyre-cell's ``CellRoleManager``. The process exits when its parent dies (PDEATHSIG), so a
+killed controller leaves no cell behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from gyre_cell.client import RolloutEngine
+from gyre_cell.engine.core import TorchEngine
+from gyre_cell.engine.server import create_app
+from gyre_cell.roles import CellRoleManager, CellRoleManagerConfig, IllegalRoleTransition, RoleSwitchError
+from gyre_cell.worker_types import (
+    CellEvent,
+    CellWorkerConfig,
+    EventBatch,
+    LoadResult,
+    OpenBatchCommand,
+    PublishCommand,
+    PublishedWeights,
+    SaveCommand,
+    SwitchResult,
+    WorkerStatus,
+)
+from gyre_sched.types import CellRole
+
+log = logging.getLogger("gyre_cell.worker")
+
+__all__ = ["CellWorkerProcess", "main"]
+
+
+class EventLog:
+    """Append-only, thread-safe list of CellEvents with an asyncio wake-up for long polls."""
+
+    def __init__(self) -> None:
+        self._events: list[CellEvent] = []
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop, self._changed = loop, asyncio.Event()
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        with self._lock:
+            self._events.append(CellEvent(seq=len(self._events), at=time.time(), kind=kind, fields=fields))
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        assert self._changed is not None
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def after(self, seq: int, timeout_s: float) -> EventBatch:
+        with self._lock:
+            ready = self._events[seq:]
+        if not ready and self._changed is not None:
+            waiter = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter.wait(), timeout_s)
+            with self._lock:
+                ready = self._events[seq:]
+        return EventBatch(events=ready, next=seq + len(ready))
+
+
+class _NoTraining:
+    """The training side of a standalone engine: nothing to restore or offload."""
+
+    async def restore(self) -> None:  # pragma: no cover - never called (standalone workers never switch)
+        raise RuntimeError("a standalone engine has no training side")
+
+    async def offload(self) -> None:  # pragma: no cover
+        raise RuntimeError("a standalone engine has no training side")
+
+
+class CellWorkerProcess:
+    def __init__(self, cfg: CellWorkerConfig) -> None:
+        self.cfg = cfg
+        self.url = f"http://{cfg.host}:{cfg.port}"
+        self.events = EventLog()
+        self.engine = TorchEngine(cfg.engine)
+        self.training = None  # CellTraining, built in the background (gloo waits for every cell)
+        self.error: str | None = None
+        self._ready = threading.Event()
+        self.roles: CellRoleManager | None = None
+        self._subscribers: dict[str, Any] = {}
+        self.server: uvicorn.Server | None = None
+        self.app = create_app(self.engine)
+        self.app.include_router(self._router(), prefix="/cell")
+
+        @self.app.exception_handler(RoleSwitchError)
+        @self.app.exception_handler(IllegalRoleTransition)
+        async def _switch_refused(_: Request, exc: Exception) -> JSONResponse:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=409)
+
+        @self.app.exception_handler(ValidationError)
+        async def _bad_command(_: Request, exc: ValidationError) -> JSONResponse:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()
+            )
+            return JSONResponse({"error": {"message": f"invalid command: {problems}"}}, status_code=400)
+
+    # ---- start-up ------------------------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        try:
+            if self.cfg.kind == "elastic":
+                from gyre_cell.worker_training import CellTraining
+
+                self.training = CellTraining(self.cfg, self.events.emit)
+            self._ready.set()
+        except Exception as exc:
+            log.exception("cell %d: set-up failed", self.cfg.cell)
+            self.error = f"set-up failed: {type(exc).__name__}: {exc}"
+
+    def _role_manager(self) -> CellRoleManager:
+        if self.roles is None:
+            side = self.training.state if self.training is not None else _NoTraining()
+            self.roles = CellRoleManager(
+                RolloutEngine(self.url), side, CellRoleManagerConfig(cell=str(self.cfg.cell))
+            )
+        return self.roles
+
+    # ---- weights -------------------------------------------------------------------------------------------------
+    def _subscriber(self, manifest_url: str):
+        from gyre_cell.transfer.subscriber import WeightSubscriber, fetch_manifest
+
+        if manifest_url not in self._subscribers:
+            self._subscribers[manifest_url] = WeightSubscriber(
+                fetch_manifest(manifest_url), mooncake=self.cfg.mooncake
+            )
+        return self._subscribers[manifest_url]
+
+    def _load_weights(self, ref: PublishedWeights) -> str:
+        """Put published weights into this process's engine (blocking; engine requests continue meanwhile)."""
+        own = self.training.published_tensors() if self.training is not None else None
+        if own is not None and ref.manifest_url == self.training.published.manifest_url:
+            self.engine.update_weights(own, weight_version=str(ref.version))  # the core: its own buffer
+            return str(ref.version)
+        if ref.manifest_url is not None and self.cfg.weights == "mooncake":
+            from gyre_cell.transfer.engine_loader import pull_into_engine
+
+            version = pull_into_engine(self.engine, self._subscriber(ref.manifest_url))
+            if version != str(ref.version):
+                raise RuntimeError(f"pulled weight version {version}, expected {ref.version}")
+            return version
+        if ref.path is None:
+            raise ValueError(f"published weights v{ref.version} name no checkpoint path and no manifest")
+        self.engine.update_weights_from_disk(ref.path, weight_version=str(ref.version))
+        return str(ref.version)
+
+    # ---- HTTP ----------------------------------------------------------------------------------------------------
+    def _router(self) -> APIRouter:
+        r = APIRouter()
+        worker = self
+
+        def need_ready(training: bool = False, core: bool = False) -> JSONResponse | None:
+            if core and (worker.cfg.kind != "elastic" or worker.cfg.cell != 0):
+                message = (
+                    f"{worker.cfg.kind} cell {worker.cfg.cell} is not the core: only cell 0 trains batches"
+                )
+                return JSONResponse({"error": {"message": message}}, status_code=409)
+            if training and worker.cfg.kind == "standalone":
+                message = f"standalone engine {worker.cfg.cell} serves rollout only: it has no training side"
+                return JSONResponse({"error": {"message": message}}, status_code=409)
+            if worker.error is not None:
+                return JSONResponse({"error": {"message": worker.error}}, status_code=500)
+            if not worker._ready.is_set():
+                return JSONResponse({"error": {"message": "cell is still starting"}}, status_code=503)
+            return None
+
+        async def body(request: Request, model):
+            return model.model_validate_json(await request.body())
+
+        @r.get("/status")
+        async def status() -> WorkerStatus:
+            role = worker.roles.role.value if worker.roles is not None else CellRole.ROLLOUT.value
+            return WorkerStatus(
+                cell=worker.cfg.cell, kind=worker.cfg.kind, ready=worker._ready.is_set(), role=role,
+                weight_version=str(worker.engine.weight_version), error=worker.error,
+                published=worker.training.published if worker.training is not None else None,
+            )  # fmt: skip
+
+        @r.get("/events")
+        async def events(after: int = 0, timeout: float = 30.0) -> EventBatch:
+            return await worker.events.after(after, min(timeout, 60.0))
+
+        @r.post("/to_training")
+        async def to_training():
+            if (bad := need_ready(training=True)) is not None:
+                return bad
+            report = await worker._role_manager().to_training()
+            return SwitchResult(report=report)
+
+        @r.post("/to_rollout")
+        async def to_rollout(request: Request):
+            if (bad := need_ready(training=True)) is not None:
+                return bad
+            ref = await body(request, PublishedWeights)
+            if worker.training is not None and worker.training.satellite is not None:
+                await asyncio.to_thread(worker.training.stop_burst)
+            loaded: list[float] = []
+
+            async def loader(_: RolloutEngine) -> str:
+                t0 = time.perf_counter()
+                version = await asyncio.to_thread(worker._load_weights, ref)
+                loaded.append(time.perf_counter() - t0)
+                return version
+
+            report = await worker._role_manager().to_rollout(loader)
+            return SwitchResult(report=report, weights_seconds=loaded[0] if loaded else 0.0)
+
+        @r.post("/join")
+        async def join():
+            if (bad := need_ready(training=True)) is not None:
+                return bad
+            if worker.cfg.cell == 0:
+                return JSONResponse(
+                    {"error": {"message": "the core does not join: it opens batches"}}, status_code=409
+                )
+            await asyncio.to_thread(worker.training.join)
+            return {"ok": True}
+
+        @r.post("/groups")
+        async def groups(request: Request):
+            if (bad := need_ready(core=True)) is not None:
+                return bad
+            from gyre_train.types import ReadyGroupMessage
+
+            message = await body(request, ReadyGroupMessage)
+            await asyncio.to_thread(worker.training.add_group, message)
+            return {"ok": True}
+
+        @r.post("/open_batch")
+        async def open_batch(request: Request):
+            if (bad := need_ready(core=True)) is not None:
+                return bad
+            cmd = await body(request, OpenBatchCommand)
+            worker.training.open_batch(cmd.version, cmd.final)
+            return {"ok": True}
+
+        @r.post("/publish")
+        async def publish(request: Request):
+            if (bad := need_ready(core=True)) is not None:
+                return bad
+            cmd = await body(request, PublishCommand)
+            return await asyncio.to_thread(worker.training.publish, cmd.version, cmd.save)
+
+        @r.post("/load_weights")
+        async def load_weights(request: Request) -> LoadResult:
+            ref = await body(request, PublishedWeights)
+            t0 = time.perf_counter()
+            version = await asyncio.to_thread(worker._load_weights, ref)
+            return LoadResult(version=version, seconds=time.perf_counter() - t0)
+
+        @r.post("/save")
+        async def save(request: Request):
+            if (bad := need_ready(core=True)) is not None:
+                return bad
+            cmd = await body(request, SaveCommand)
+            return await asyncio.to_thread(worker.training.save, cmd.version)
+
+        @r.post("/shutdown")
+        async def shutdown():
+            if worker.server is not None:
+                worker.server.should_exit = True
+            return {"ok": True}
+
+        return r
+
+    # ---- run -----------------------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        config = uvicorn.Config(self.app, host=self.cfg.host, port=self.cfg.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+
+        async def main() -> None:
+            self.events.bind(asyncio.get_running_loop())
+            threading.Thread(target=self._setup, name="cell-setup", daemon=True).start()
+            await self.server.serve()
+
+        asyncio.run(main())
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when the controller that started it dies (no orphaned cells)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gyre-cell worker", description="one cell worker process")
+    parser.add_argument("--config", required=True, type=Path, help="CellWorkerConfig as JSON")
+    args = parser.parse_args(argv)
+    try:
+        cfg = CellWorkerConfig.model_validate_json(args.config.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"gyre-cell worker: {args.config}: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s cell-{cfg.cell}: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    _die_with_parent()
+    torch.set_num_threads(cfg.cpu_threads)
+    print(cfg.model_dump_json(), flush=True)  # the resolved config, first
+    worker = CellWorkerProcess(cfg)
+    try:
+        worker.serve()
+    finally:
+        if worker.training is not None:
+            worker.training.close()
+        worker.engine.close()
+    # Daemon threads (gloo, Mooncake, the coordinator) must not keep a finished cell alive.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

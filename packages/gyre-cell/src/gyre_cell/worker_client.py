@@ -1,0 +1,115 @@
+"""Async client of a cell worker process (the controller's side of ``gyre_cell.worker``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import httpx
+from pydantic import BaseModel
+
+from gyre_cell.worker_types import (
+    EventBatch,
+    LoadResult,
+    OpenBatchCommand,
+    PublishCommand,
+    PublishedWeights,
+    SaveCommand,
+    SwitchResult,
+    WorkerStatus,
+)
+from gyre_train.types import ReadyGroupMessage
+
+__all__ = ["CellCommandError", "CellWorkerClient"]
+
+
+class CellCommandError(RuntimeError):
+    """A cell refused or failed a command; the message is the cell's own."""
+
+
+class CellWorkerClient:
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(base_url=f"{self.base_url}/cell", timeout=timeout_s)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call[M: BaseModel](
+        self, method: str, path: str, body: BaseModel | None, out: type[M] | None
+    ) -> M | None:
+        content = body.model_dump_json() if body is not None else None
+        try:
+            resp = await self._http.request(
+                method, path, content=content, headers={"content-type": "application/json"}
+            )
+        except httpx.HTTPError as exc:
+            raise CellCommandError(f"{self.base_url}/cell{path}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400:
+            try:
+                message = resp.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = resp.text.strip()
+            raise CellCommandError(f"{self.base_url}/cell{path}: {resp.status_code} {message}")
+        return out.model_validate_json(resp.content) if out is not None else None
+
+    async def status(self) -> WorkerStatus:
+        return await self._call("GET", "/status", None, WorkerStatus)
+
+    async def wait_ready(self, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> WorkerStatus:
+        """Poll until the cell finished its set-up (gloo rendezvous, model, engine); fail fast if it died."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not alive():
+                raise CellCommandError(f"cell at {self.base_url} exited during start-up")
+            try:
+                st = await self.status()
+                if st.error:
+                    raise CellCommandError(f"cell {st.cell}: {st.error}")
+                if st.ready:
+                    return st
+            except CellCommandError as exc:
+                if "exited" in str(exc) or "set-up failed" in str(exc):
+                    raise
+            if time.monotonic() > deadline:
+                raise CellCommandError(f"cell at {self.base_url} not ready after {timeout_s:.0f} s")
+            await asyncio.sleep(0.2)
+
+    async def events(self, after: int, timeout_s: float = 20.0) -> EventBatch:
+        resp = await self._http.get(
+            "/events", params={"after": after, "timeout": timeout_s}, timeout=timeout_s + 30
+        )
+        resp.raise_for_status()
+        return EventBatch.model_validate_json(resp.content)
+
+    async def to_training(self) -> SwitchResult:
+        return await self._call("POST", "/to_training", None, SwitchResult)
+
+    async def to_rollout(self, weights: PublishedWeights) -> SwitchResult:
+        return await self._call("POST", "/to_rollout", weights, SwitchResult)
+
+    async def join(self) -> None:
+        await self._call("POST", "/join", None, None)
+
+    async def add_group(self, message: ReadyGroupMessage) -> None:
+        await self._call("POST", "/groups", message, None)
+
+    async def open_batch(self, version: int, final: bool) -> None:
+        await self._call("POST", "/open_batch", OpenBatchCommand(version=version, final=final), None)
+
+    async def publish(self, version: int, save: bool = False) -> PublishedWeights:
+        return await self._call(
+            "POST", "/publish", PublishCommand(version=version, save=save), PublishedWeights
+        )
+
+    async def load_weights(self, weights: PublishedWeights) -> LoadResult:
+        return await self._call("POST", "/load_weights", weights, LoadResult)
+
+    async def save(self, version: int) -> PublishedWeights:
+        return await self._call("POST", "/save", SaveCommand(version=version), PublishedWeights)
+
+    async def shutdown(self) -> None:
+        with contextlib.suppress(CellCommandError):  # already gone
+            await self._call("POST", "/shutdown", None, None)

@@ -1,0 +1,243 @@
+"""The training side of a cell worker: gyre-train's multi-cell trainer inside a long-lived cell process.
+
+Every elastic cell joins one gloo process group at start-up (rank = cell index) and builds the K-1 prefix groups
+once; they stay alive across role changes. The core (cell 0) owns the trajectory buffer, the trainer, the optimizer
+and the micro-step coordinator; satellites hold a backend without optimizer and claim micro-steps through the core's
+coordinator while the scheduler has them in training. Everything here blocks: the worker runs it in threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gyre_cell.roles import TorchTrainingState
+from gyre_cell.transfer.publisher import WeightPublisher
+from gyre_cell.worker_types import CellWorkerConfig, PublishedWeights
+from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
+from gyre_train.buffer import TrajectoryBuffer
+from gyre_train.cell import CellWorker
+from gyre_train.checkpoint import save_checkpoint
+from gyre_train.multicell import CoreRunner, MultiCellConfig, init_cell_process
+from gyre_train.packing import PackingConfig
+from gyre_train.satellite import SatelliteRunner
+from gyre_train.snapshot import FileSnapshotChannel
+from gyre_train.trainer import Trainer, TrainerConfig
+from gyre_train.types import ReadyGroupMessage, StepReport
+
+log = logging.getLogger("gyre_cell.worker")
+
+__all__ = ["CellTraining"]
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+Emit = Callable[..., None]
+
+
+def _snapshot_channel(cfg: CellWorkerConfig):
+    assert cfg.training is not None
+    if cfg.training.snapshot == "file":
+        return FileSnapshotChannel(Path(cfg.run_dir) / "snapshots")
+    from gyre_cell.transfer.snapshot_channel import MooncakeSnapshotChannel
+
+    return MooncakeSnapshotChannel(cfg.mooncake)
+
+
+class CellTraining:
+    """Backend, training state and (core) trainer + coordinator, or (satellite) the claiming runner."""
+
+    def __init__(self, cfg: CellWorkerConfig, emit: Emit) -> None:
+        if cfg.training is None:
+            raise ValueError("a cell without a [training] section has no training side")
+        self.cfg, self.emit = cfg, emit
+        t = cfg.training
+        self.is_core = cfg.cell == 0
+        backend_cfg = TorchBackendConfig(
+            model_path=cfg.engine.model_path, dtype=t.dtype, lr=t.lr, optimizer=self.is_core
+        )
+        self.backend = TorchBackend(backend_cfg)
+        self.state = TorchTrainingState(self.backend.model, self.backend.optimizer)
+        self.worker = CellWorker(cfg.cell, self.backend, t.loss)
+        self.version = 0
+        self.publisher: WeightPublisher | None = None
+        self.published = PublishedWeights(version=0, path=cfg.engine.model_path)
+        if self.is_core and cfg.weights == "mooncake":
+            # Layout fixed now, from the initial model (version 0); refreshed in place at each publication.
+            self.publisher = WeightPublisher(self.backend.model, version=0, config=cfg.mooncake)
+            url = self.publisher.serve_manifest(cfg.host)
+            self.published = PublishedWeights(version=0, manifest_url=url, path=cfg.engine.model_path)
+        self.state._offload()  # every cell starts in rollout: the engine has the memory
+        mc = MultiCellConfig(
+            num_cells=cfg.num_cells, master_port=t.master_port, control_port=t.coordinator_port,
+            snapshot_dir=str(Path(cfg.run_dir) / "snapshots"), steps_per_burst=t.steps_per_burst,
+            host=cfg.host, claim_timeout_s=t.claim_timeout_s, starve_timeout_s=float("inf"),
+        )  # fmt: skip
+        self.groups = init_cell_process(
+            mc, cfg.cell
+        )  # gloo rendezvous of all K cells, prefix groups built once
+        self.snapshots = _snapshot_channel(cfg)
+        self.abort = threading.Event()
+        self.leave = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.core: CoreRunner | None = None
+        self._held_until_joined = False
+        self.satellite: SatelliteRunner | None = None
+        if self.is_core:
+            self.buffer = TrajectoryBuffer(t.group_size)
+            packing = PackingConfig(
+                group_size=t.group_size, batch_groups=t.batch_groups, tokens_per_shard=t.tokens_per_shard,
+                temperature=t.temperature, window_shards=1,
+            )  # fmt: skip
+            trainer_cfg = TrainerConfig(
+                packing=packing, loss=t.loss, max_grad_norm=t.max_grad_norm, queue_ahead=t.queue_ahead
+            )
+            self.trainer = Trainer(trainer_cfg, self.worker, self.buffer)
+            self.trainer.on_event = self._on_trainer_event
+            self.core = CoreRunner(mc, self.trainer, self.groups, snapshots=self.snapshots)
+        else:
+            self.satellite = SatelliteRunner(mc, self.worker, self.groups, snapshots=self.snapshots)
+
+    # ---- events ------------------------------------------------------------------------------------------------
+    def _on_trainer_event(self, kind: str, fields: dict) -> None:
+        if kind in ("group_assigned", "microstep_claim"):
+            self.emit(kind, **fields)
+
+    def _background(self, name: str, fn: Callable[[], None]) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError(f"cell {self.cfg.cell}: {self._thread.name} is still running")
+
+        def guarded() -> None:
+            try:
+                fn()
+            except Exception as exc:  # reported to the controller, which stops the run loudly
+                log.exception("cell %d: %s failed", self.cfg.cell, name)
+                self.emit("error", where=name, message=f"{type(exc).__name__}: {exc}")
+
+        self._thread = threading.Thread(target=guarded, name=name, daemon=True)
+        self._thread.start()
+
+    def wait_idle(self) -> None:
+        """Block until the step (core) or the burst (satellite) thread has returned."""
+        if self._thread is not None:
+            self._thread.join()
+
+    # ---- core ----------------------------------------------------------------------------------------------------
+    def add_group(self, message: ReadyGroupMessage) -> None:
+        self.buffer.add_group_message(message)
+
+    def open_batch(self, version: int, final: bool) -> None:
+        assert self.core is not None
+        if version != self.trainer.version:
+            raise ValueError(
+                f"batch for version {version}, but the trainer is at version {self.trainer.version}"
+            )
+        dump = Path(self.cfg.run_dir) / "metrics" / "batches" / f"batch-{version}"
+        dump_dir = str(dump) if version in self.cfg.training.dump_batches else None
+
+        def run() -> None:
+            report: StepReport = self.core.step(
+                before_core_item=self._hold_for_join, final=final, abort=self.abort, dump_dir=dump_dir
+            )
+            self.version = report.policy_version
+            self.emit("step_end", report=report.model_dump(mode="json"))
+
+        self._background(f"step-{version}", run)
+
+    def _hold_for_join(self, done_by_core: int) -> None:
+        """The `hold_core_for_join` test gate (see CellTrainingConfig)."""
+        cell = self.cfg.training.hold_core_for_join
+        if cell is None or done_by_core != 1 or self._held_until_joined:
+            return
+        try:
+            self.core.coordinator.wait_joined(cell, timeout=self.cfg.training.hold_timeout_s)
+            self._held_until_joined = True
+        except TimeoutError:
+            log.info("cell %d did not join batch %d within the hold; going on", cell, self.trainer.version)
+
+    @contextlib.contextmanager
+    def _resident(self):
+        """Training state on the device for the block (restored if the cell is in rollout, offloaded again)."""
+        offloaded = bool(self.state._home)
+        if offloaded:
+            self.state._restore()
+        try:
+            yield
+        finally:
+            if offloaded:
+                self.state._offload()
+
+    def publish(self, version: int, save: bool) -> PublishedWeights:
+        """Expose `version` to rollout engines: refresh the Mooncake buffer in place, and/or write a checkpoint."""
+        t0 = time.perf_counter()
+        path = None
+        with self._resident():
+            if self.publisher is not None:
+                self.publisher.publish(self.backend.model, version=version)
+            if save or self.publisher is None:
+                path = str(self._save_hf(version))
+        self.published = PublishedWeights(
+            version=version,
+            manifest_url=self.published.manifest_url if self.publisher is not None else None,
+            path=path,
+            seconds=time.perf_counter() - t0,
+        )
+        return self.published
+
+    def _save_hf(self, version: int) -> Path:
+        out = Path(self.cfg.run_dir) / "checkpoints" / f"policy-v{version}"
+        self.backend.model.save_pretrained(out)
+        src = Path(self.cfg.engine.model_path)
+        for name in _TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, out / name)
+        return out
+
+    def save(self, version: int) -> PublishedWeights:
+        """The final save: the policy as a checkpoint engines can load, and the trainer state."""
+        with self._resident():
+            path = self._save_hf(version)
+            save_checkpoint(Path(self.cfg.run_dir) / "checkpoints" / "trainer", self.trainer)
+        return PublishedWeights(version=version, path=str(path))
+
+    def published_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The core's own engine loads the published version straight from its buffer (no transfer)."""
+        return self.publisher.tensors() if self.publisher is not None else None
+
+    # ---- satellite -----------------------------------------------------------------------------------------------
+    def join(self) -> None:
+        assert self.satellite is not None
+        self.wait_idle()  # a burst that just ended is still emitting its satellite_done
+        self.leave.clear()
+
+        def run() -> None:
+            result = self.satellite.run_burst(self.leave)
+            self.emit("satellite_done", cell=self.cfg.cell, result=result)
+
+        self._background("burst", run)
+
+    def stop_burst(self) -> None:
+        """Leave training: the burst thread returns at its next safe point (never inside a claimed item)."""
+        self.leave.set()
+        self.wait_idle()
+
+    def close(self) -> None:
+        self.abort.set()
+        self.leave.set()
+        if self.core is not None:
+            self.core.stop()
+        with contextlib.suppress(Exception):
+            self.snapshots.close()
+        if self.publisher is not None:
+            self.publisher.close()

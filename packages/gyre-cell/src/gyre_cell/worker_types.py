@@ -1,0 +1,173 @@
+"""Wire types of the cell worker process: its config, the controller's commands and the events it reports.
+
+A cell worker (``gyre_cell.worker``) is one long-lived process per cell. It holds the cell's rollout engine and its
+training backend, switches between them in place (DESIGN §8) and keeps its process and communication groups alive
+across role changes. The controller drives it with the commands below over HTTP (``/cell/...`` next to the engine's
+SGLang endpoints on the same port) and reads its events with a long poll. gyre-cell owns these types; the controller
+receives them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gyre_cell.engine.config import EngineConfig
+from gyre_cell.roles import SwitchReport
+from gyre_cell.transfer.mooncake import MooncakeConfig
+from gyre_train.loss import LossConfig
+
+__all__ = [
+    "CellEvent",
+    "CellTrainingConfig",
+    "CellWorkerConfig",
+    "EventBatch",
+    "LoadResult",
+    "OpenBatchCommand",
+    "PublishCommand",
+    "PublishedWeights",
+    "SaveCommand",
+    "SwitchResult",
+    "WorkerStatus",
+]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    schema_version: Literal[1] = 1
+
+
+class CellTrainingConfig(_Wire):
+    """The training side of an elastic cell (the core builds the trainer; satellites only a backend)."""
+
+    group_size: int = Field(ge=1)
+    """N: valid executions per group."""
+    batch_groups: int = Field(ge=1)
+    """B: groups per optimizer step."""
+    steps_per_burst: int = Field(1, ge=1)
+    """mu."""
+    lr: float = Field(gt=0)
+    """Adam learning rate (constant)."""
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    """Training parameter dtype (float64 only for exactness tests)."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Global gradient-norm clip, once per step on the core."""
+    tokens_per_shard: int = Field(256, ge=8)
+    """Token budget of one micro-step's shard: a batch spans several micro-steps."""
+    queue_ahead: int = Field(2, ge=1)
+    """Unclaimed micro-steps kept in the shared queue while groups are available."""
+    temperature: float = Field(1.0, gt=0)
+    """Rollout temperature (log-probs are computed at it)."""
+    loss: LossConfig = LossConfig()
+    """The GSPO objective (gyre-train's own config: the loss and its metrics read the same one)."""
+    master_port: int = Field(ge=1)
+    """gloo rendezvous port of the cells' process group (rank = cell index)."""
+    coordinator_port: int = Field(ge=1)
+    """Port of the core's micro-step coordinator (satellites claim through it)."""
+    claim_timeout_s: float = Field(300.0, gt=0)
+    """Claim lease: a satellite holding one micro-step longer than this is dropped and its work requeued."""
+    snapshot: Literal["mooncake", "file"] = "mooncake"
+    """How joining satellites pull the core's weight snapshot."""
+    dump_batches: list[int] = []
+    """Batches whose micro-steps, weights before and summed gradients the core dumps (exactness checks)."""
+    hold_core_for_join: int | None = None
+    """Test gate: before its second micro-step of a batch the core waits (at most hold_timeout_s) for this
+    satellite to join, until it has joined once; makes a mid-batch join certain in short runs."""
+    hold_timeout_s: float = Field(30.0, gt=0)
+
+
+class CellWorkerConfig(_Wire):
+    """Everything one cell worker process needs; written by the controller, read once at start."""
+
+    cell: int = Field(ge=0)
+    """Elastic cells: the index (0 = core). Standalone engines: their index in the standalone pool."""
+    kind: Literal["elastic", "standalone"] = "elastic"
+    """Standalone workers serve rollout only: no training side, never switch."""
+    num_cells: int = Field(ge=1)
+    """K: elastic cells in the run."""
+    run_dir: str
+    """The run directory (checkpoints/, metrics/ are written under it)."""
+    host: str = "127.0.0.1"
+    """Bind address of the worker's HTTP server (engine protocol + /cell control)."""
+    port: int = Field(ge=1)
+    """HTTP port."""
+    engine: EngineConfig
+    """The in-process torch rollout engine."""
+    training: CellTrainingConfig | None = None
+    """None for standalone workers."""
+    weights: Literal["mooncake", "disk"] = "mooncake"
+    """How published weights reach rollout engines: pulled over Mooncake, or through a checkpoint on disk."""
+    mooncake: MooncakeConfig = MooncakeConfig()
+    """Transfer engine settings (TCP on loopback here, RDMA in production)."""
+    cpu_threads: int = Field(1, ge=1)
+    """torch intra-op threads of this process (training and engine)."""
+
+
+class PublishedWeights(_Wire):
+    """Where a published policy version can be read (the core's answer to a publish, the input of a load)."""
+
+    version: int = Field(ge=0)
+    manifest_url: str | None = None
+    """Mooncake: the core's weight manifest (engines pull the bytes from its registered buffer)."""
+    path: str | None = None
+    """Disk: a Hugging Face checkpoint directory."""
+    seconds: float = Field(0.0, ge=0)
+    """Time the producing side spent (copy into the buffer, or save)."""
+
+
+class PublishCommand(_Wire):
+    version: int = Field(ge=0)
+    save: bool = False
+    """Also write a Hugging Face checkpoint (always done with weights = disk)."""
+
+
+class SaveCommand(_Wire):
+    """Write the current policy (HF checkpoint) and the trainer state (weights, Adam, step, buffer)."""
+
+    version: int = Field(ge=0)
+
+
+class OpenBatchCommand(_Wire):
+    version: int = Field(ge=0)
+    """Policy version the batch starts from (the step produces version + 1)."""
+    final: bool
+    """Last step of the burst: satellites leave after it (no broadcast)."""
+
+
+class SwitchResult(_Wire):
+    report: SwitchReport
+    weights_seconds: float = 0.0
+    """Of the switch, the time spent loading weights (to rollout)."""
+
+
+class LoadResult(_Wire):
+    version: str
+    seconds: float = Field(ge=0)
+
+
+class CellEvent(_Wire):
+    """Something that happened in the cell, reported in order with the cell's wall clock."""
+
+    seq: int = Field(ge=0)
+    at: float
+    """Unix time when it happened in the cell."""
+    kind: Literal["group_assigned", "microstep_claim", "step_end", "satellite_done", "error"]
+    fields: dict[str, Any] = {}
+
+
+class EventBatch(_Wire):
+    events: list[CellEvent]
+    next: int
+    """Sequence number to ask for next."""
+
+
+class WorkerStatus(_Wire):
+    cell: int
+    kind: Literal["elastic", "standalone"]
+    ready: bool
+    role: str
+    weight_version: str
+    error: str | None = None
+    published: PublishedWeights | None = None
+    """The core: the latest published weights (version 0 = the initial model)."""
