@@ -20,7 +20,6 @@ from pathlib import Path
 import orjson
 
 from gyre.config import RunConfig
-from gyre.runner import ExecutionRunner
 from gyre.tasks import Query
 from gyre.training import LocalTraining
 from gyre_cell.client import RolloutEngine
@@ -29,6 +28,7 @@ from gyre_eval.service import AssessmentService
 from gyre_eval.types import Submission
 from gyre_sched import events as ev
 from gyre_sched.policy import STANDALONE, PolicyCore
+from gyre_sched.runner import ExecutionRunner
 from gyre_sched.trace import TraceWriter
 from gyre_sched.types import CellRole
 from gyre_tito.types import Trajectory

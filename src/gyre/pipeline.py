@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
 from gyre.config import RunConfig
 from gyre.controller import Controller
 from gyre.report import write_report
-from gyre.runner import ExecutionRunner
 from gyre.services import LocalServices
 from gyre.tasks import demo_queries, scoring_command
 from gyre.training import LocalTraining
@@ -32,6 +32,7 @@ from gyre_eval.service import AssessmentService
 from gyre_eval.store import AssessmentStore
 from gyre_sched.config import PolicyParams
 from gyre_sched.policies import make_policy
+from gyre_sched.runner import ExecutionRunner
 from gyre_sched.trace import TraceWriter
 
 log = logging.getLogger("gyre")
@@ -95,8 +96,10 @@ async def run_local(cfg: RunConfig) -> dict:
         )  # fmt: skip
         agent_argv = ["--max-turns", str(cfg.agent.max_turns), "--max-tokens", str(cfg.agent.max_tokens),
                       "--temperature", str(cfg.model.temperature)]  # fmt: skip
+        harness = [sys.executable, "-m", "gyre.agent", "--workspace", "{workspace}", "--task", "{task}",
+                   *agent_argv]  # fmt: skip
         runner = ExecutionRunner(
-            run_dir, services.proxy_url, services.admin_token, agent_argv, cfg.agent.harness_timeout_s
+            run_dir, services.proxy_url, services.admin_token, harness, cfg.agent.harness_timeout_s
         )
         engines = [RolloutEngine(url) for url in services.engine_urls]
         states = training.cell_states()

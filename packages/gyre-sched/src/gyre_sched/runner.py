@@ -1,0 +1,237 @@
+"""The execution runner: creates an execution's credential, workspace and harness process at launch, ends it once.
+
+A launched execution ends exactly once with one outcome: `completed` (the harness exited 0), `failed` (it exited
+non-zero), `harness_timeout` (the task's own deadline passed: the harness is stopped and its work is still assessed)
+or `cancelled` (the controller withdrew it). The harness is a black box in its own process group (its own session);
+the runner only sees its exit status and the workspace it leaves behind. When the harness ends, however it ends, the
+whole process group is killed, so nothing it started outlives the execution.
+
+The harness command is a template (``harness_argv``): ``{workspace}`` and ``{task}`` are substituted in every argument
+per execution, e.g. ``[sys.executable, "-m", "gyre.agent", "--workspace", "{workspace}", "--task", "{task}"]`` or
+``["claude", "-p", "{task}"]``. The harness runs in its workspace with an environment built from an allow-list of the
+runner's variables (``DEFAULT_ENV_ALLOW``: PATH, HOME, locale, TMPDIR, the Python environment...) plus ``extra_env``
+and the execution's own: ``OPENAI_BASE_URL`` (proxy/v1), ``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL`` (proxy),
+``ANTHROPIC_API_KEY`` (the execution's credential). Nothing else of the runner's environment reaches a harness: in
+particular not the proxy's admin token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+__all__ = ["DEFAULT_ENV_ALLOW", "ExecutionRunner", "Finished", "harness_argv", "harness_env"]
+
+DEFAULT_ENV_ALLOW: tuple[str, ...] = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TZ",
+    "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES",
+    "TMPDIR", "TEMP", "TMP",
+    "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "NO_PROXY", "no_proxy",
+)  # fmt: skip
+"""The runner's environment variables a harness inherits (when set); everything else is withheld."""
+
+_PLACEHOLDER = re.compile(r"\{(workspace|task)\}")
+
+
+def harness_argv(template: Sequence[str], workspace: Path, task: str) -> list[str]:
+    """Substitute ``{workspace}`` and ``{task}`` in each argument (in one pass: a task that contains the text
+    ``{workspace}`` stays as it is). Other braces are left alone."""
+    values = {"workspace": str(workspace), "task": task}
+    return [_PLACEHOLDER.sub(lambda m: values[m[1]], arg) for arg in template]
+
+
+def harness_env(
+    base: Mapping[str, str], allow: Iterable[str], per_execution: Mapping[str, str]
+) -> dict[str, str]:
+    """The allowed variables of ``base`` that are set, then ``per_execution`` (which wins)."""
+    env = {k: base[k] for k in allow if k in base}
+    env.update(per_execution)
+    return env
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    execution_id: str
+    outcome: str
+    """completed / failed / harness_timeout / cancelled."""
+    workspace: Path
+    launched_at: float
+    """Unix time of launch: the overall budget runs from here."""
+    returncode: int | None = None
+    """The harness's exit status (negative: killed by that signal); None when it was never started."""
+
+
+class ExecutionRunner:
+    """Runs one harness process per execution against the TITO proxy's admin API (``/admin``)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        proxy_url: str,
+        admin_token: str,
+        harness_argv: Sequence[str],
+        harness_timeout_s: float,
+        *,
+        env_allow: Iterable[str] = DEFAULT_ENV_ALLOW,
+        extra_env: Mapping[str, str] | None = None,
+        admin_timeout_s: float = 60.0,
+    ) -> None:
+        if (
+            isinstance(harness_argv, str)
+            or not harness_argv
+            or not all(isinstance(a, str) for a in harness_argv)
+        ):
+            raise ValueError(f"harness_argv must be a non-empty list of strings, got {harness_argv!r}")
+        if not harness_timeout_s > 0:
+            raise ValueError(f"harness_timeout_s must be > 0, got {harness_timeout_s}")
+        self.run_dir = Path(run_dir)
+        self.proxy_url = proxy_url.rstrip("/")
+        self.harness_argv = list(harness_argv)
+        self.harness_timeout_s = harness_timeout_s
+        self.env_allow = tuple(env_allow)
+        self.extra_env = dict(extra_env or {})
+        self.admin = httpx.AsyncClient(
+            base_url=f"{self.proxy_url}/admin",
+            headers={"Authorization": f"Bearer {admin_token}"},
+            timeout=admin_timeout_s,
+        )
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._cancelled: set[str] = set()
+        # Registration, reroutes and the end of one execution are serialized: a reroute decided while the
+        # registration is still in flight must not be lost (the harness would call a draining engine), and a
+        # reroute that arrives after the end has nothing to move.
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._routes: dict[str, str] = {}
+        self._state: dict[str, str] = {}  # registering -> registered -> ended
+
+    async def aclose(self) -> None:
+        await self.admin.aclose()
+
+    async def admin_call(self, method: str, path: str, body: dict | None = None) -> dict:
+        response = await self.admin.request(method, path, json=body)
+        if response.status_code >= 400:
+            raise RuntimeError(f"proxy admin {method} {path}: {response.status_code} {response.text}")
+        return response.json()
+
+    def _lock(self, execution_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(execution_id, asyncio.Lock())
+
+    def _env(self, credential: str) -> dict[str, str]:
+        return harness_env(
+            os.environ,
+            self.env_allow,
+            {
+                **self.extra_env,
+                "OPENAI_BASE_URL": f"{self.proxy_url}/v1",
+                "OPENAI_API_KEY": credential,
+                "ANTHROPIC_BASE_URL": self.proxy_url,
+                "ANTHROPIC_API_KEY": credential,
+            },
+        )
+
+    async def run(self, execution_id: str, group_id: str, engine_url: str, task: str) -> Finished:
+        """Register the execution at the proxy, run its harness, end it; returns its single outcome."""
+        async with self._lock(execution_id):
+            self._state[execution_id] = "registering"
+            route = self._routes.setdefault(execution_id, engine_url)  # a reroute that came first wins
+            body = {"execution_id": execution_id, "group_id": group_id, "route": [route]}
+            try:
+                registered = await self.admin_call("POST", "/executions", body)
+            except BaseException:
+                self._state.pop(execution_id, None)
+                raise
+            self._state[execution_id] = "registered"
+        workspace = self.run_dir / "workspaces" / execution_id
+        workspace.mkdir(parents=True, exist_ok=True)
+        log = self.run_dir / "logs" / "agents" / f"{execution_id}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        launched_at = time.time()
+        returncode: int | None = None
+        outcome = "cancelled"
+        if execution_id not in self._cancelled:  # cancelled while registering: never started
+            with log.open("wb") as out:
+                proc = await asyncio.create_subprocess_exec(
+                    *harness_argv(self.harness_argv, workspace, task),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=self._env(registered["credential"]),
+                    cwd=workspace,
+                    start_new_session=True,
+                )
+            self._procs[execution_id] = proc
+            try:
+                if execution_id in self._cancelled:  # cancelled while the process was being created
+                    self._kill(proc)
+                returncode = await asyncio.wait_for(proc.wait(), timeout=self.harness_timeout_s)
+                outcome = "completed" if returncode == 0 else "failed"
+            except TimeoutError:
+                self._kill(proc)
+                returncode = await proc.wait()
+                outcome = "harness_timeout"
+            finally:
+                self._procs.pop(execution_id, None)
+                self._kill(proc)  # whatever the harness left running in its group goes with it
+        if execution_id in self._cancelled:
+            outcome = "cancelled"
+        async with self._lock(execution_id):
+            self._state[execution_id] = "ended"
+            self._routes.pop(execution_id, None)
+            self._cancelled.discard(execution_id)
+            await self.admin_call("POST", f"/executions/{execution_id}/end")
+        self._locks.pop(execution_id, None)
+        return Finished(execution_id, outcome, workspace, launched_at, returncode)
+
+    def cancel(self, execution_id: str) -> None:
+        """Stop an execution's harness (or keep it from starting); its run() returns with outcome `cancelled`."""
+        if self._state.get(execution_id) == "ended":
+            return
+        self._cancelled.add(execution_id)
+        proc = self._procs.get(execution_id)
+        if proc is not None:
+            self._kill(proc)
+
+    def cancel_all(self) -> None:
+        """Cancel every execution that has not ended (shutdown)."""
+        for execution_id, state in list(self._state.items()):
+            if state != "ended":
+                self.cancel(execution_id)
+
+    async def reroute(self, execution_id: str, engine_url: str) -> None:
+        """Move an execution's model calls to another engine (before, during or after its registration)."""
+        async with self._lock(execution_id):
+            if self._state.get(execution_id) == "ended":
+                return
+            self._routes[execution_id] = engine_url
+            if self._state.get(execution_id) == "registered":
+                await self.admin_call("PUT", f"/executions/{execution_id}/route", {"engines": [engine_url]})
+
+    def trajectories_path(self, execution_id: str) -> Path:
+        return self.run_dir / "trajectories" / f"{execution_id}.parquet"
+
+    async def export(self, execution_id: str, j_max: int, seed: int) -> Path:
+        """Have the proxy select the execution's trajectories (J_max) and write them as Parquet at
+        RUN/trajectories/<execution>.parquet; returns that path. Trajectories never travel in the reply: whatever
+        the proxy also returns in its body is ignored."""
+        path = self.trajectories_path(execution_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = {"j_max": j_max, "seed": seed, "path": str(path)}
+        await self.admin_call("POST", f"/executions/{execution_id}/export", body)
+        if not path.is_file():
+            raise RuntimeError(f"proxy admin export of {execution_id} answered but wrote no file at {path}")
+        return path
+
+    @staticmethod
+    def _kill(proc: asyncio.subprocess.Process) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)

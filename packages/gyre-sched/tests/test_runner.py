@@ -1,0 +1,324 @@
+"""The execution runner against a real loopback HTTP server standing in for the proxy's admin API, with real harness
+subprocesses: one outcome per execution, process groups killed, reroutes during registration kept, the harness's
+environment built from an allow-list, trajectories exported as a file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from gyre_sched.runner import DEFAULT_ENV_ALLOW, ExecutionRunner, harness_argv
+
+ADMIN_TOKEN = "admin-token-never-in-a-harness"
+
+# A harness: optionally starts a child in its process group, reports its environment to the "proxy" with its
+# credential (the moment the test knows it runs), then exits with the code the task names or hangs.
+HARNESS = r"""
+import json, os, subprocess, sys, time, urllib.request
+workspace, task = sys.argv[1], sys.argv[2]
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) if "spawn" in task else None
+body = {"env": dict(os.environ), "cwd": os.getcwd(), "argv": sys.argv[1:], "child": child and child.pid}
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/hello", data=json.dumps(body).encode(),
+                             headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+urllib.request.urlopen(req).read()
+open(os.path.join(workspace, "out.txt"), "w").write(task)
+if "exit" in task:
+    sys.exit(int(task.split("exit")[1]))
+time.sleep(600)
+"""
+
+
+class FakeProxy:
+    """The admin API subset the runner calls, plus /v1/hello for harnesses; every request is logged in order."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.routes: dict[str, list[str]] = {}
+        self.hellos: dict[str, dict] = {}  # execution -> what its harness reported
+        self.hello_event: dict[str, threading.Event] = {}
+        self.registration_arrived = threading.Event()
+        self.registration_gate: threading.Event | None = None  # set: registrations wait on it
+        self.export_reply_trajectories = True
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _reply(self, code: int, obj: dict) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _body(self) -> dict:
+                n = int(self.headers.get("Content-Length") or 0)
+                return json.loads(self.rfile.read(n) or b"null") or {}
+
+            def _handle(self, method: str) -> None:
+                body, path = self._body(), self.path.rstrip("/")
+                auth = self.headers.get("Authorization", "")
+                if path.startswith("/v1/"):
+                    eid = auth.removeprefix("Bearer cred-")
+                    proxy.log.append(("hello", eid))
+                    proxy.hellos[eid] = body
+                    proxy.hello_event.setdefault(eid, threading.Event()).set()
+                    return self._reply(200, {})
+                if auth != f"Bearer {ADMIN_TOKEN}":
+                    return self._reply(401, {"error": "admin token"})
+                parts = path.split("/")  # ['', 'admin', 'executions', eid?, action?]
+                if method == "POST" and len(parts) == 3:
+                    eid = body["execution_id"]
+                    proxy.registration_arrived.set()
+                    if proxy.registration_gate is not None:
+                        proxy.registration_gate.wait(30)
+                    proxy.log.append(("register", eid, body["route"]))
+                    proxy.routes[eid] = body["route"]
+                    return self._reply(200, {"execution_id": eid, "credential": f"cred-{eid}"})
+                eid, action = parts[3], parts[4]
+                if eid not in proxy.routes:
+                    return self._reply(404, {"error": f"unknown execution {eid}"})
+                if method == "PUT" and action == "route":
+                    proxy.log.append(("route", eid, body["engines"]))
+                    proxy.routes[eid] = body["engines"]
+                elif method == "POST" and action == "end":
+                    proxy.log.append(("end", eid))
+                elif method == "POST" and action == "export":
+                    proxy.log.append(("export", eid, body))
+                    Path(body["path"]).write_bytes(b"PAR1 stand-in PAR1")
+                    if proxy.export_reply_trajectories:  # what the real proxy still answers: ignored
+                        return self._reply(200, {"trajectories": [{"execution_id": eid}] * 3})
+                return self._reply(200, {"execution_id": eid})
+
+            def do_POST(self):
+                self._handle("POST")
+
+            def do_PUT(self):
+                self._handle("PUT")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def ends(self, eid: str) -> int:
+        return sum(1 for x in self.log if x[0] == "end" and x[1] == eid)
+
+    async def hello(self, eid: str, timeout: float = 60.0) -> dict:
+        event = self.hello_event.setdefault(eid, threading.Event())
+        assert await asyncio.to_thread(event.wait, timeout), f"{eid}'s harness never called the proxy"
+        return self.hellos[eid]
+
+
+@pytest.fixture
+def proxy():
+    p = FakeProxy()
+    yield p
+    p.close()
+
+
+def make_runner(tmp_path: Path, proxy: FakeProxy, timeout_s: float = 60.0, **kw) -> ExecutionRunner:
+    template = [sys.executable, "-c", HARNESS, "{workspace}", "{task}"]
+    return ExecutionRunner(tmp_path, proxy.url, ADMIN_TOKEN, template, timeout_s, **kw)
+
+
+def wait_dead(pid: int, timeout: float = 30.0) -> bool:
+    """True once the process has exited (a zombie counts): waits on a pidfd, no polling."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+def test_argv_template_substitutes_placeholders_once():
+    got = harness_argv(["h", "--ws={workspace}", "{task}", "{other}", "{{x}}"], Path("/w"), "fix {workspace}")
+    assert got == ["h", "--ws=/w", "fix {workspace}", "{other}", "{{x}}"]
+    with pytest.raises(ValueError, match="harness_argv"):
+        ExecutionRunner(Path("."), "http://x", "t", "python -m agent", 1.0)  # type: ignore[arg-type]
+
+
+def test_outcomes_exactly_once_each(tmp_path, proxy):
+    async def main():
+        runner = make_runner(tmp_path, proxy, timeout_s=6.0)
+        try:
+            jobs = {
+                eid: asyncio.create_task(runner.run(eid, "g0", "http://engine-0", task))
+                for eid, task in [("ok", "exit0"), ("bad", "exit3"), ("slow", "hang"), ("gone", "hang")]
+            }
+            await proxy.hello("gone")
+            runner.cancel("gone")
+            done = {eid: await job for eid, job in jobs.items()}
+            runner.cancel("ok")  # after the end: changes nothing
+        finally:
+            await runner.aclose()
+        return done
+
+    done = asyncio.run(main())
+    assert {e: f.outcome for e, f in done.items()} == {
+        "ok": "completed", "bad": "failed", "slow": "harness_timeout", "gone": "cancelled",
+    }  # fmt: skip
+    assert (done["ok"].returncode, done["bad"].returncode) == (0, 3)
+    assert done["slow"].returncode == done["gone"].returncode == -9
+    assert all(proxy.ends(e) == 1 for e in done)
+    assert (done["ok"].workspace / "out.txt").read_text() == "exit0"
+    assert proxy.hellos["ok"]["cwd"] == str(done["ok"].workspace)  # the harness runs in its workspace
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+def test_process_group_killed(tmp_path, proxy, how):
+    async def main():
+        runner = make_runner(tmp_path, proxy, timeout_s=3.0 if how == "timeout" else 60.0)
+        try:
+            job = asyncio.create_task(runner.run("e", "g", "http://engine-0", "spawn-hang"))
+            hello = await proxy.hello("e")
+            if how == "cancel":
+                runner.cancel("e")
+            return await job, hello
+        finally:
+            await runner.aclose()
+
+    done, hello = asyncio.run(main())
+    assert done.outcome == ("harness_timeout" if how == "timeout" else "cancelled")
+    assert proxy.ends("e") == 1
+    assert wait_dead(hello["child"])  # the harness's own child went with its process group
+
+
+def test_group_leftovers_killed_after_a_normal_exit(tmp_path, proxy):
+    async def main():
+        runner = make_runner(tmp_path, proxy)
+        try:
+            return await runner.run("e", "g", "http://engine-0", "spawn-exit0")
+        finally:
+            await runner.aclose()
+
+    done = asyncio.run(main())
+    assert done.outcome == "completed"
+    assert wait_dead(proxy.hellos["e"]["child"])
+
+
+def test_cancel_while_registering_never_starts_the_harness(tmp_path, proxy):
+    proxy.registration_gate = threading.Event()
+
+    async def main():
+        runner = make_runner(tmp_path, proxy)
+        try:
+            job = asyncio.create_task(runner.run("e", "g", "http://engine-0", "exit0"))
+            await asyncio.to_thread(proxy.registration_arrived.wait, 30)
+            runner.cancel("e")
+            proxy.registration_gate.set()
+            return await job
+        finally:
+            await runner.aclose()
+
+    done = asyncio.run(main())
+    assert (done.outcome, done.returncode) == ("cancelled", None)
+    assert [x[0] for x in proxy.log] == ["register", "end"]  # no hello: nothing ran
+
+
+def test_reroute_during_registration_is_not_lost(tmp_path, proxy):
+    proxy.registration_gate = threading.Event()
+
+    async def main():
+        runner = make_runner(tmp_path, proxy)
+        try:
+            job = asyncio.create_task(runner.run("e", "g", "http://engine-a", "exit0"))
+            await asyncio.to_thread(proxy.registration_arrived.wait, 30)  # the registration is in flight
+            move = asyncio.create_task(runner.reroute("e", "http://engine-b"))
+            await asyncio.sleep(0)  # the reroute now waits behind the registration
+            assert not move.done()
+            proxy.registration_gate.set()
+            await move
+            done = await job
+            await runner.reroute("e", "http://engine-c")  # after the end: nothing to move
+            return done
+        finally:
+            await runner.aclose()
+
+    assert asyncio.run(main()).outcome == "completed"
+    kinds = [x[:3] if x[0] in ("register", "route") else x[:2] for x in proxy.log]
+    assert kinds == [
+        ("register", "e", ["http://engine-a"]), ("route", "e", ["http://engine-b"]), ("hello", "e"), ("end", "e"),
+    ]  # fmt: skip
+    assert proxy.routes["e"] == ["http://engine-b"]
+
+
+def test_reroute_before_launch_sets_the_registered_route(tmp_path, proxy):
+    async def main():
+        runner = make_runner(tmp_path, proxy)
+        try:
+            await runner.reroute("e", "http://engine-b")
+            return await runner.run("e", "g", "http://engine-a", "exit0")
+        finally:
+            await runner.aclose()
+
+    asyncio.run(main())
+    assert proxy.log[0] == ("register", "e", ["http://engine-b"])
+
+
+def test_harness_env_is_an_allow_list(tmp_path, proxy, monkeypatch):
+    monkeypatch.setenv("GYRE_PROXY_ADMIN_TOKEN", ADMIN_TOKEN)
+    monkeypatch.setenv("SOME_SECRET", "hunter2")
+    monkeypatch.setenv("LANG", "C.UTF-8")
+
+    async def main():
+        runner = make_runner(tmp_path, proxy, extra_env={"DISABLE_TELEMETRY": "1"})
+        try:
+            return await runner.run("e", "g", "http://engine-0", "exit0")
+        finally:
+            await runner.aclose()
+
+    done = asyncio.run(main())
+    hello = proxy.hellos["e"]
+    env = hello["env"]
+    assert "GYRE_PROXY_ADMIN_TOKEN" not in env and "SOME_SECRET" not in env
+    assert not any(ADMIN_TOKEN in v or "hunter2" in v for v in env.values())
+    assert env["OPENAI_BASE_URL"] == f"{proxy.url}/v1" and env["ANTHROPIC_BASE_URL"] == proxy.url
+    assert env["OPENAI_API_KEY"] == env["ANTHROPIC_API_KEY"] == "cred-e"
+    assert env["PATH"] == os.environ["PATH"] and env["LANG"] == "C.UTF-8" and env["DISABLE_TELEMETRY"] == "1"
+    allowed = set(DEFAULT_ENV_ALLOW) | {"LC_CTYPE"}  # the interpreter may coerce LC_CTYPE (PEP 538)
+    per_execution = {
+        "OPENAI_BASE_URL",
+        "OPENAI_API_KEY",
+        "ANTHROPIC_BASE_URL",
+        "ANTHROPIC_API_KEY",
+        "DISABLE_TELEMETRY",
+    }
+    assert set(env) <= allowed | per_execution, set(env) - allowed - per_execution
+    assert hello["argv"] == [str(done.workspace), "exit0"]
+
+
+def test_export_returns_the_parquet_path_not_trajectories(tmp_path, proxy):
+    async def main():
+        runner = make_runner(tmp_path, proxy)
+        try:
+            await runner.run("e", "g", "http://engine-0", "exit0")
+            path = await runner.export("e", j_max=5, seed=7)
+            proxy.export_reply_trajectories = False
+            again = await runner.export("e", j_max=5, seed=7)
+            return path, again
+        finally:
+            await runner.aclose()
+
+    path, again = asyncio.run(main())
+    assert path == again == tmp_path / "trajectories" / "e.parquet"
+    assert path.read_bytes().startswith(b"PAR1")
+    export = next(x for x in proxy.log if x[0] == "export")
+    assert export[2] == {"j_max": 5, "seed": 7, "path": str(path)}
