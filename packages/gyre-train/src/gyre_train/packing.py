@@ -12,15 +12,18 @@ balancing ranks. Before the last group only shards that are nearly full are emit
 which keeps the non-pad fraction high on long-tailed lengths.
 
 Every micro-step carries the ExecutionInfo (A_i, |T_i|, d) of the executions it touches, so the loss of any split
-equals the batch loss (``gyre_train.loss``).
+equals the batch loss (``gyre_train.loss``). A_i is the group entry's given advantage
+(``gyre_train.buffer.ExecutionEntry.advantage``): packing never computes one.
+
+Groups are pulled lazily, oldest v_d first, only when the row window runs low; ``on_group(group, batch)`` is called
+at the moment a group joins the open batch, before any micro-step holding its rows exists.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
-from gyre_train.advantages import group_advantages
 from gyre_train.buffer import ReadyGroup, TrajectoryBuffer
 from gyre_train.types import ExecutionInfo, MicroStep, Shard
 
@@ -43,8 +46,8 @@ class PackingConfig:
     """Before the batch's last group, only emit shards at least this full."""
     temperature: float = 1.0
     """Rollout temperature of the batch's samples."""
-    advantage_mode: Literal["grpo", "mean"] = "grpo"
-    """GRPO (population std) or mean-only advantages."""
+    # advantage_mode was removed: advantages come with the groups (TrajectoryBuffer.add_group, or the buffer's
+    # advantage_mode for add_execution).
 
     def __post_init__(self) -> None:
         if (
@@ -187,6 +190,8 @@ class StreamPackingBuffer:
         self.cfg = cfg
         self.source = source
         self._batch: _Batch | None = None
+        self.on_group: Callable[[ReadyGroup, int], None] | None = None
+        """Called with (group, batch index) when a group is pulled into the open batch."""
 
     def open_batch(self, index: int, policy_version: int) -> None:
         """Start batch ``index``, trained at policy version ``policy_version`` (v_t)."""
@@ -212,18 +217,16 @@ class StreamPackingBuffer:
         group = self.source.pop_ready()
         if group is None:
             return False
-        rewards = [e.reward for e in group.executions]
-        advantages = group_advantages(rewards, self.cfg.advantage_mode)
         d = batch.policy_version - group.policy_version
         if d < 0:
             raise ValueError(
                 f"group {group.group_id} is from version {group.policy_version} > {batch.policy_version}"
             )
-        for e, a in zip(group.executions, advantages, strict=True):
+        for e in group.executions:
             if e.execution_id in batch.infos:
                 raise ValueError(f"execution {e.execution_id} appears twice in batch {batch.index}")
             batch.infos[e.execution_id] = ExecutionInfo(
-                execution_id=e.execution_id, group_id=group.group_id, advantage=a,
+                execution_id=e.execution_id, group_id=group.group_id, advantage=e.advantage,
                 num_targets=e.num_targets, staleness=d,
             )  # fmt: skip
             for t in e.trajectories:
@@ -231,6 +234,8 @@ class StreamPackingBuffer:
                 if row is not None:
                     batch.rows.append(row)
         batch.groups.append(group)
+        if self.on_group is not None:  # before any micro-step holding its rows is planned
+            self.on_group(group, batch.index)
         return True
 
     def next_microsteps(self, max_microsteps: int | None = None) -> list[MicroStep]:

@@ -22,6 +22,7 @@ Every execution-level quantity of DESIGN §7.2 that must be exact across any spl
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -209,10 +210,55 @@ class StepReport(_Wire):
     seconds: float = 0.0
 
 
-class CellRequest(_Wire):
-    """A satellite's request to the core's coordinator (control plane of multi-cell training)."""
+class ReadyExecution(_Wire):
+    """One execution of a :class:`ReadyGroupMessage`: reward and advantage as numbers, trajectories as a file."""
 
-    op: Literal["join", "claim", "report"]
+    execution_id: str = Field(min_length=1)
+    reward: float
+    advantage: float
+    """A_i, computed once by the controller (gyre-train never recomputes it)."""
+    trajectories_path: str | None = None
+    """Parquet (``.parquet``) or JSONL (``.jsonl``) file of the execution's selected trajectories written by
+    ``gyre_tito.export`` (read with ``gyre_tito.export.read_trajectories``); None: no trajectories (placeholder)."""
+    placeholder: bool = False
+    """A no_work execution: a valid zero with no targets (its file, if any, holds only the placeholder)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ReadyExecution:
+        if not (math.isfinite(self.reward) and math.isfinite(self.advantage)):
+            raise ValueError(f"execution {self.execution_id}: reward and advantage must be finite")
+        if not self.placeholder and self.trajectories_path is None:
+            raise ValueError(
+                f"execution {self.execution_id} is not a placeholder but has no trajectories_path"
+            )
+        return self
+
+
+class ReadyGroupMessage(_Wire):
+    """A complete rollout group crossing a process boundary (controller -> core cell), for
+    ``TrajectoryBuffer.add_group_message``: N executions with rewards, advantages and trajectory files."""
+
+    group_id: str = Field(min_length=1)
+    policy_version: int = Field(ge=0)
+    """v_d: the published version when the group was dispatched."""
+    executions: list[ReadyExecution] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> ReadyGroupMessage:
+        ids = [e.execution_id for e in self.executions]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"group {self.group_id} lists an execution twice")
+        return self
+
+
+class CellRequest(_Wire):
+    """A satellite's request to the core's coordinator (control plane of multi-cell training).
+
+    ``leave``: the satellite leaves training now (it holds no claim and is not in a reduce); its reported train
+    items of the open batch are requeued (their gradients stay with it) and it does not stay for the next batch.
+    """
+
+    op: Literal["join", "claim", "report", "leave"]
     cell: int = Field(ge=1)
     prepass: PrepassResult | None = None
     train: TrainResult | None = None
@@ -221,6 +267,8 @@ class CellRequest(_Wire):
     def _check(self) -> CellRequest:
         if self.op == "report" and (self.prepass is None) == (self.train is None):
             raise ValueError("a report carries exactly one of prepass / train")
+        if self.op != "report" and (self.prepass is not None or self.train is not None):
+            raise ValueError(f"a {self.op} carries no result")
         return self
 
 
@@ -234,6 +282,8 @@ class CoordinatorReply(_Wire):
     parameter broadcast if ``broadcast`` (stay for the next batch) or leave training. ``dropped``: this cell was
     removed from the batch (claim lease expired) and its items requeued: discard gradients, join again.
     ``stop``: the run is over; ``members`` are the cells still alive (they leave through one barrier).
+    ``ok``: a ``leave`` was accepted (the cell is out of the batch; ``batch_done`` instead if the window had
+    already closed with it inside: it must take part in the reduce first).
     """
 
     status: Literal["ok", "joined", "item", "wait", "batch_done", "dropped", "stop"]
