@@ -208,6 +208,11 @@ class MicroStepQueue:
                 stats = stats + self._trained[index][1].stats
             return stats
 
+    def trained_items(self) -> list[MicroStep]:
+        """The accepted train items of the batch as they were trained (final ExecutionInfo), by index."""
+        with self._lock:
+            return [self._trained[index][0] for index in sorted(self._trained)]
+
     @property
     def trained_by_cell(self) -> Counter[int]:
         """Accepted train results per cell (a dropped cell's results are not counted)."""

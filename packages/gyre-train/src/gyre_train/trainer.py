@@ -9,6 +9,15 @@ participating cell (plain sum), clips the global norm once, makes one Adam updat
 join after the core has processed ``join_after`` items (they load the core's weight snapshot when they join). The
 multi-process version (``gyre_train.multicell``) uses the same open/pump/claim/finish pieces with satellites in
 other processes.
+
+Trace events (``on_event(ev, fields)``, DESIGN §3.4), each emitted at the moment it happens:
+
+- ``batch_open`` (batch);
+- ``group_assigned`` (group_id, batch): the packing buffer pulled the group into the open batch (lazily, oldest v_d
+  first), before any micro-step holding its rows is in the queue;
+- ``microstep_claim`` (cell, kind, batch, index, groups): a cell claimed a pre-pass or train item; ``groups`` is the
+  sorted list of group ids whose executions the micro-step holds (each was assigned earlier);
+- ``step_end`` (version, groups, staleness).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -34,7 +44,7 @@ class TrainerConfig:
     """Settings of the core's training loop."""
 
     packing: PackingConfig
-    """Stream packing buffer settings (N, B, shard size, dp size, temperature, advantage mode)."""
+    """Stream packing buffer settings (N, B, shard size, dp size, window, temperature)."""
     loss: LossConfig = field(default_factory=LossConfig)
     """GSPO objective settings."""
     max_grad_norm: float = 1.0
@@ -66,8 +76,10 @@ class Trainer:
         self.in_batch = False
         """True from open_batch until finish (checkpoints are only taken outside)."""
         self.on_event: Callable[[str, dict], None] | None = None
-        """Optional sink for trace events (DESIGN §3.4): batch_open, microstep_claim, step_end."""
+        """Optional sink for trace events (DESIGN §3.4): batch_open, group_assigned, microstep_claim, step_end."""
         self._pump_lock = threading.Lock()  # the core's main thread and the coordinator's threads both pump
+        self.packer.on_group = lambda group, batch: self._emit("group_assigned", group_id=group.group_id,
+                                                               batch=batch)  # fmt: skip
 
     # --- batch pieces ----------------------------------------------------------------------------------------
 
@@ -117,8 +129,10 @@ class Trainer:
         self.pump()
         item = self.queue.claim(cell)
         if item is not None:
-            self._emit("microstep_claim", cell=cell, kind=item.kind, batch=item.microstep.batch,
-                       index=item.microstep.index)  # fmt: skip
+            ms = item.microstep
+            groups = sorted({e.group_id for e in ms.executions})
+            self._emit("microstep_claim", cell=cell, kind=item.kind, batch=ms.batch, index=ms.index,
+                       groups=groups)  # fmt: skip
         return item
 
     @property
@@ -132,9 +146,16 @@ class Trainer:
         )
 
     def finish(
-        self, other_grads: Sequence[torch.Tensor] = (), microsteps_by_cell: dict | None = None
+        self,
+        other_grads: Sequence[torch.Tensor] = (),
+        microsteps_by_cell: dict | None = None,
+        dump_dir: str | Path | None = None,
     ) -> StepReport:
-        """Sum gradients (core + others, plain fp32/fp64 sum), clip once, one update, report."""
+        """Sum gradients (core + others, plain fp32/fp64 sum), clip once, one update, report.
+
+        ``dump_dir``: also write the batch for an exactness check (``gyre_train.replay.dump_batch``): the parameters
+        it was trained at, every train item as trained, the summed gradient before clipping, and the report.
+        """
         if not self.queue.finished:
             raise RuntimeError("the batch is not finished")
         backend = self.core.backend
@@ -143,6 +164,8 @@ class Trainer:
             for g in other_grads:
                 total = total + g.to(total.dtype)
             backend.set_flat_grads(total)
+        if dump_dir is not None:  # weights are frozen during accumulation: these are the batch's parameters
+            params_before, summed_grads = backend.flat_params().clone(), backend.flat_grads().clone()
         grad_norm = backend.optimizer_step(self.cfg.max_grad_norm)
         stats = self.queue.token_stats
         execs = [
@@ -162,6 +185,11 @@ class Trainer:
             group_ids=[g.group_id for g in groups], staleness=[self.version - g.policy_version for g in groups],
             metrics=batch_metrics(execs, stats, self.cfg.loss), seconds=time.perf_counter() - self._opened_at,
         )  # fmt: skip
+        if dump_dir is not None:
+            from gyre_train.replay import dump_batch
+
+            dump_batch(dump_dir, params_before=params_before, microsteps=self.queue.trained_items(),
+                       summed_grads=summed_grads, report=report)  # fmt: skip
         self.version += 1
         self.in_batch = False
         self._emit(
@@ -202,6 +230,8 @@ class Trainer:
             s.backend.zero_grad()
         return grads
 
-    def step(self, satellites: Sequence[CellWorker] = (), join_after: int = 0) -> StepReport:
+    def step(
+        self, satellites: Sequence[CellWorker] = (), join_after: int = 0, dump_dir: str | Path | None = None
+    ) -> StepReport:
         """One optimizer step in this process (core + in-process satellites, see ``accumulate``)."""
-        return self.finish(self.accumulate(satellites, join_after))
+        return self.finish(self.accumulate(satellites, join_after), dump_dir=dump_dir)
