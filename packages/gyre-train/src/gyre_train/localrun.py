@@ -2,17 +2,30 @@
 
 ``launch(spec)`` starts one process per cell (spawn), each joining gloo as its cell index; the core trains
 ``spec.steps`` steps on synthetic groups (``gyre_train.synthetic.make_groups``) and writes ``reports.jsonl`` (one
-StepReport per line) and, if asked, the summed gradient of each step (``grads-<step>.pt``) to ``spec.out_dir``.
+StepReport per line) and, if asked, the summed gradient of each step (``grads-<step>.pt``) and batch dumps for
+``gyre_train.replay`` (``dump-<step>/``) to ``spec.out_dir``.
+
+Scenarios (``spec.scenario``):
+
+- ``"run"``: every satellite runs ``SatelliteRunner.run()`` (bursts back to back until stop).
+- ``"leave_rejoin"`` (K=2, 2 steps): cell 1 joins step 0 mid-batch (before the core's item ``wait_join_at``); step 0
+  is not final, so it stays after the broadcast; then it is told to leave and returns ``"left"`` from its first
+  ``run_burst``; the core opens step 1 (final) without it, and cell 1 joins again mid-batch (second ``run_burst``,
+  which returns ``"burst_end"``); a third ``run_burst`` returns ``"stop"``. Cell 1 writes ``satellite-1.json``
+  (``bursts``: the three results, ``items``: items run per burst).
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -65,6 +78,16 @@ class LocalRunSpec:
     """If set, cell 1 SIGKILLs itself on receiving its n-th item, before running it (lost-satellite tests)."""
     claim_timeout_s: float = 300.0
     """Claim lease of the coordinator."""
+    dump_steps: tuple[int, ...] = ()
+    """Steps the core dumps to ``out_dir/dump-<step>`` (``gyre_train.replay``)."""
+    scenario: Literal["run", "leave_rejoin"] = "run"
+    """What the satellites do (module docstring)."""
+
+    def __post_init__(self) -> None:
+        if self.scenario == "leave_rejoin" and (
+            (self.num_cells, self.steps) != (2, 2) or self.wait_join_at is None
+        ):
+            raise ValueError("the leave_rejoin scenario runs 2 cells for 2 steps and needs wait_join_at")
 
 
 def free_port() -> int:
@@ -73,7 +96,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int) -> None:
+_SIGNAL_S = 120.0  # how long a scenario waits for the other process before failing
+
+
+def _wait(event, what: str) -> None:
+    if not event.wait(_SIGNAL_S):
+        raise TimeoutError(f"{what} did not happen within {_SIGNAL_S} s")
+
+
+def _leave_rejoin_satellite(runner: SatelliteRunner, events: dict, out: Path) -> None:
+    leave = threading.Event()
+
+    def leave_after_step0() -> None:
+        if events["step0_done"].wait(_SIGNAL_S):
+            leave.set()
+
+    threading.Thread(target=leave_after_step0, daemon=True).start()
+    bursts, items = [], []
+    before = runner.items_run
+    bursts.append(runner.run_burst(leave))  # joins step 0 mid-batch, stays after the broadcast, then leaves
+    items.append(runner.items_run - before)
+    events["left"].set()
+    _wait(events["rejoin"], "the core's call to rejoin")
+    leave.clear()
+    before = runner.items_run
+    bursts.append(runner.run_burst(leave))  # joins step 1 mid-batch; step 1 ends the burst
+    items.append(runner.items_run - before)
+    bursts.append(runner.run_burst(leave))  # the core has stopped
+    (out / f"satellite-{runner.worker.cell}.json").write_text(json.dumps({"bursts": bursts, "items": items}))
+
+
+def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int, events: dict | None = None) -> None:
     torch.set_num_threads(spec.threads)
     groups = init_cell_process(mc, cell)
     loss = LossConfig()
@@ -91,7 +144,10 @@ def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)  # dies holding a claim
 
         runner = SatelliteRunner(mc, worker, groups, on_item=on_item)
-        runner.run()
+        if spec.scenario == "leave_rejoin":
+            _leave_rejoin_satellite(runner, events, Path(spec.out_dir))
+        else:
+            runner.run()
         groups.barrier(runner.stop_members)  # the live cells leave together
         torch.distributed.destroy_process_group()
         return
@@ -106,20 +162,32 @@ def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int) -> None:
     trainer = Trainer(TrainerConfig(packing=packing, loss=loss), worker, buffer)
     core = CoreRunner(mc, trainer, groups)
     out = Path(spec.out_dir)
+    rejoin = spec.scenario == "leave_rejoin"
     with open(out / "reports.jsonl", "w") as f:
         for step in range(spec.steps):
 
             def hook(n: int, step: int = step) -> None:
-                if spec.wait_join_at is not None and step == 0 and n == spec.wait_join_at:
-                    core.coordinator.wait_joined(spec.num_cells - 1, timeout=120)
+                if spec.wait_join_at is None or n != spec.wait_join_at:
+                    return
+                if step == 0:
+                    core.coordinator.wait_joined(spec.num_cells - 1, timeout=_SIGNAL_S)
+                elif rejoin and step == 1:
+                    events["rejoin"].set()
+                    core.coordinator.wait_joined(1, timeout=_SIGNAL_S)
 
             def save(g: torch.Tensor, step: int = step) -> None:
                 if spec.save_grads:
                     torch.save(g, out / f"grads-{step}.pt")
 
-            report = core.step(before_core_item=hook, on_summed_grads=save)
+            if rejoin and step == 1:
+                _wait(events["left"], "cell 1 leaving")
+            final = (step == 1) if rejoin else None
+            dump = str(out / f"dump-{step}") if step in spec.dump_steps else None
+            report = core.step(before_core_item=hook, on_summed_grads=save, final=final, dump_dir=dump)
             f.write(report.model_dump_json() + "\n")
             f.flush()
+            if rejoin and step == 0:
+                events["step0_done"].set()
     core.stop()
     # satellites have seen `stop`: the live cells leave together
     groups.barrier(core.coordinator.live_cells())
@@ -136,8 +204,10 @@ def launch(spec: LocalRunSpec, timeout: float = 300.0) -> list[int]:
         claim_timeout_s=spec.claim_timeout_s,
     )  # fmt: skip
     ctx = mp.get_context("spawn")
+    events = {name: ctx.Event() for name in ("step0_done", "left", "rejoin")}
     procs = [
-        ctx.Process(target=_cell_main, args=(spec, mc, c), name=f"cell-{c}") for c in range(spec.num_cells)
+        ctx.Process(target=_cell_main, args=(spec, mc, c, events), name=f"cell-{c}")
+        for c in range(spec.num_cells)
     ]
     for p in procs:
         p.start()

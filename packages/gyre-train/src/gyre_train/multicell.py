@@ -8,9 +8,14 @@
 - **Control plane**: the core runs a :class:`Coordinator` (a thread serving ``multiprocessing.connection`` clients with
   ``CellRequest`` / ``CoordinatorReply`` JSON) in front of the one shared micro-step queue of its
   :class:`~gyre_train.trainer.Trainer`. A satellite joins a running batch (only while its predecessor trains: the
-  training set is always a prefix), loads the core's weight snapshot (written at batch open, fixed during
-  accumulation), claims items, reports results. The joining window closes when the queue drains, before the update;
-  a late joiner waits for the next batch.
+  training set is always a prefix), loads the core's weight snapshot (published at batch open through a
+  :class:`~gyre_train.snapshot.SnapshotChannel`, fixed during accumulation), claims items, reports results. The
+  joining window closes when the queue drains, before the update; a late joiner waits for the next batch.
+- **Bursts**: a satellite process lives for the whole run and trains only while the scheduler has it in the
+  training role (``SatelliteRunner.run_burst``); it leaves at a safe point (``leave`` request: never inside a
+  claimed item or a reduce) and joins again later over the same control connection. The core's ``step`` takes
+  ``final`` from the scheduler (does this step end the burst: no broadcast) and waits for ready groups as long as
+  needed, until its ``abort`` event is set (:class:`StepAborted`).
 
 The core itself also claims and runs items between serving satellites (its main thread), like any cell. The
 satellite side is :class:`gyre_train.satellite.SatelliteRunner`.
@@ -28,7 +33,7 @@ closed (during the reduce) is not handled: the collective fails after gloo's tim
 
 from __future__ import annotations
 
-import os
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +45,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
+from gyre_train.snapshot import FileSnapshotChannel, SnapshotChannel
 from gyre_train.trainer import DataStarvation, Trainer
 from gyre_train.types import CellRequest, CoordinatorReply, StepReport, WorkItem
 
@@ -55,17 +61,19 @@ class MultiCellConfig:
     control_port: int
     """TCP port of the core's coordinator."""
     snapshot_dir: str
-    """Directory where the core writes the weight snapshot of each batch."""
+    """Directory of the default snapshot channel (``FileSnapshotChannel``): one weight file per batch."""
     authkey: str = "gyre-train"
     """Shared secret of the control connection."""
     steps_per_burst: int = 1
-    """mu: after the last step of a burst satellites leave training (no broadcast)."""
+    """mu: after the last step of a burst satellites leave training (no broadcast); ``CoreRunner.step(final=...)``
+    overrides it per step (the scheduler decides)."""
     host: str = "127.0.0.1"
     """Address of the core."""
     poll_s: float = 0.005
     """Sleep between polls when there is nothing to claim."""
-    starve_timeout_s: float = 0.0
-    """How long the core waits for more ready groups (added by another thread) before DataStarvation."""
+    starve_timeout_s: float = math.inf
+    """How long the core waits for more ready groups (added by another thread) before DataStarvation (default:
+    as long as needed; ``step(abort=...)`` ends the wait)."""
     claim_timeout_s: float = 300.0
     """Claim lease: a satellite holding one item longer than this is dropped from the batch, its work requeued."""
 
@@ -168,10 +176,12 @@ class Coordinator:
             self._lock.notify_all()
             return members
 
-    def lose(self, cell: int, reason: str, dead: bool) -> int:
+    def lose(self, cell: int, reason: str, dead: bool, tell: bool = True) -> int:
         """Drop ``cell`` from the open batch and requeue its work; returns the number of items requeued.
 
-        ``dead``: the process is gone (never rejoins). Outside the accumulation window only the bookkeeping changes.
+        ``dead``: the process is gone (never rejoins). ``tell``: answer its next request ``dropped`` (False when
+        it asked to leave and is told directly). Outside the accumulation window only the bookkeeping changes
+        (it no longer stays for the next batch).
         """
         with self._lock:
             if dead:
@@ -182,7 +192,7 @@ class Coordinator:
                 return 0
             self._participants.discard(cell)
             requeued = self.trainer.queue.drop_cell(cell)
-            if not dead:
+            if not dead and tell:
                 self._dropped.add(cell)
             self.lost.append((self._batch, cell, reason, len(requeued)))
             self._lock.notify_all()
@@ -263,6 +273,8 @@ class Coordinator:
         with self._lock:
             if req.cell in self._dead:
                 return self._stop_reply()
+            if req.op == "leave":
+                return self._leave(req.cell)
             if req.cell in self._dropped and req.op != "join":  # its late report is refused (work requeued)
                 self._dropped.discard(req.cell)
                 return CoordinatorReply(status="dropped", batch=self._batch)
@@ -281,13 +293,9 @@ class Coordinator:
                 self._lock.notify_all()
                 return CoordinatorReply(status="joined", batch=self._batch, snapshot=self._snapshot)
             # claim (or report)
-            if self._done is not None and req.cell not in self._acked and req.cell in self._participants:
-                batch, members, broadcast = self._done
-                self._acked.add(req.cell)
-                prefix = len(members) if members == list(range(len(members))) else None
-                return CoordinatorReply(
-                    status="batch_done", batch=batch, prefix=prefix, members=members, broadcast=broadcast
-                )
+            done = self._batch_done(req.cell)
+            if done is not None:
+                return done
             if req.cell not in self._participants or not self._window_open:
                 if self._stopping and self._done is not None:
                     return self._stop_reply()
@@ -299,55 +307,113 @@ class Coordinator:
             self._leases[req.cell] = time.monotonic() + self.cfg.claim_timeout_s
             return CoordinatorReply(status="item", batch=item.microstep.batch, item=item)
 
+    def _batch_done(self, cell: int) -> CoordinatorReply | None:
+        """The end-of-batch answer ``cell`` still owes a reduce for (None if it has none)."""
+        if self._done is None or cell in self._acked or cell not in self._participants:
+            return None
+        batch, members, broadcast = self._done
+        self._acked.add(cell)
+        prefix = len(members) if members == list(range(len(members))) else None
+        return CoordinatorReply(
+            status="batch_done", batch=batch, prefix=prefix, members=members, broadcast=broadcast
+        )
+
+    def _leave(self, cell: int) -> CoordinatorReply:
+        """``cell`` leaves training (not inside an item). If the window already closed with it inside, it must
+        take part in the reduce first (``batch_done``, then it leaves again); otherwise it is out now: its
+        reported train items of the open batch are requeued and it does not stay for the next batch."""
+        self._dropped.discard(cell)  # a pending `dropped` is moot: its work is requeued already
+        done = self._batch_done(cell)
+        if done is not None:
+            return done
+        self.lose(cell, "left training", dead=False, tell=False)
+        return CoordinatorReply(status="ok", batch=self._batch)
+
     def close(self) -> None:
         self._listener.close()
 
 
-class CoreRunner:
-    """The core process: trains, coordinates satellites, sums gradients, updates, broadcasts."""
+class StepAborted(RuntimeError):
+    """``CoreRunner.step`` stopped waiting because its ``abort`` event was set; the open batch is abandoned (the
+    trainer stays inside it: end the run, or build a new trainer from a checkpoint)."""
 
-    def __init__(self, cfg: MultiCellConfig, trainer: Trainer, groups: PrefixGroups) -> None:
+
+class CoreRunner:
+    """The core process: trains, coordinates satellites, sums gradients, updates, broadcasts.
+
+    ``snapshots``: how joining satellites get the batch's weights (default: ``FileSnapshotChannel(cfg.snapshot_dir)``).
+    """
+
+    def __init__(
+        self,
+        cfg: MultiCellConfig,
+        trainer: Trainer,
+        groups: PrefixGroups,
+        snapshots: SnapshotChannel | None = None,
+    ) -> None:
         self.cfg = cfg
         self.trainer = trainer
         self.groups = groups
+        self.snapshots: SnapshotChannel = (
+            snapshots if snapshots is not None else FileSnapshotChannel(cfg.snapshot_dir)
+        )
         self.coordinator = Coordinator(cfg, trainer)
-        Path(cfg.snapshot_dir).mkdir(parents=True, exist_ok=True)
-
-    def _write_snapshot(self, batch: int) -> str:
-        path = Path(self.cfg.snapshot_dir) / f"snapshot-{batch}.pt"
-        tmp = path.with_suffix(".tmp")
-        torch.save(self.trainer.core.backend.flat_params(), tmp)
-        os.replace(tmp, path)  # readers never see a partial file
-        old = Path(self.cfg.snapshot_dir) / f"snapshot-{batch - 1}.pt"
-        old.unlink(missing_ok=True)
-        return str(path)
 
     def step(
         self,
         before_core_item: Callable[[int], None] | None = None,
         on_summed_grads: Callable[[torch.Tensor], None] | None = None,
+        *,
+        final: bool | None = None,
+        abort: threading.Event | None = None,
+        dump_dir: str | Path | None = None,
+        on_wait: Callable[[int], None] | None = None,
     ) -> StepReport:
-        """One batch; ``before_core_item(n)`` runs before the core's n-th item, ``on_summed_grads`` sees the sum."""
+        """One batch: publish the snapshot, train with the satellites that join, reduce, update, broadcast.
+
+        - ``before_core_item(n)`` runs before each attempt of the core's n-th item; ``on_summed_grads`` sees the
+          gradient summed over the cells (before clipping).
+        - ``final``: this step ends the burst (satellites leave training: no broadcast); None: ``(batch + 1) %
+          steps_per_burst == 0``.
+        - While starving (the batch needs groups the buffer does not hold yet; another thread adds them) the core
+          waits up to ``cfg.starve_timeout_s`` (default: as long as needed; then ``DataStarvation``), calling
+          ``on_wait(groups assigned so far)`` once per wait; if ``abort`` is set while the core waits (for groups
+          or for satellites' items) it raises :class:`StepAborted`.
+        - ``dump_dir``: dump the batch for ``gyre_train.replay.replay_batch`` (exactness check).
+        """
         trainer, coord = self.trainer, self.coordinator
         batch = trainer.version
-        coord.open_batch(batch, self._write_snapshot(batch))
+        coord.open_batch(batch, self.snapshots.publish(batch, trainer.core.backend.flat_params()))
         trainer.open_batch()
         done = 0
-        starving_since = None
+        starving_since: float | None = None
+        waited_at: int | None = None
         while not trainer.queue.finished:
             coord.expire_leases()
             if before_core_item is not None:
                 before_core_item(done)
             if trainer.run_one(trainer.core):
                 done += 1
-                starving_since = None
                 continue
-            if trainer.starving:
-                starving_since = starving_since or time.monotonic()
-                if time.monotonic() - starving_since >= self.cfg.starve_timeout_s:
-                    raise DataStarvation(f"batch {batch} needs more ready groups than the buffer holds")
-            time.sleep(self.cfg.poll_s)  # satellites hold the remaining items, or groups are still arriving
-        final = (batch + 1) % self.cfg.steps_per_burst == 0
+            if abort is not None and abort.is_set():
+                what = "ready groups" if trainer.starving else "the satellites' items"
+                raise StepAborted(f"batch {batch} aborted while the core waited for {what}")
+            if not trainer.starving:
+                starving_since = None
+                time.sleep(self.cfg.poll_s)  # satellites hold the remaining items
+                continue
+            now = time.monotonic()
+            if starving_since is None:
+                starving_since = now
+            assigned = len(trainer.packer.groups)
+            if on_wait is not None and waited_at != assigned:
+                waited_at = assigned
+                on_wait(assigned)
+            if now - starving_since >= self.cfg.starve_timeout_s:
+                raise DataStarvation(f"batch {batch} needs more ready groups than the buffer holds")
+            trainer.buffer.wait_ready(self.cfg.poll_s)  # wakes as soon as a group arrives
+        if final is None:
+            final = (batch + 1) % self.cfg.steps_per_burst == 0
         group = self.groups.for_members(coord.close_window(broadcast=not final))  # lost cells excluded
         backend = trainer.core.backend
         if group is not None:
@@ -356,7 +422,7 @@ class CoreRunner:
             backend.set_flat_grads(flat)
         if on_summed_grads is not None:
             on_summed_grads(backend.flat_grads())
-        report = trainer.finish()
+        report = trainer.finish(dump_dir=dump_dir)
         if group is not None and not final:
             dist.broadcast(backend.flat_params(), src=0, group=group)
         return report

@@ -1,17 +1,31 @@
-"""A satellite cell process of multi-cell training (the core side and the protocol: ``gyre_train.multicell``)."""
+"""A satellite cell process of multi-cell training (the core side and the protocol: ``gyre_train.multicell``).
+
+The process lives for the whole run and keeps one control connection to the core's coordinator. It trains in
+**bursts** (``run_burst``), while the scheduler has the cell in the training role: join the open batch (waiting
+while the coordinator answers ``wait``), load the batch's weight snapshot through its
+:class:`~gyre_train.snapshot.SnapshotChannel`, claim and run items, ``reduce`` its gradient into the core at the end
+of each batch, and receive the parameter broadcast after a non-final update (it stays for the next batch) or return
+at the burst's end.
+
+Leaving (``leave`` event) happens only at safe points, never inside a claimed item or a reduce: while waiting to
+join (nothing to undo), between batches (after a broadcast: it is taken off the next batch), or while joined but
+waiting for work it has not claimed (its reported train items of the open batch are requeued: their gradients stay
+in this cell and are discarded). If the joining window closed with it inside, it first takes part in the reduce.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Client
 
 import orjson
-import torch
 import torch.distributed as dist
 
 from gyre_train.cell import CellWorker
 from gyre_train.multicell import MultiCellConfig, PrefixGroups
+from gyre_train.snapshot import FileSnapshotChannel, SnapshotChannel
 from gyre_train.types import CellRequest, CoordinatorReply, PrepassResult, WorkItem
 
 
@@ -24,14 +38,20 @@ class SatelliteRunner:
         worker: CellWorker,
         groups: PrefixGroups,
         on_item: Callable[[WorkItem], None] | None = None,
+        snapshots: SnapshotChannel | None = None,
     ) -> None:
         self.cfg = cfg
         self.worker = worker
         self.groups = groups
         self.on_item = on_item
         """Runs before each claimed item (failure tests kill the process here)."""
+        self.snapshots: SnapshotChannel = (
+            snapshots if snapshots is not None else FileSnapshotChannel(cfg.snapshot_dir)
+        )
         self.conn = self._connect()
         self.items_run = 0
+        self.joined = False
+        """Inside a batch or staying for the next one (after a broadcast)."""
         self.stop_members: list[int] = list(range(cfg.num_cells))
         """Live cells at stop (from the coordinator): the run ends with a barrier over them."""
 
@@ -52,23 +72,52 @@ class SatelliteRunner:
             raise RuntimeError(f"coordinator refused {op}: {reply.error}")
         return reply
 
+    def _out(self) -> None:
+        self.worker.backend.zero_grad()  # nothing of this cell is summed any more
+        self.joined = False
+
     def run(self) -> int:
-        """Serve until the core stops; returns the number of items this cell ran."""
+        """Serve until the core stops (bursts back to back); returns the number of items this cell ran."""
+        never = threading.Event()
+        while self.run_burst(never) != "stop":
+            pass
+        return self.items_run
+
+    def run_burst(self, leave: threading.Event) -> str:
+        """Train while in the training role; returns why it stopped.
+
+        ``"burst_end"``: a ``batch_done`` without broadcast (the last step of the burst); ``"left"``: ``leave`` was
+        set at a safe point (see the module docstring); ``"stop"``: the run is over (``stop_members`` holds the
+        live cells). The control connection stays open for the next burst.
+        """
         backend = self.worker.backend
-        joined = False
         while True:
-            if not joined:
+            if not self.joined:
+                if leave.is_set():
+                    return "left"
                 reply = self._ask("join")
                 if reply.status == "stop":
                     self.stop_members = reply.members or self.stop_members
-                    return self.items_run
-                if reply.status == "wait":
-                    time.sleep(self.cfg.poll_s)
+                    return "stop"
+                if reply.status != "joined":  # wait: no open window, or a predecessor has not joined yet
+                    leave.wait(self.cfg.poll_s)
                     continue
                 backend.zero_grad()
-                backend.load_flat_params(torch.load(reply.snapshot))  # the core's consistent snapshot
-                joined = True
-            reply = self._ask("claim")
+                try:
+                    params = self.snapshots.load(reply.snapshot)  # the core's consistent snapshot
+                except Exception:
+                    self._ask("leave")  # the core must not wait for this cell in the reduce
+                    self._out()
+                    raise
+                backend.load_flat_params(params)
+                self.joined = True
+            if leave.is_set():  # joined, holding no claim: out now (or reduce first if the window closed)
+                reply = self._ask("leave")
+                if reply.status == "ok":
+                    self._out()
+                    return "left"
+            else:
+                reply = self._ask("claim")
             while reply.status == "item":  # a report is answered with the next claim
                 if self.on_item is not None:
                     self.on_item(reply.item)
@@ -82,17 +131,17 @@ class SatelliteRunner:
                 group = self.groups.for_members(reply.members)
                 dist.reduce(backend.flat_grads(), dst=0, op=dist.ReduceOp.SUM, group=group)
                 backend.zero_grad()
-                if reply.broadcast:
-                    flat = backend.flat_params()
-                    dist.broadcast(flat, src=0, group=group)
-                    backend.load_flat_params(flat)  # stays in training for the next batch of the burst
-                else:
-                    joined = False  # burst over: back to rollout; a later join pulls a fresh snapshot
+                if not reply.broadcast:
+                    self._out()  # burst over: back to rollout; a later join pulls a fresh snapshot
+                    return "burst_end"
+                flat = backend.flat_params()
+                dist.broadcast(flat, src=0, group=group)
+                backend.load_flat_params(flat)  # stays in training for the next batch of the burst
             elif reply.status == "dropped":  # our work was requeued: these gradients must not be summed
-                backend.zero_grad()
-                joined = False
+                self._out()
             elif reply.status == "stop":
                 self.stop_members = reply.members or self.stop_members
-                return self.items_run
-            else:
-                time.sleep(self.cfg.poll_s)
+                self._out()
+                return "stop"
+            elif reply.status == "wait":
+                leave.wait(self.cfg.poll_s)
