@@ -90,7 +90,7 @@ class Simulator:
         self.cfg = cfg
         self.params = cfg.policy_params()
         self.policy: PolicyCore = make_policy(self.params, deep_checks=deep_checks)
-        self.workload = make_workload(cfg.workload, cfg.seed, cfg.cost.reroute_penalty_s)
+        self.workload = make_workload(cfg.workload, cfg.seed)
         self._trace_stream = trace_stream
         self.trace: TraceWriter | None = None
         self.record_samples = record_samples
@@ -101,6 +101,7 @@ class Simulator:
         self._token: dict[str, int] = {}  # execution -> live termination token
         self._end: dict[str, float] = {}
         self._plans: dict[str, ExecPlan] = {}
+        self._reroutes: dict[str, int] = {}
         self._group_seq: dict[str, int] = {}
         self._busy: set[int] = set()
         self._started_batch: dict[int, int] = {}
@@ -123,6 +124,8 @@ class Simulator:
 
     # ---- event plumbing -------------------------------------------------------------------------------------------
     def _at(self, t: float, item: Any) -> None:
+        if t < self.now:
+            raise RuntimeError(f"simulator bug: {item!r} scheduled at t={t} before now={self.now}")
         heapq.heappush(self._heap, (t, self._seq, item))
         self._seq += 1
 
@@ -152,7 +155,13 @@ class Simulator:
                     self._token[eid] = -1  # the natural termination will not fire
                     self._at(self.now + self.cfg.workload.cancel_latency_s, ("cancelled", eid))
                 case Reroute(eid, _):
-                    if self._token.get(eid, -1) >= 0:
+                    n = self._reroutes[eid] = self._reroutes.get(eid, 0) + 1
+                    # a recorded duration already includes what its recorded reroutes cost
+                    if (
+                        self._token.get(eid, -1) >= 0
+                        and n > self._plans[eid].reroutes
+                        and c.reroute_penalty_s
+                    ):
                         self._arm(eid, self._end[eid] + c.reroute_penalty_s)
                 case BeginTransition(cell, _, to):
                     self._role_change(cell)

@@ -26,6 +26,16 @@ class ExecPlan:
     assess_delay_s: float
     """Termination to final assessment (all evaluator attempts)."""
     status: AssessedStatus
+    reroutes: int = 0
+    """Reroutes whose cost ``duration_s`` already includes (a recorded execution's): the simulator charges its
+    reroute penalty only for reroutes beyond these."""
+
+    def __post_init__(self) -> None:
+        if not (self.duration_s >= 0 and self.assess_delay_s >= 0 and self.reroutes >= 0):
+            raise ValueError(
+                f"invalid execution plan: duration_s={self.duration_s}, assess_delay_s={self.assess_delay_s}, "
+                f"reroutes={self.reroutes} (all must be >= 0)"
+            )
 
 
 class StatisticalWorkload:
@@ -80,11 +90,14 @@ class StatisticalWorkload:
 
 class TraceWorkload:
     """Replays a recorded trace: the n-th dispatched group takes the executions of the recorded group n (cycling).
-    Executions the recording cancelled or withdrew have no observed duration; they take their group's longest
-    observed duration (a lower bound for a straggler), documented in README. A recorded duration includes the
-    recorded reroutes; ``reroute_penalty_s`` per recorded reroute is taken out (the simulator adds its own back)."""
 
-    def __init__(self, path: str | Path, reroute_penalty_s: float = 0.0) -> None:
+    A recorded duration (launch to terminate) is a measurement and is replayed as is. It includes whatever its
+    recorded reroutes cost, which the trace cannot separate out: the plan carries the number of recorded reroutes, and
+    the simulator charges its ``reroute_penalty_s`` only for reroutes beyond those. Executions the recording
+    cancelled or withdrew, or that were still running when it ended, have no observed duration; they take their
+    group's longest observed duration (a lower bound for a straggler), documented in README."""
+
+    def __init__(self, path: str | Path) -> None:
         groups: list[list[str]] = []
         launch: dict[str, float] = {}
         term: dict[str, tuple[float, str]] = {}
@@ -107,19 +120,19 @@ class TraceWorkload:
             seen = [i for i in ids if i in launch and i in term and term[i][1] != "cancelled"]
             if not seen:
                 continue
-            longest = max(term[i][0] - launch[i] - reroute_penalty_s * reroutes.get(i, 0) for i in seen)
+            longest = max(term[i][0] - launch[i] for i in seen)
             plans = []
             for i in ids:
                 if i not in seen:
                     plans.append(ExecPlan(longest, "completed", 0.0, "valid"))
                     continue
                 t_end, outcome = term[i]
-                t_end -= reroute_penalty_s * reroutes.get(i, 0)
+                n = reroutes.get(i, 0)
                 if outcome == "overall_timeout":
-                    plans.append(ExecPlan(t_end - launch[i], "overall_timeout", 0.0, "excluded"))
+                    plans.append(ExecPlan(t_end - launch[i], "overall_timeout", 0.0, "excluded", n))
                     continue
-                t_as, status = assessed.get(i, (term[i][0], "valid"))
-                plans.append(ExecPlan(t_end - launch[i], outcome, t_as - term[i][0], status))  # type: ignore[arg-type]
+                t_as, status = assessed.get(i, (t_end, "valid"))
+                plans.append(ExecPlan(t_end - launch[i], outcome, t_as - t_end, status, n))  # type: ignore[arg-type]
             self.groups.append(plans)
         if not self.groups:
             raise ValueError(f"trace {path} holds no launched-and-terminated execution to replay")
@@ -129,7 +142,5 @@ class TraceWorkload:
         return plans[index % len(plans)]
 
 
-def make_workload(
-    cfg: WorkloadConfig, seed: int, reroute_penalty_s: float = 0.0
-) -> StatisticalWorkload | TraceWorkload:
-    return TraceWorkload(cfg.trace, reroute_penalty_s) if cfg.trace else StatisticalWorkload(cfg, seed)
+def make_workload(cfg: WorkloadConfig, seed: int) -> StatisticalWorkload | TraceWorkload:
+    return TraceWorkload(cfg.trace) if cfg.trace else StatisticalWorkload(cfg, seed)
