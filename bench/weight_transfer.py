@@ -5,13 +5,20 @@
    which is the whole cost for a model bound to the buffer with `WeightSubscriber.bind`: `mooncake_bound_s`) vs the baseline of
    safetensors written to disk by the publisher and loaded here (what `update_weights_from_disk` costs).
    The baseline's load reads from the page cache (the file was just written), so it flatters the disk path.
-2. Role switches of one cell on the CPU torch engine (`gyre-cell engine serve` subprocess, Qwen3 built offline):
+2. Publication from a core to 2 rollout engines (`publish` section), each a TorchEngine in its own process like a
+   cell worker, on the tiny model and on a ~52M-parameter Qwen3 (`--quick`: ~4M): the core's `WeightPublisher.publish`
+   then both engines `pull_into_engine` concurrently (Mooncake) vs the core's `save_pretrained` then both engines
+   `TorchEngine.update_weights_from_disk` concurrently (disk). Timed until both engines serve the new version; the
+   weights change before every publication (not timed), and every engine's parameters are checked bit-equal to the
+   core's after every publication. Paths alternate ABAB; medians; publish_ratio = disk / mooncake.
+3. Role switches of one cell on the CPU torch engine (`gyre-cell engine serve` subprocess, Qwen3 built offline):
    rollout -> training and training -> rollout with `CellRoleManager` (paper: 8.52 s and 3.46 s at 122B, 4-node cells).
 Each figure is the median of `--repeats` runs.
 
     uv run python bench/weight_transfer.py [--quick]
 
-Last line: one JSON object; ratio = baseline_disk_s / mooncake_s, ratio_bound = baseline_disk_s / mooncake_bound_s.
+Last line: one JSON object; ratio = baseline_disk_s / mooncake_s, ratio_bound = baseline_disk_s / mooncake_bound_s,
+publish_ratio_{tiny,large} = publish disk / publish mooncake (2 engines); `--sections` picks sections.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import shutil
 import socket
 import statistics
 import subprocess
@@ -35,8 +43,8 @@ from safetensors.torch import load_file
 from gyre_cell.client import TorchEngineClient
 from gyre_cell.roles import CellRoleManager, DiskWeights, TorchTrainingState
 from gyre_cell.tiny_model import TinyModelConfig, build_tiny_model
-from gyre_cell.transfer import WeightManifest, WeightSubscriber
-from gyre_cell.transfer.peer import publisher_process
+from gyre_cell.transfer import WeightManifest, WeightPublisher, WeightSubscriber
+from gyre_cell.transfer.peer import PeerProcess, engine_process, params_digest, publisher_process
 
 
 class _Peer:
@@ -107,6 +115,90 @@ def bench_transfer(num_params: int, repeats: int, tmp: Path) -> dict:
     }
 
 
+def bench_publish(label: str, model_cfg: TinyModelConfig, repeats: int, tmp: Path, engines: int = 2) -> dict:
+    """One core, `engines` engine processes; Mooncake pull vs disk per publication, ABAB."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_tiny_model(tmp / f"{label}-init", model_cfg)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    params = sum(p.numel() for p in model.parameters())
+    peers = [PeerProcess(engine_process, str(model_dir), 1, timeout_s=600) for _ in range(engines)]
+    version = 0
+
+    def all_call(*cmd: object) -> list:
+        for p in peers:  # every engine works at once; the publication ends when the last one serves it
+            p.conn.send(cmd)
+        out = []
+        for p in peers:
+            if not p.conn.poll(600):
+                raise TimeoutError(cmd[0])
+            status, value = p.conn.recv()
+            if status != "ok":
+                raise RuntimeError(value)
+            out.append(value)
+        return out
+
+    def change_weights() -> None:  # a new policy before every publication (not timed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1e-3)
+
+    def check(v: int) -> None:
+        want = params_digest(model)
+        assert all_call("version") == [str(v)] * engines, v
+        assert all_call("digest") == [want] * engines, f"engine weights differ from the core's after {v}"
+
+    try:
+        with WeightPublisher(model, version=0) as pub:
+            all_call("subscribe", pub.manifest().model_dump_json())
+
+            def mooncake() -> tuple[float, float]:
+                t0 = time.perf_counter()
+                pub.publish(model, version=version)
+                t1 = time.perf_counter()
+                assert all_call("pull") == [str(version)] * engines
+                return time.perf_counter() - t0, t1 - t0
+
+            def disk() -> tuple[float, float]:
+                out = tmp / f"{label}-v{version}"
+                t0 = time.perf_counter()
+                model.save_pretrained(out)
+                t1 = time.perf_counter()
+                all_call("disk", str(out), version)
+                dt = time.perf_counter() - t0, t1 - t0
+                shutil.rmtree(out)
+                return dt
+
+            runs: dict[str, list[tuple[float, float]]] = {"mooncake": [], "disk": []}
+            for r in range(repeats + 1):  # the first round warms up both paths (connections, allocator)
+                for name, fn in (("mooncake", mooncake), ("disk", disk)):
+                    version += 1
+                    change_weights()
+                    dt = fn()
+                    check(version)
+                    if r:
+                        runs[name].append(dt)
+    finally:
+        for p in peers:
+            p.close()
+    mc = statistics.median(t for t, _ in runs["mooncake"])
+    dk = statistics.median(t for t, _ in runs["disk"])
+    return {
+        "params": params,
+        "bytes": params * 4,
+        "engines": engines,
+        "repeats": repeats,
+        "mooncake_s": round(mc, 4),
+        "mooncake_core_publish_s": round(statistics.median(c for _, c in runs["mooncake"]), 4),
+        "disk_s": round(dk, 4),
+        "disk_save_s": round(statistics.median(c for _, c in runs["disk"]), 4),
+        "ratio": round(dk / mc, 2),
+        "mooncake_runs_s": [round(t, 4) for t, _ in runs["mooncake"]],
+        "disk_runs_s": [round(t, 4) for t, _ in runs["disk"]],
+        "bytes_equal": True,  # check() asserted it after every publication
+    }
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -172,7 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="5M parameters, smallest engine model")
     p.add_argument("--params", type=int, default=None, help="parameters to transfer (default 50M; quick 5M)")
     p.add_argument("--repeats", type=int, default=None, help="runs per figure (default 3; quick 2)")
+    p.add_argument(
+        "--sections",
+        default="transfer,publish,switch",
+        help="comma-separated subset of transfer, publish, switch (default: all)",
+    )
     args = p.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if bad := sections - {"transfer", "publish", "switch"}:
+        p.error(f"unknown sections {sorted(bad)} (transfer, publish, switch)")
     num = args.params or (5_000_000 if args.quick else 50_000_000)
     repeats = args.repeats or (2 if args.quick else 3)
     model_cfg = (
@@ -180,29 +280,61 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick
         else TinyModelConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, head_dim=64)
     )
+    large_cfg = (
+        TinyModelConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, head_dim=64)
+        if args.quick
+        else TinyModelConfig(
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=6,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            head_dim=64,
+        )
+    )
+    result: dict = {"bench": "weight_transfer"}
     with tempfile.TemporaryDirectory(prefix="gyre-bench-wt-") as d:
         tmp = Path(d)
-        transfer = bench_transfer(num, repeats, tmp)
-        print(json.dumps({"transfer": transfer}), flush=True)
-        switch = bench_switch(model_cfg, repeats, tmp)
-        print(json.dumps({"switch": switch}), flush=True)
-    result = {
-        "bench": "weight_transfer",
-        "params": transfer["params"],
-        "bytes": transfer["bytes"],
-        "mooncake_s": round(transfer["mooncake_s"], 4),
-        "mooncake_gib_s": round(transfer["mooncake_gib_s"], 3),
-        "baseline_disk_s": round(transfer["baseline_disk_s"], 4),
-        "mooncake_bound_s": round(transfer["mooncake_read_s"], 4),
-        "ratio": round(transfer["baseline_disk_s"] / transfer["mooncake_s"], 2),
-        "ratio_bound": round(transfer["baseline_disk_s"] / transfer["mooncake_read_s"], 2),
-        "bytes_equal": transfer["bytes_equal"],
-        "to_training_s": round(switch["to_training_s"], 4),
-        "to_rollout_s": round(switch["to_rollout_s"], 4),
-        "switch_model_bytes": switch["switch_model_bytes"],
-        "paper_to_training_s": 8.52,
-        "paper_to_rollout_s": 3.46,
-    }
+        if "transfer" in sections:
+            transfer = bench_transfer(num, repeats, tmp)
+            print(json.dumps({"transfer": transfer}), flush=True)
+            result.update(
+                {
+                    "params": transfer["params"],
+                    "bytes": transfer["bytes"],
+                    "mooncake_s": round(transfer["mooncake_s"], 4),
+                    "mooncake_gib_s": round(transfer["mooncake_gib_s"], 3),
+                    "baseline_disk_s": round(transfer["baseline_disk_s"], 4),
+                    "mooncake_bound_s": round(transfer["mooncake_read_s"], 4),
+                    "ratio": round(transfer["baseline_disk_s"] / transfer["mooncake_s"], 2),
+                    "ratio_bound": round(transfer["baseline_disk_s"] / transfer["mooncake_read_s"], 2),
+                    "bytes_equal": transfer["bytes_equal"],
+                }
+            )
+        if "publish" in sections:
+            publish = {
+                "tiny": bench_publish("tiny", TinyModelConfig(), repeats, tmp),
+                "large": bench_publish("large", large_cfg, repeats, tmp),
+            }
+            print(json.dumps({"publish": publish}), flush=True)
+            result["publish"] = {
+                k: {f: v[f] for f in ("params", "engines", "mooncake_s", "disk_s", "ratio", "bytes_equal")}
+                for k, v in publish.items()
+            }
+            result["publish_ratio_tiny"] = publish["tiny"]["ratio"]
+            result["publish_ratio_large"] = publish["large"]["ratio"]
+        if "switch" in sections:
+            switch = bench_switch(model_cfg, repeats, tmp)
+            print(json.dumps({"switch": switch}), flush=True)
+            result.update(
+                {
+                    "to_training_s": round(switch["to_training_s"], 4),
+                    "to_rollout_s": round(switch["to_rollout_s"], 4),
+                    "switch_model_bytes": switch["switch_model_bytes"],
+                    "paper_to_training_s": 8.52,
+                    "paper_to_rollout_s": 3.46,
+                }
+            )
     print(json.dumps(result))
     return 0
 

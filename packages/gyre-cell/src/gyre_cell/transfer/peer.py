@@ -4,7 +4,8 @@ Start with `multiprocessing.get_context("spawn").Process(target=publisher_proces
 `source` is `{"dir": PATH}` (a Hugging Face checkpoint directory) or `{"random": NUM_PARAMS, "seed": S}`.
 Commands are tuples; every command gets one reply `("ok", value)` or `("error", message)`.
 `snapshot_core_process(conn)` is the same for a `MooncakeSnapshotChannel` core (flat parameters per batch).
-`PeerProcess(target, *args)` starts either and drives it.
+`engine_process(conn, model_dir)` is an in-process TorchEngine taking publications (Mooncake pull or disk).
+`PeerProcess(target, *args)` starts any of them and drives it.
 """
 
 from __future__ import annotations
@@ -195,4 +196,68 @@ def snapshot_core_process(conn: Connection, mooncake_json: str | None = None) ->
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         channel.close()
+        conn.close()
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's bytes in name order (compares weights across processes)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def engine_process(conn: Connection, model_dir: str, cpu_threads: int | None = 1) -> None:
+    """Child-process main: a TorchEngine on `model_dir` (not served over HTTP) that takes weight publications.
+
+    ("subscribe", manifest_json) opens a WeightSubscriber; ("pull",) -> version (`pull_into_engine`);
+    ("disk", path, version) -> version (`TorchEngine.update_weights_from_disk`); ("digest",) -> `params_digest`
+    of the engine's model; ("version",) -> the served weight version; ("close",).
+    """
+    from ..engine import EngineConfig, TorchEngine
+    from .engine_loader import pull_into_engine
+    from .manifest import WeightManifest
+    from .subscriber import WeightSubscriber
+
+    engine = TorchEngine(
+        EngineConfig(model_path=model_dir, device="cpu", cpu_threads=cpu_threads, max_total_tokens=1024)
+    )
+    sub: WeightSubscriber | None = None
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            try:
+                if cmd == "close":
+                    conn.send(("ok", None))
+                    return
+                if cmd == "subscribe":
+                    if sub is not None:
+                        sub.close()
+                    sub = WeightSubscriber(WeightManifest.model_validate_json(args[0]))
+                    value: Any = None
+                elif cmd == "pull":
+                    if sub is None:
+                        raise RuntimeError("no subscriber: send ('subscribe', manifest_json) first")
+                    value = pull_into_engine(engine, sub)
+                elif cmd == "disk":
+                    engine.update_weights_from_disk(
+                        str(args[0]), weight_version=str(args[1]), flush_cache=True
+                    )
+                    value = engine.weight_version
+                elif cmd == "digest":
+                    value = params_digest(engine.model)
+                elif cmd == "version":
+                    value = engine.weight_version
+                else:
+                    raise ValueError(f"unknown command {cmd!r}")
+                conn.send(("ok", value))
+            except Exception as e:
+                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if sub is not None:
+            sub.close()
+        engine.close()
         conn.close()
