@@ -15,6 +15,7 @@ from gyre_cell.transfer import (
 )
 from gyre_cell.transfer.peer import PeerProcess, random_flat, snapshot_core_process
 from gyre_cell.transfer.snapshot_channel import make_ref, parse_ref
+from gyre_train.snapshot import SnapshotChannel, SnapshotError
 
 N = 300_000  # 1.2 MB of float32: many 64 KiB buckets per read
 
@@ -60,6 +61,18 @@ def test_satellite_loads_each_batch_bit_exact_and_a_stale_ref_raises(core: PeerP
         assert sat._subscribers == {}
 
 
+def test_an_open_write_is_a_torn_read_not_a_snapshot(core: PeerProcess) -> None:
+    ref = core.call("publish", 1, N, 11)
+    with MooncakeSnapshotChannel(subscriber=SubscriberConfig(max_attempts=3, retry_backoff_s=0.001)) as sat:
+        assert isinstance(sat, SnapshotChannel)  # gyre-train's protocol (runtime-checkable)
+        core.call("begin_write")
+        with pytest.raises(SnapshotError, match="torn snapshot") as info:
+            sat.load(ref)
+        assert not isinstance(info.value, StaleSnapshotError)
+        core.call("end_write", 1)
+        assert torch.equal(sat.load(ref), random_flat(N, 11))
+
+
 def test_core_side_in_process_and_closed_channel() -> None:
     params = torch.arange(10, dtype=torch.float32)
     with MooncakeSnapshotChannel() as ch:
@@ -69,7 +82,7 @@ def test_core_side_in_process_and_closed_channel() -> None:
         assert torch.equal(got, params) and got.data_ptr() != params.data_ptr()
         ref1 = ch.publish(1, params * 2)
         assert torch.equal(ch.load(ref1), params * 2)
-        with pytest.raises(StaleSnapshotError, match="moved on"):
+        with pytest.raises(SnapshotError, match="moved on"):  # gyre-train's error type
             ch.load(ref)
         with pytest.raises(ValueError, match="changed layout"):
             ch.publish(2, params.double())

@@ -171,7 +171,8 @@ def snapshot_core_process(conn: Connection, mooncake_json: str | None = None) ->
     """Child-process main for a snapshot-channel core; commands until `("close",)`.
 
     ("publish", batch, num_params, seed) -> ref of `random_flat(num_params, seed)` published as `batch`;
-    ("load", ref) -> the flat tensor (the core reading its own ref); ("close",).
+    ("load", ref) -> the flat tensor (the core reading its own ref); ("begin_write",) leaves a write open;
+    ("end_write", batch) closes it; ("close",).
     """
     from .mooncake import MooncakeConfig
     from .snapshot_channel import MooncakeSnapshotChannel
@@ -189,6 +190,14 @@ def snapshot_core_process(conn: Connection, mooncake_json: str | None = None) ->
                     value: Any = channel.publish(int(args[0]), random_flat(int(args[1]), int(args[2])))
                 elif cmd == "load":
                     value = channel.load(str(args[0]))
+                elif (
+                    cmd == "begin_write"
+                ):  # leave a write open (sequence odd), as a core dying mid-publish would
+                    channel._publisher.begin_write()  # type: ignore[union-attr]
+                    value = None
+                elif cmd == "end_write":
+                    channel._publisher.end_write(int(args[0]))  # type: ignore[union-attr]
+                    value = None
                 else:
                     raise ValueError(f"unknown command {cmd!r}")
                 conn.send(("ok", value))

@@ -16,16 +16,18 @@ import threading
 
 import torch
 
+from gyre_train.snapshot import SnapshotError
+
 from ..weight_sync import dtype_name
 from .mooncake import MooncakeConfig
 from .publisher import WeightPublisher
-from .subscriber import SubscriberConfig, TransferError, WeightSubscriber, fetch_manifest
+from .subscriber import SubscriberConfig, TornSnapshotError, TransferError, WeightSubscriber, fetch_manifest
 
 REF_SCHEME = "mooncake+"
 FLAT = "flat"
 
 
-class StaleSnapshotError(RuntimeError):
+class StaleSnapshotError(SnapshotError):
     """The publisher no longer holds the batch a ref names (it has moved on, or never reached it)."""
 
 
@@ -95,8 +97,9 @@ class MooncakeSnapshotChannel:
     def load(self, ref: str) -> torch.Tensor:
         """Satellite: the flat parameters the reference names (a consistent snapshot; raise on a torn or stale read).
 
-        Raises `StaleSnapshotError` if the publisher holds another batch, `TornSnapshotError` if no consistent read
-        succeeds within the subscriber's attempts, `TransferError` if the publisher is unreachable.
+        Raises `StaleSnapshotError` if the publisher holds another batch, `SnapshotError` (gyre-train's, also the base
+        of the former) if no consistent read succeeds within the subscriber's attempts, `TransferError` if the
+        publisher is unreachable.
         """
         url, batch = parse_ref(ref)
         with self._lock:
@@ -113,6 +116,8 @@ class MooncakeSnapshotChannel:
                     self._subscribers[url] = sub
                 try:
                     snap = sub.read()
+                except TornSnapshotError as e:
+                    raise SnapshotError(f"torn snapshot {ref!r}: {e}") from e
                 except TransferError:
                     self._subscribers.pop(url).close()  # publisher gone: a later ref fetches a fresh manifest
                     raise
