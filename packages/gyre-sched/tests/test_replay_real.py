@@ -8,13 +8,14 @@ subtract from each rerouted execution's recorded duration, giving negative durat
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from gyre_sched.config import CostConfig, SimConfig
 from gyre_sched.sim import Simulator
-from gyre_sched.trace import iter_trace
+from gyre_sched.trace import iter_trace, read_trace
 from gyre_sched.workload import ExecPlan, TraceWorkload
 
 REAL = Path(__file__).parent / "data" / "demo_run_trace.jsonl"
@@ -114,3 +115,14 @@ def test_invalid_plans_are_refused_where_they_are_made():
         ExecPlan(-1.0, "completed", 0.0, "valid")
     with pytest.raises(ValueError, match=r"assess_delay_s=-0\.5"):
         ExecPlan(1.0, "completed", -0.5, "valid")
+
+
+def test_cli_simulate_replays_the_real_trace_with_defaults(tmp_path, capsys):
+    from gyre_sched.cli import main
+
+    sets = [f"workload.trace={json.dumps(str(REAL))}", "cluster.nodes=2", "cluster.nodes_per_cell=1",
+            "cluster.slots_per_node=4", "policy.N=4", "policy.B=2", "policy.mu=1", "steps=3"]  # fmt: skip
+    argv = ["simulate", "-", "--out", str(tmp_path), *(x for s in sets for x in ("--set", s))]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert read_trace(tmp_path / "trace.jsonl").steps == 3
+    assert (tmp_path / "roles.png").stat().st_size > 0

@@ -1,4 +1,5 @@
-"""`gyre-sched simulate CONFIG` and `gyre-sched compare CONFIG` (TOML or JSON; `preset = "nl2repo"` as a base)."""
+"""`gyre-sched simulate CONFIG`, `gyre-sched compare CONFIG` (TOML or JSON; `preset = "nl2repo"` as a base) and
+`gyre-sched predict TRACE` (the simulator's prediction of a recorded run, calibrated from its own trace)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    from gyre_sched.replay import predict
+
+    overrides: dict[str, Any] = {}
+    for a in args.set or []:
+        overrides.update(_set({}, a))
+    pred = predict(args.trace, overrides=overrides or None)
+    print(pred.model_dump_json(exclude=set() if args.full else {"sim_config"}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gyre-sched", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -127,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--out", help="output directory (default sched-out/NAME)")
         p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
         p.set_defaults(fn=fn)
+    p = sub.add_parser(
+        "predict",
+        help="predict a recorded run's wall time: costs calibrated from its trace, same policy (one JSON line)",
+    )
+    p.add_argument("trace", help="trace.jsonl of a real or simulated run")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="PARAM=VALUE",
+        help="policy parameter the header lacks or to change, e.g. tau_s=1.0 (repeatable)",
+    )
+    p.add_argument("--full", action="store_true", help="include the simulator config it ran")
+    p.set_defaults(fn=cmd_predict)
     return ap
 
 

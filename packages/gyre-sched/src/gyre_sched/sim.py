@@ -37,7 +37,7 @@ from gyre_sched.events import (
 )
 from gyre_sched.policies import make_policy
 from gyre_sched.policy import PolicyCore
-from gyre_sched.trace import TraceWriter
+from gyre_sched.trace import TraceWriter, policy_header
 from gyre_sched.types import CellRole
 from gyre_sched.workload import ExecPlan, make_workload
 
@@ -58,11 +58,12 @@ class SimResult:
     events: int
     wall_s: float
     samples: list[tuple[float, int, int, int]] = field(default_factory=list, repr=False)
+    step_end_s: list[float] = field(default_factory=list, repr=False)
+    """Simulated time at which each optimizer step ended."""
 
     def summary(self) -> dict[str, Any]:
-        return {
-            k: v for k, v in self.__dict__.items() if k not in ("staleness", "staleness_refill", "samples")
-        }
+        skip = ("staleness", "staleness_refill", "samples", "step_end_s")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
 
 @dataclass
@@ -108,17 +109,15 @@ class Simulator:
         self._batch: _Batch | None = None
         self._tick_at: float | None = None
         self._steps = 0
+        self._step_ends: list[float] = []
         self._events = 0
         self._role_since = [0.0] * self.params.K
         self._role_time = {r.value: 0.0 for r in CellRole}
         self._ms_s = cfg.cell_train_s_per_group() / cfg.cost.microsteps_per_group
 
     def header(self) -> dict[str, Any]:
-        p = self.params
         return {
-            "K": p.K, "C_e": p.C_e, "C_s": p.C_s, "N": p.N, "B": p.B, "phi": p.phi, "mu": p.mu,
-            "N_d": p.N_d, "policy": p.kind, "streaming": p.streaming, "dispatch": p.dispatch,
-            "rho_min": p.rho_min, "tau_s": p.tau_s, "seed": self.cfg.seed, "source": "gyre-sched simulator",
+            **policy_header(self.params), "seed": self.cfg.seed, "source": "gyre-sched simulator",
             "initial_roles": [r.value for r in self.policy.roles],
         }  # fmt: skip
 
@@ -178,6 +177,7 @@ class Simulator:
                     self._batch = _Batch(v, final=self.policy.step_in_burst == self.params.mu - 1)
                 case StepRecorded(v, _, _):
                     self._steps = v
+                    self._step_ends.append(self.now)
                 case _:
                     pass
 
@@ -320,6 +320,7 @@ class Simulator:
             events=self._events,
             wall_s=wall_s,
             samples=self.samples,
+            step_end_s=list(self._step_ends),
         )
 
 
