@@ -11,7 +11,7 @@ What is measured, from which events (every cost the trace has no sample of is 0 
   a micro-step (the median of those after a cell's first claim of a batch); a cell's first gap minus that is the
   pipeline start-up; ``step_end`` minus the batch's last claim, less its micro-step, is the drain + optimizer tail
   (+ broadcast, separated when both non-final multi-cell steps and other steps exist). Micro-steps per group =
-  claims / groups. When no cell claims twice in a batch, the claims carry no duration: each batch's span (from
+  claims / groups (rounded for the simulator, the work per group kept exact). When no cell claims twice in a batch, the claims carry no duration: each batch's span (from
   ``batch_open``, or the readiness of its last group if later, to ``step_end``) is taken as one cell training its
   groups back to back (cell-seconds per group = span / groups, no start-up or tail);
 - switches: ``transition_begin`` -> ``transition_end`` per cell: cell 0 to training = ``switch_to_training_s``,
@@ -171,7 +171,7 @@ def calibrate(lines: list[dict[str, Any]]) -> tuple[dict[str, Measured], list[st
         elif cur is not None and ev == "microstep_claim":
             cur["claims"].append((x["t"], int(x["cell"])))
         elif cur is not None and ev == "step_end":
-            cur["end"] = x["t"]
+            cur["end"], cur["version"] = x["t"], int(x["version"])
             cur["n_groups"] = len(x["groups"])
             cur["groups"] = cur["groups"] or list(x["groups"])
             batches.append(cur)
@@ -195,14 +195,16 @@ def calibrate(lines: list[dict[str, Any]]) -> tuple[dict[str, Measured], list[st
     if rests or firsts:  # real claims: durations from the gaps between a cell's claims
         ms = statistics.median(rests) if rests else statistics.median(firsts)
         startup = max(0.0, statistics.median(firsts) - ms) if rests and firsts else 0.0
-        per_group = max(1.0, claims_total / max(1, groups_total))
+        per_group = claims_total / max(1, groups_total)
+        mu = int(lines[0].get("mu", 1)) if lines and lines[0].get("ev") == "header" else 1
         for b, by_cell in zip(batches, per_cell_batches, strict=True):
             if not b["claims"]:
                 continue
             t_last, cell = max(b["claims"])
             first_of_cell = len(by_cell[cell]) == 1
             tail = b["end"] - t_last - ms - (startup if first_of_cell else 0.0)
-            tails.append((max(0.0, tail), len(by_cell) > 1))
+            broadcast = len(by_cell) > 1 and b["version"] % mu != 0  # a non-final step with satellites
+            tails.append((max(0.0, tail), broadcast))
         n = len(rests) or len(firsts)
         measured["train_s_per_microstep"] = Measured(
             value=ms, samples=n, source="microstep_claim gaps of one cell in one batch (median)"
@@ -223,7 +225,7 @@ def calibrate(lines: list[dict[str, Any]]) -> tuple[dict[str, Measured], list[st
                 measured["broadcast_s"] = Measured(
                     value=_mean(multi) - _mean(single),
                     samples=len(multi),
-                    source="step_end tail of multi-cell steps minus that of single-cell ones (mean)",
+                    source="step_end tail of non-final multi-cell steps minus that of the others (mean)",
                 )
                 tail_v = _mean(single)
             else:
@@ -234,7 +236,7 @@ def calibrate(lines: list[dict[str, Any]]) -> tuple[dict[str, Measured], list[st
                 source="step_end minus the batch's last claim, less its micro-step (drain + optimizer, mean)",
             )
         cost["microsteps_per_group"] = max(1, round(per_group))
-        cost["train_node_s_per_group"] = ms * per_group
+        cost["train_node_s_per_group"] = ms * per_group  # the work per group, whatever the rounding above
     elif batches:  # claims without durations: one cell trained each batch's groups back to back
         spans, n_groups = [], 0
         for b in batches:
