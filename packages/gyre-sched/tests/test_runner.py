@@ -322,3 +322,22 @@ def test_export_returns_the_parquet_path_not_trajectories(tmp_path, proxy):
     assert path.read_bytes().startswith(b"PAR1")
     export = next(x for x in proxy.log if x[0] == "export")
     assert export[2] == {"j_max": 5, "seed": 7, "path": str(path)}
+
+
+def test_cancel_all_ends_every_running_execution(tmp_path, proxy):
+    async def main():
+        runner = make_runner(tmp_path, proxy)
+        try:
+            jobs = [
+                asyncio.create_task(runner.run(e, "g", "http://engine-0", "spawn-hang")) for e in ("a", "b")
+            ]
+            hellos = [await proxy.hello(e) for e in ("a", "b")]
+            runner.cancel_all()
+            return [await j for j in jobs], hellos
+        finally:
+            await runner.aclose()
+
+    done, hellos = asyncio.run(main())
+    assert [f.outcome for f in done] == ["cancelled", "cancelled"]
+    assert proxy.ends("a") == proxy.ends("b") == 1
+    assert all(wait_dead(h["child"]) for h in hellos)
