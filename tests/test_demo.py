@@ -15,19 +15,22 @@ from gyre_sched.trace import read_trace
 
 
 def test_config_prints_resolved_defaults(capsys):
-    assert main(["config", "--set", "algorithm.steps=7"]) == 0
+    assert main(["config", "--set", "train.steps=7"]) == 0
     cfg = json.loads(capsys.readouterr().out)
-    assert cfg["algorithm"]["steps"] == 7
+    assert cfg["train"]["steps"] == 7
     assert cfg["cluster"]["cells"] == 2
+    assert cfg["scheduler"]["kind"] == "elastic" and cfg["train"]["loss"]["weight_cap"] == 5.0
 
 
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
-        ("algorithm.phi=0.25", "phi * B must be a whole number"),
-        ("cluster.policy=fastest", "cluster.policy"),
-        ("algorithm.bogus=1", "algorithm.bogus"),
+        ("scheduler.phi=0.25", "phi * B must be a non-negative whole number"),
+        ("scheduler.kind=fastest", "scheduler.kind"),
+        ("train.bogus=1", "train.bogus"),
         ("nonsense", "expected key=value"),
+        ("scheduler.kind=colocate", "colocate with phi > 0 needs a standalone pool"),
+        ("cluster.standalone_engines=1", "cluster.standalone_capacity"),
     ],
 )
 def test_bad_config_is_a_clear_cli_error(override, needle, capsys):
@@ -48,7 +51,7 @@ def test_demo_runs_the_whole_loop(tmp_path):
     assert summary["steps"] == 2
 
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["algorithm"]["steps"] == 2 and config["run_dir"] == str(run_dir)
+    assert config["train"]["steps"] == 2 and config["run_dir"] == str(run_dir)
 
     # Counters, steps and staleness recomputed from the trace alone.
     trace = read_trace(run_dir / "trace.jsonl")
@@ -85,7 +88,7 @@ def test_demo_runs_the_whole_loop(tmp_path):
     steps = [json.loads(line) for line in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()]
     assert [s["policy_version"] for s in steps] == [1, 2]
     assert all(s["num_target_tokens"] > 0 and s["num_executions"] == 8 for s in steps)
-    assert (run_dir / "checkpoints" / "policy-v1" / "config.json").exists()
+    assert (run_dir / "checkpoints" / "policy-v2" / "config.json").exists()  # the final version, saved
 
     # Role switches went through gyre-cell's role manager (pause, flush, release / offload, resume, load, continue).
     switches = [

@@ -1,17 +1,23 @@
 """`gyre` command line: the main job and its helpers.
 
-- `gyre demo [--config FILE] [--run-dir DIR] [--steps N] [--set key=value ...]`: the whole loop on this machine
-  (embedded default: tiny model, CPU engines, proxy, built-in agent, evaluator, trainer). Prints progress and, as its
-  last line, a JSON summary.
+- `gyre run CONFIG [--run-dir DIR] [--steps N] [--set key=value ...]`: a run from a TOML/JSON config (the production
+  entry point): cell worker processes, standalone engines, proxy, evaluator, controller.
+- `gyre demo [--config FILE] [...]`: the `demo` preset of `gyre run` on this machine (tiny model, CPU cells); same
+  code path. Prints progress and, as its last line, a JSON summary.
 - `gyre config [--config FILE] [--set key=value ...]`: print the resolved config without running anything.
 - `gyre report RUN`: rebuild RUN/report.html from the run directory.
+
+SIGINT or SIGTERM stops a run: every child process is ended, one line says what was interrupted, the exit status is
+128 + the signal number.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -25,7 +31,7 @@ def _overrides(pairs: list[str]) -> dict:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--set {pair!r}: expected key=value, e.g. algorithm.steps=2")
+            raise ConfigError(f"--set {pair!r}: expected key=value, e.g. train.steps=2")
         try:
             out[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -38,29 +44,75 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
     if getattr(args, "run_dir", None):
         overrides["run_dir"] = args.run_dir
     if getattr(args, "steps", None) is not None:
-        overrides["algorithm.steps"] = args.steps
+        overrides["train.steps"] = args.steps
     return load_config(args.config, overrides)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gyre", description="Gyre: elastic RL for long-horizon LLM agents.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (
-        ("demo", "run the whole loop on this machine"),
+        ("run", "a run from a config file (cells as processes, every scheduler policy)"),
+        ("demo", "the demo preset of `gyre run`: the whole loop on this machine"),
         ("config", "print the resolved config"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--config", type=Path, default=None, help="TOML or JSON config file")
+        if name == "run":
+            p.add_argument("config", type=Path, help="TOML or JSON config file")
+        else:
+            p.add_argument("--config", type=Path, default=None, help="TOML or JSON config file")
         p.add_argument(
             "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
         )
-        if name == "demo":
+        if name != "config":
             p.add_argument("--run-dir", default=None, help="run directory (default runs/<UTC timestamp>)")
             p.add_argument("--steps", type=int, default=None, help="optimizer steps to run")
     r = sub.add_parser("report", help="rebuild RUN/report.html")
     r.add_argument("run_dir", type=Path)
-    args = parser.parse_args(argv)
+    return parser
 
+
+async def _run_until_signal(cfg: RunConfig, command: str) -> int:
+    from gyre.pipeline import RunDirError, run
+    from gyre.services import LocalServices
+
+    services = LocalServices(Path("."))
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    caught: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if not caught:
+            caught.append(signum)
+            main.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        summary = await run(cfg, services)
+    except asyncio.CancelledError:
+        if not caught:
+            raise
+        services.stop()  # idempotent: run()'s finally blocks already ended what they reached
+        name = signal.Signals(caught[0]).name
+        steps = services.run_dir / "metrics" / "steps.jsonl"
+        done = len(steps.read_text().splitlines()) if steps.exists() else 0
+        print(f"gyre {command}: interrupted by {name} after {done}/{cfg.train.steps} steps; every process stopped; "
+              f"run directory {services.run_dir}", file=sys.stderr)  # fmt: skip
+        return 128 + caught[0]
+    except RunDirError as exc:
+        print(f"gyre {command}: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a part failed: one clear line, the details are in the run's logs
+        logging.getLogger("gyre").debug("run failed", exc_info=True)
+        print(f"gyre {command}: run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(
         logging.WARNING
@@ -81,15 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(json.dumps(cfg.model_dump(mode="json"), indent=2))
         return 0
-    from gyre.pipeline import RunDirError, run_local_sync
-
-    try:
-        summary = run_local_sync(cfg)
-    except RunDirError as exc:
-        print(f"gyre demo: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary))
-    return 0
+    return asyncio.run(_run_until_signal(cfg, args.command))
 
 
 if __name__ == "__main__":

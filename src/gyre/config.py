@@ -1,7 +1,9 @@
 """The resolved configuration of a Gyre run: one typed tree, loaded from TOML/JSON, written first to RUN/config.json.
 
-Nothing is derived silently: values that depend on others (for example the scheduler's queue depth) are computed by
-the components from these fields and logged in the trace header, never written back into the config.
+Each section that a package owns is that package's own config model, embedded as is: `[scheduler]` is gyre-sched's
+`PolicyConfig`, `[train.loss]` gyre-train's `LossConfig`, `[weights.mooncake]` gyre-cell's `MooncakeConfig`. The
+assembly reads them and hands them on; it hard-codes none of their values. Invalid combinations (for example
+Colocate with phi > 0 and no standalone pool) are refused here, naming the fields.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gyre_cell.transfer.mooncake import MooncakeConfig
+from gyre_sched.config import PolicyConfig, PolicyParams
+from gyre_train.loss import LossConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config"]
 
@@ -29,38 +35,61 @@ class ModelConfig(_Section):
 
 class ClusterConfig(_Section):
     cells: int = Field(2, ge=1)
-    """K: elastic cells; cell 0 is the core (optimizer owner). On CPU each cell is one engine process."""
+    """K: elastic cells; cell 0 is the core (optimizer owner). Each cell is one worker process (engine + trainer)."""
     executions_per_cell: int = Field(4, ge=1)
     """C_e: concurrent executions one cell serves in rollout."""
-    policy: Literal["elastic", "async", "colocate"] = "elastic"
-    """Scheduling policy (DESIGN §5.2)."""
-
-
-class AlgorithmConfig(_Section):
-    group_size: int = Field(4, ge=2)
-    """N: executions per rollout group."""
-    batch_groups: int = Field(2, ge=1)
-    """B: groups per optimizer step."""
-    phi: float = Field(0.5, ge=0)
-    """Extra dispatch in units of B groups (phi * B must be whole)."""
-    mu: int = Field(1, ge=1)
-    """Optimizer steps per burst (between weight publications)."""
-    steps: int = Field(3, ge=1)
-    """Optimizer steps to run."""
-    j_max: int = Field(5, ge=1)
-    """Trajectories admitted per execution (DESIGN §4.3)."""
-    lr: float = Field(3e-3, gt=0)
-    """Adam learning rate (the tiny demo model learns visibly at this rate; the paper uses 1e-6)."""
-    seed: int = 0
-    """Seeds selection, sampling order and the tiny model."""
+    standalone_engines: int = Field(0, ge=0)
+    """Rollout-only engine processes (the standalone pool); they never train."""
+    standalone_capacity: int = Field(0, ge=0)
+    """C_s: concurrent executions the whole standalone pool serves (0 with no pool)."""
+    cpu_threads_per_cell: int = Field(1, ge=1)
+    """torch intra-op threads of each cell process (1 is fastest for tiny models on a shared CPU)."""
 
     @model_validator(mode="after")
-    def _phi_b_whole(self) -> AlgorithmConfig:
-        if abs(self.phi * self.batch_groups - round(self.phi * self.batch_groups)) > 1e-9:
+    def _pool(self) -> ClusterConfig:
+        if (self.standalone_engines == 0) != (self.standalone_capacity == 0):
             raise ValueError(
-                f"phi * B must be a whole number of groups (phi={self.phi}, B={self.batch_groups})"
+                "cluster.standalone_engines and cluster.standalone_capacity must both be 0 or both be > 0 "
+                f"(got {self.standalone_engines} and {self.standalone_capacity})"
             )
         return self
+
+
+class TrainConfig(_Section):
+    steps: int = Field(3, ge=1)
+    """Optimizer steps to run."""
+    lr: float = Field(3e-3, gt=0)
+    """Adam learning rate (the paper uses 1e-6 at 122B; the tiny demo model needs far more)."""
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    """Training parameter dtype (float64 for exactness checks)."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Global gradient-norm clip, once per step."""
+    tokens_per_shard: int = Field(256, ge=8)
+    """Token budget of one micro-step: a batch spans several micro-steps, which cells claim."""
+    j_max: int = Field(5, ge=1)
+    """Trajectories admitted per execution (DESIGN §4.3)."""
+    advantage: Literal["grpo", "mean"] = "grpo"
+    """Group-relative advantage: (r - mean) / (std + 1e-6) with the population std, or r - mean."""
+    seed: int = 0
+    """Seeds selection, sampling and the tiny model."""
+    claim_timeout_s: float = Field(300.0, gt=0)
+    """A satellite holding one micro-step longer than this is dropped and its work requeued."""
+    dump_batches: list[int] = []
+    """Batches whose micro-steps, weights and summed gradients are written to RUN/metrics/batches (checks)."""
+    loss: LossConfig = LossConfig()
+    """The GSPO objective; the loss and its metrics read this one config."""
+    hold_core_for_join: int | None = None
+    """Test gate: before its second micro-step of a batch the core waits (at most 30 s) for this satellite to
+    join, until it has joined once; makes a mid-batch join certain in short runs."""
+
+
+class WeightsConfig(_Section):
+    transport: Literal["mooncake", "disk"] = "mooncake"
+    """Publication: engines pull the core's weights over Mooncake, or load a checkpoint the core writes."""
+    snapshot: Literal["mooncake", "file"] = "mooncake"
+    """How joining satellites pull the core's weight snapshot."""
+    mooncake: MooncakeConfig = MooncakeConfig()
+    """Transfer engine settings: TCP on loopback here; protocol = "rdma" (+ device_name) on GPU clusters."""
 
 
 class AgentConfig(_Section):
@@ -74,13 +103,37 @@ class AgentConfig(_Section):
     """From launch, execution plus evaluation retries; exhausted without a score = excluded."""
 
 
+DEMO_SCHEDULER = PolicyConfig(
+    kind="elastic", N=4, B=2, phi=0.5, mu=1, rho_min=0.5, tau_s=1.0, async_train_cells=1
+)
+"""The demo's scheduler: small groups and batches so a CPU machine finishes steps in seconds."""
+
+
 class RunConfig(_Section):
     run_dir: str | None = None
     """None: runs/<UTC timestamp>. Where config.json, trace.jsonl, records/, assessments.sqlite, trajectories/, checkpoints/, report.html go."""
     model: ModelConfig = ModelConfig()
     cluster: ClusterConfig = ClusterConfig()
-    algorithm: AlgorithmConfig = AlgorithmConfig()
+    scheduler: PolicyConfig = DEMO_SCHEDULER
+    """gyre-sched's policy config: kind (elastic/async/colocate), N, B, phi, mu, rho_min, tau_s, k_spare, dispatch..."""
+    train: TrainConfig = TrainConfig()
+    weights: WeightsConfig = WeightsConfig()
     agent: AgentConfig = AgentConfig()
+
+    @model_validator(mode="after")
+    def _policy_valid(self) -> RunConfig:
+        try:
+            self.policy_params()
+        except ValueError as exc:
+            raise ValueError(f"[scheduler]/[cluster]: {exc}") from None
+        return self
+
+    def policy_params(self) -> PolicyParams:
+        """The scheduler policy's parameters: gyre-sched's config plus the cluster's shape and the task budgets."""
+        return self.scheduler.params(
+            K=self.cluster.cells, C_e=self.cluster.executions_per_cell, C_s=self.cluster.standalone_capacity,
+            harness_timeout_s=self.agent.harness_timeout_s, overall_budget_s=self.agent.overall_budget_s,
+        )  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -88,11 +141,16 @@ class ConfigError(ValueError):
 
 
 def load_config(path: Path | None, overrides: dict | None = None) -> RunConfig:
-    data: dict = {}
+    """Read `path` (TOML/JSON) over the demo preset (the defaults), apply `--set` overrides, validate.
+
+    A partial section overrides the preset field by field: `[scheduler] kind = "async"` keeps the preset's N and
+    B, it does not fall back to the scheduler package's own paper-scale defaults.
+    """
+    data: dict = RunConfig().model_dump(mode="json")
     if path is not None:
         try:
             text = path.read_text()
-            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+            _merge(data, tomllib.loads(text) if path.suffix == ".toml" else json.loads(text))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{path}: {exc}") from exc
     for dotted, value in (overrides or {}).items():
@@ -100,10 +158,23 @@ def load_config(path: Path | None, overrides: dict | None = None) -> RunConfig:
         *parents, leaf = dotted.split(".")
         for part in parents:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {dotted}: {part} is not a section")
         node[leaf] = value
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
         where = f"{path}: " if path else ""
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()
+        )
         raise ConfigError(f"{where}{problems}") from exc
+
+
+def _merge(into: dict, new: dict) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value

@@ -1,11 +1,13 @@
-"""The controller of a real run: it owns the scheduler policy and turns its decisions into actions on real parts.
+"""The controller of a real run: it owns the scheduler policy and turns its decisions into actions on real processes.
 
-`gyre_sched`'s policy is a pure state machine (`decisions = policy.handle(event, now)`); this class is its caller in
-a real run, as the simulator is in a simulated one. It reports what happened (executions launched and terminated,
-assessments, groups assigned, steps, transitions, publications) and carries out what the policy decides:
-launch a harness through the runner, cancel it, reroute an execution's model calls at the proxy, switch a cell's
-engine out of or back into rollout, run an optimizer step, publish weights to the engines. Every event and decision
-is appended to RUN/trace.jsonl with gyre_sched's trace writer, so the run can be replayed in the simulator.
+`gyre_sched`'s policy is a pure state machine (`decisions = policy.handle(event, now)`); this class is its caller in a
+real run, as the simulator is in a simulated one. It reports what happened and carries out what the policy decides:
+launch a harness through the runner, cancel it, reroute an execution's model calls at the proxy, switch a cell worker
+between rollout and training, open a batch on the core, publish weights from the core to every rollout engine.
+
+What training does comes back from the cells as it happens: the core's event stream reports each group the stream
+packing buffer takes into the open batch (`GroupAssigned`), every micro-step a cell claims (`MicrostepClaimed`) and
+each finished optimizer step (`StepDone`). Each event and decision is appended to RUN/trace.jsonl when it is handled.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import orjson
 
 from gyre.config import RunConfig
 from gyre.tasks import Query
-from gyre.training import LocalTraining
-from gyre_cell.client import RolloutEngine
-from gyre_cell.roles import CellRoleManager, DiskWeights, RoleSwitchError
+from gyre_cell.worker_client import CellCommandError, CellWorkerClient
+from gyre_cell.worker_types import PublishedWeights
+from gyre_eval.groups import group_advantages
 from gyre_eval.service import AssessmentService
 from gyre_eval.types import Submission
 from gyre_sched import events as ev
@@ -31,60 +33,102 @@ from gyre_sched.policy import STANDALONE, PolicyCore
 from gyre_sched.runner import ExecutionRunner
 from gyre_sched.trace import TraceWriter
 from gyre_sched.types import CellRole
-from gyre_tito.types import Trajectory
+from gyre_train.types import ReadyGroupMessage
 
 log = logging.getLogger("gyre")
 
-__all__ = ["Controller"]
+__all__ = ["Controller", "RunFailed"]
+
+
+class RunFailed(RuntimeError):
+    """A part of the run failed; the message names it."""
 
 
 class Controller:
     def __init__(self, cfg: RunConfig, run_dir: Path, policy: PolicyCore, trace: TraceWriter,
-                 runner: ExecutionRunner, engines: list[RolloutEngine], cells: list[CellRoleManager],
-                 training: LocalTraining, assessments: AssessmentService, queries: list[Query]) -> None:  # fmt: skip
+                 runner: ExecutionRunner, cells: list[CellWorkerClient], standalone: list[CellWorkerClient],
+                 assessments: AssessmentService, queries: list[Query], published: PublishedWeights) -> None:  # fmt: skip
         self.cfg, self.run_dir, self.policy, self.trace = cfg, run_dir, policy, trace
-        self.runner, self.engines, self.training, self.assessments = runner, engines, training, assessments
-        self.cells = cells
+        self.runner, self.cells, self.standalone, self.assessments = runner, cells, standalone, assessments
         self.queries = queries
+        self.published = published
         self.events: asyncio.Queue[ev.Event | BaseException] = asyncio.Queue()
         self.t0 = time.monotonic()
         self.groups: dict[str, tuple[Query, int]] = {}  # group -> (query, v_d)
-        self.rewards: dict[str, dict[str, float]] = {}  # group -> execution -> reward
-        self.published = (str(training.model_dir), 0)  # (checkpoint engines load, its policy version)
+        self.rewards: dict[str, float] = {}  # execution -> reward (valid or no_work)
+        self.trajectories: dict[str, str | None] = {}  # execution -> Parquet file (None: no_work placeholder)
         self.tasks: set[asyncio.Task] = set()
         self.step_reports: list[dict] = []
+        self._standalone_rr = 0
+        self.steps_done = 0
+        self.target_steps = 0
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def now(self) -> float:
         return time.monotonic() - self.t0
 
     async def run(self, steps: int, idle_timeout_s: float = 900.0) -> list[dict]:
+        self.target_steps = steps
+        for i, cell in enumerate(self.cells):
+            self._spawn(self._pump_cell_events(i, cell))
         self._apply(0.0, self.policy.start(0.0))
-        done, last_progress = 0, 0.0
-        while done < steps:
-            wake = self.policy.next_wakeup()
-            timeout = idle_timeout_s if wake is None else max(0.0, wake - self.now())
-            try:
-                item = await asyncio.wait_for(self.events.get(), timeout=timeout)
-            except TimeoutError as exc:
-                if wake is None:
-                    raise RuntimeError(
-                        f"no progress for {idle_timeout_s:.0f} s; see {self.run_dir}/trace.jsonl"
-                    ) from exc
-                item = ev.Tick()
-            if isinstance(item, BaseException):
-                raise item
+        last_progress = 0.0
+        while self.steps_done < steps:
+            item = await self._next_event(idle_timeout_s)
             t = self.now()
-            self.trace.event(t, item, version=self.policy.version)
-            self._apply(t, self.policy.handle(item, t))
-            done += isinstance(item, ev.StepDone)  # counted once the policy (and the trace) recorded the step
+            self._handle(t, item)
             if t - last_progress >= 10.0:
                 last_progress = t
-                led = self.policy.ledger
-                roles = "".join(r.value[0].upper() if "_" not in r.value else "~" for r in self.policy.roles)
-                log.info("t=%.0fs steps %d/%d, executions running %d, queued %d, done %d; cells [%s]",
-                         t, done, steps, led.running, led.queued, led.f, roles)  # fmt: skip
+                self._progress_line(t, self.steps_done, steps)
         return self.step_reports
+
+    async def _next_event(self, idle_timeout_s: float) -> ev.Event:
+        wake = self.policy.next_wakeup()
+        timeout = idle_timeout_s if wake is None else max(0.0, wake - self.now())
+        try:
+            item = await asyncio.wait_for(self.events.get(), timeout=timeout)
+        except TimeoutError as exc:
+            if wake is None:
+                raise RunFailed(
+                    f"no progress for {idle_timeout_s:.0f} s; see {self.run_dir}/trace.jsonl"
+                ) from exc
+            return ev.Tick()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _handle(self, t: float, item: ev.Event) -> None:
+        if not isinstance(item, ev.MicrostepClaimed):  # claims are traced with their micro-step by the pump
+            self.trace.event(t, item, version=self.policy.version)
+        self.steps_done += isinstance(item, ev.StepDone)
+        decisions = self.policy.handle(item, t)
+        self._apply(t, decisions)
+        if isinstance(item, ev.TransitionDone):
+            self._after_transition(item.cell, decisions)
+
+    def scheduler_state(self) -> dict:
+        """The policy's own counters and staleness (the trace must recompute the same)."""
+        led = self.policy.ledger
+        return {"d": led.d, "p": led.p, "f": led.f, "x": led.x, "version": self.policy.version,
+                "staleness": list(self.policy.staleness), "dropped": led.dropped,
+                "cancelled_surplus": led.cancelled_surplus, "withdrawn_surplus": led.withdrawn_surplus,
+                "claims_while_running": self.policy.claims_while_running}  # fmt: skip
+
+    def _progress_line(self, t: float, done: int, steps: int) -> None:
+        led = self.policy.ledger
+        roles = "".join(r.value[0].upper() if "_" not in r.value else "~" for r in self.policy.roles)
+        log.info("t=%.0fs steps %d/%d, executions running %d, queued %d, done %d; cells [%s]",
+                 t, done, steps, led.running, led.queued, led.f, roles)  # fmt: skip
+
+    async def finish(self) -> PublishedWeights:
+        """After the last step: let a publication in flight end, publish the final version, save it."""
+        while self.policy.publishing:
+            t = self.now()
+            self._handle(t, await self._next_event(900.0))
+        version = self.policy.version
+        if self.published.version < version:
+            await self._publish_to_engines(version)
+        return await self.cells[0].save(version)
 
     async def shutdown(self) -> None:
         self.runner.cancel_all()
@@ -92,7 +136,7 @@ class Controller:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task:
         async def guarded() -> None:
             try:
                 await coro
@@ -109,6 +153,7 @@ class Controller:
         task = asyncio.create_task(guarded())
         self.tasks.add(task)
         task.add_done_callback(finished)
+        return task
 
     def _apply(self, t: float, decisions: list[ev.Decision]) -> None:
         self.trace.decisions(t, decisions)
@@ -129,69 +174,129 @@ class Controller:
                     self._spawn(self._transition(cell, dst, moved))
                 case ev.Publish(version):
                     self._spawn(self._publish(version))
-                case ev.OpenBatch(version):
-                    self._spawn(self._train(version))
-                case ev.GroupDropped(gid):
-                    self.training.drop_group(gid)
+                case ev.OpenBatch(version) if (
+                    self.steps_done < self.target_steps
+                ):  # none after the run's last step
+                    final = self.policy.step_in_burst == self.policy.params.mu - 1
+                    self._spawn(self.cells[0].open_batch(version, final))
+                case ev.GroupReady(gid):
+                    self._spawn(self._send_group(gid))
                 case _:
                     pass
 
     def _url(self, engine: str) -> str:
         if engine == STANDALONE:
-            raise RuntimeError("the local run has no standalone pool")
-        return self.engines[int(engine.split(":")[1])].base_url
+            if not self.standalone:
+                raise RunFailed(
+                    "the policy routed to a standalone pool, but the run has no standalone engines"
+                )
+            self._standalone_rr += 1
+            return self.standalone[self._standalone_rr % len(self.standalone)].base_url
+        return self.cells[int(engine.split(":")[1])].base_url
 
     # ---- executions -------------------------------------------------------------------------------------------
     async def _execute(self, eid: str, gid: str, index: int, engine: str) -> None:
-        query, v_d = self.groups[gid]
+        query, _v_d = self.groups[gid]
         self.events.put_nowait(ev.Launched(eid))
         done = await self.runner.run(eid, gid, self._url(engine), query.prompt)
         self.events.put_nowait(ev.Terminated(eid, done.outcome))
-        algo, agent = self.cfg.algorithm, self.cfg.agent
-        trajectories = [
-            Trajectory.model_validate(t) for t in await self.runner.export(eid, algo.j_max, algo.seed)
-        ]
+        if done.outcome == "cancelled":
+            return  # a cancelled execution (surplus or dropped group) is not assessed
+        path = await self.runner.export(eid, self.cfg.train.j_max, self.cfg.train.seed)
+        agent = self.cfg.agent
         submission = Submission(
-            execution_id=eid, group_id=gid, group_size=algo.group_size, dispatch_index=index,
+            execution_id=eid, group_id=gid, group_size=self.cfg.scheduler.N, dispatch_index=index,
             artifact_ref=str(done.workspace), evaluator=f"task-{query.query_id}", launched_at=done.launched_at,
             budget_s=agent.overall_budget_s, outcome=done.outcome, task={"prompt": query.prompt},
         )  # fmt: skip
-        if done.outcome == "cancelled":
-            return  # a cancelled execution (surplus or dropped group) is not assessed
         assessment, _ = self.assessments.submit(submission)
         assessment = await self.assessments.wait(assessment.id)
         status = {"valid": "valid", "no_work": "no_work"}.get(assessment.status, "excluded")
-        self.events.put_nowait(ev.Assessed(eid, status))  # before the buffer sees it: see _train
-        if status == "excluded":
-            return
-        reward = float(assessment.score or 0.0)
-        self.rewards.setdefault(gid, {})[eid] = reward
-        self.training.add_execution(gid, v_d, eid, reward, trajectories if status == "valid" else [])
+        if status != "excluded":  # recorded before the policy hears of it: a GroupReady may follow at once
+            self.rewards[eid] = float(assessment.score or 0.0)
+            self.trajectories[eid] = str(path) if status == "valid" else None
+        self.events.put_nowait(ev.Assessed(eid, status))
 
-    # ---- cells ------------------------------------------------------------------------------------------------
+    async def _send_group(self, gid: str) -> None:
+        """The ledger's N counted members (dispatch-index order), advantages computed here once, to the core."""
+        members = self.policy.ledger.members(gid)
+        rewards = [self.rewards[eid] for eid in members]
+        advantages = group_advantages(rewards, self.cfg.train.advantage)
+        executions = [
+            {"execution_id": eid, "reward": r, "advantage": a, "trajectories_path": self.trajectories[eid],
+             "placeholder": self.trajectories[eid] is None}
+            for eid, r, a in zip(members, rewards, advantages, strict=True)
+        ]  # fmt: skip
+        _, v_d = self.groups[gid]
+        message = ReadyGroupMessage(group_id=gid, policy_version=v_d, executions=executions)
+        await self.cells[0].add_group(message)
+
+    # ---- cells --------------------------------------------------------------------------------------------------
+    async def _pump_cell_events(self, index: int, cell: CellWorkerClient) -> None:
+        """Forward what a cell reports, in its order, as policy events (traced with the cell's own details)."""
+        after = 0
+        while True:
+            batch = await cell.events(after)
+            after = batch.next
+            for e in batch.events:
+                f = e.fields
+                match e.kind:
+                    case "group_assigned":
+                        self.events.put_nowait(ev.GroupAssigned(f["group_id"]))
+                    case "microstep_claim":
+                        groups = f["groups"]
+                        self.trace.write(self.now(), "microstep_claim", cell=f["cell"], group=groups[0], groups=groups,
+                                         batch=f["batch"], index=f["index"], kind=f["kind"])  # fmt: skip
+                        self.events.put_nowait(ev.MicrostepClaimed(f["cell"], groups[0]))
+                    case "step_end":
+                        self._record_step(f["report"])
+                        self.events.put_nowait(ev.StepDone(f["report"]["policy_version"]))
+                    case "satellite_done":
+                        if f["result"] == "burst_end" and self.policy.roles[index] is CellRole.TRAINING:
+                            await self._rejoin(index)
+                    case "error":
+                        raise RunFailed(
+                            f"cell {index}: {f['where']}: {f['message']}; see {self.run_dir}/logs"
+                        )
+
+    async def _rejoin(self, index: int) -> None:
+        """A satellite the policy keeps in training (Async) joins the next burst's batches.
+
+        Its burst may end before the core's step_end reaches the policy; if the policy then sends it back to
+        rollout, `to_rollout` makes the waiting join leave (it holds no claim), so joining early is harmless.
+        """
+        if self.policy.roles[index] is CellRole.TRAINING and not self.policy.burst_ending:
+            await self.cells[index].join()
+
+    def _after_transition(self, cell: int, decisions: list[ev.Decision]) -> None:
+        leaving = any(isinstance(d, ev.BeginTransition) and d.cell == cell for d in decisions)
+        if cell > 0 and self.policy.roles[cell] is CellRole.TRAINING and not leaving:
+            self._spawn(self.cells[cell].join())  # after TransitionDone: its claims find it in training
+
     async def _transition(self, cell: int, dst: CellRole, reroutes: Awaitable) -> None:
-        manager = self.cells[cell]
+        client = self.cells[cell]
         if dst is CellRole.TO_TRAINING:
             await reroutes  # the cell's executions have their new routes: now its in-flight calls can move
-            await self.runner.admin_call("POST", "/engines/drain", {"engine": manager.engine.base_url})
-            report = await self._retry_switch(manager.to_training)
+            await self.runner.admin_call("POST", "/engines/drain", {"engine": client.base_url})
+            result = await self._retry_switch(client.to_training)
         else:
-            path, version = self.published
-            report = await manager.to_rollout(DiskWeights(path=path, version=str(version)))
-            rollout = [e.base_url for i, e in enumerate(self.engines) if i == cell or self._serving(i)]
-            await self.runner.admin_call("PUT", "/routes", {"engines": rollout})
+            result = await client.to_rollout(self.published)
+            serving = [c.base_url for i, c in enumerate(self.cells) if i == cell or self._serving(i)]
+            await self.runner.admin_call(
+                "PUT", "/routes", {"engines": serving + [s.base_url for s in self.standalone]}
+            )
         with (self.run_dir / "metrics" / "switches.jsonl").open("ab") as out:
-            out.write(report.model_dump_json().encode() + b"\n")
+            out.write(result.report.model_dump_json().encode() + b"\n")
         self.events.put_nowait(ev.TransitionDone(cell))
 
     @staticmethod
     async def _retry_switch(switch, attempts: int = 5):
-        """A request that reached the engine just before it paused makes flush/release refuse: pause and retry."""
+        """A request that reached the engine just before it paused makes flush/release refuse: retry."""
         for attempt in range(attempts):
             try:
                 return await switch()
-            except RoleSwitchError as exc:
-                if attempt == attempts - 1:
+            except CellCommandError as exc:
+                if attempt == attempts - 1 or "409" not in str(exc):
                     raise
                 log.warning("role switch retried after %s", exc)
                 await asyncio.sleep(0.2 * (attempt + 1))
@@ -201,39 +306,34 @@ class Controller:
         return self.policy.roles[cell] is CellRole.ROLLOUT
 
     async def _publish(self, version: int) -> None:
-        path = await asyncio.to_thread(self.training.publish, version)
-        self.published = (str(path), version)
-        await asyncio.gather(
-            *(
-                e.update_weights_from_disk(str(path), weight_version=str(version))
-                for i, e in enumerate(self.engines)
-                if self._serving(i)
-            )
-        )  # cells away from rollout load the published weights when they return
+        await self._publish_to_engines(version)
         self.events.put_nowait(ev.PublishDone(version))
 
+    async def _publish_to_engines(self, version: int) -> None:
+        """Core -> every rollout engine (cells in rollout and the standalone pool); cells in training load later."""
+        t0 = time.perf_counter()
+        ref = await self.cells[0].publish(version)
+        targets = [c for i, c in enumerate(self.cells) if self._serving(i)] + self.standalone
+        loads = await asyncio.gather(*(c.load_weights(ref) for c in targets))
+        self.published = ref
+        row = {"version": version, "transport": self.cfg.weights.transport, "core_s": round(ref.seconds, 4),
+               "load_s": [round(x.seconds, 4) for x in loads], "engines": len(targets),
+               "total_s": round(time.perf_counter() - t0, 4), "t": round(self.now(), 3)}  # fmt: skip
+        with (self.run_dir / "metrics" / "publish.jsonl").open("ab") as out:
+            out.write(orjson.dumps(row) + b"\n")
+
     # ---- training ---------------------------------------------------------------------------------------------
-    async def _train(self, version: int) -> None:
-        while (
-            not self.training.batch_ready()
-        ):  # non-streaming in the local run: the step starts with B groups
-            await asyncio.sleep(0.1)
-        cells = sum(r is CellRole.TRAINING for r in self.policy.roles)
-        report = await asyncio.to_thread(self.training.step, cells)
-        for gid in report.group_ids:
-            self.events.put_nowait(ev.GroupAssigned(gid))
-        for cell, count in sorted(report.microsteps_by_cell.items()):
-            for k in range(count):  # claims are counted per cell by the trainer; groups listed round-robin
-                self.events.put_nowait(ev.MicrostepClaimed(cell, report.group_ids[k % len(report.group_ids)]))
-        rewards = [r for gid in report.group_ids for r in self.rewards.get(gid, {}).values()]
-        row = orjson.loads(report.model_dump_json()) | {
+    def _record_step(self, report: dict) -> None:
+        groups = report["group_ids"]
+        rewards = [self.rewards[e] for g in groups for e in self.policy.ledger.members(g)]
+        training = sum(r is CellRole.TRAINING for r in self.policy.roles)
+        row = report | {
             "mean_reward": sum(rewards) / len(rewards) if rewards else None,
-            "training_cells": cells,
+            "training_cells": training,
             "t": round(self.now(), 3),
         }
         self.step_reports.append(row)
         with (self.run_dir / "metrics" / "steps.jsonl").open("ab") as out:
             out.write(orjson.dumps(row) + b"\n")
-        log.info("step %d: mean reward %.4f, loss %.5f, %d cells", report.policy_version,
-                 row["mean_reward"] or 0.0, report.loss, cells)  # fmt: skip
-        self.events.put_nowait(ev.StepDone(report.policy_version))
+        log.info("step %d: mean reward %.4f, loss %.5f, micro-steps by cell %s", report["policy_version"],
+                 row["mean_reward"] or 0.0, report["loss"], report["microsteps_by_cell"])  # fmt: skip

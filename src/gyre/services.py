@@ -1,13 +1,14 @@
-"""Local service processes of a run: rollout engines (one per cell) and the TITO proxy, as subprocesses on loopback.
+"""Local processes of a run: one cell worker per cell, the standalone engines and the TITO proxy, on loopback.
 
-Each service is started with its own CLI (the same commands a user runs by hand), logs to RUN/logs/NAME.log, and is
-waited on through its health endpoint. Production runs place the same commands in Ray actors; the interfaces between
-them are HTTP either way.
+Each is started with its own CLI (the same commands a user runs by hand: `gyre-cell worker --config`, `gyre-tito
+serve`) in its own process group, logs to RUN/logs/NAME.log, and dies with this process (cells set PDEATHSIG).
+`stop()` ends them all: SIGTERM to each group, SIGKILL to what is left after a grace period.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import signal
@@ -19,6 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from gyre.config import RunConfig
+from gyre_cell.engine.config import EngineConfig
+from gyre_cell.worker_client import CellWorkerClient
+from gyre_cell.worker_types import CellTrainingConfig, CellWorkerConfig
 
 __all__ = ["LocalServices", "ServiceError", "free_port"]
 
@@ -39,15 +45,54 @@ def _bin(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
+def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWorkerConfig]:
+    """Every worker's config: the K elastic cells first (index = cell), then the standalone engines."""
+    c, s, t = cfg.cluster, cfg.scheduler, cfg.train
+    master, coordinator = free_port(), free_port()
+    out = []
+    for i in range(c.cells + c.standalone_engines):
+        elastic = i < c.cells
+        index = i if elastic else i - c.cells
+        engine = EngineConfig(
+            model_path=str(model_dir), device="cpu", weight_version="0", seed=t.seed + i,
+            cpu_threads=c.cpu_threads_per_cell,
+        )  # fmt: skip
+        training = None
+        if elastic:
+            training = CellTrainingConfig(
+                group_size=s.N, batch_groups=s.B, steps_per_burst=s.mu, lr=t.lr, dtype=t.dtype,
+                max_grad_norm=t.max_grad_norm, tokens_per_shard=t.tokens_per_shard,
+                temperature=cfg.model.temperature, loss=t.loss, master_port=master, coordinator_port=coordinator,
+                claim_timeout_s=t.claim_timeout_s, snapshot=cfg.weights.snapshot, dump_batches=t.dump_batches,
+                hold_core_for_join=t.hold_core_for_join,
+            )  # fmt: skip
+        out.append(
+            CellWorkerConfig(
+                cell=index,
+                kind="elastic" if elastic else "standalone",
+                num_cells=c.cells,
+                run_dir=str(run_dir),
+                port=free_port(),
+                engine=engine,
+                training=training,
+                weights=cfg.weights.transport,
+                mooncake=cfg.weights.mooncake,
+                cpu_threads=c.cpu_threads_per_cell,
+            )
+        )
+    return out
+
+
 @dataclass
 class LocalServices:
     run_dir: Path
-    engine_urls: list[str] = field(default_factory=list)
+    cells: list[CellWorkerClient] = field(default_factory=list)
+    standalone: list[CellWorkerClient] = field(default_factory=list)
     proxy_url: str = ""
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
     _procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log_dir = self.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log = (log_dir / f"{name}.log").open("ab")
@@ -59,36 +104,33 @@ class LocalServices:
             start_new_session=True,
         )
         self._procs.append((name, proc))
+        return proc
 
-    async def _wait_healthy(self, name: str, url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        proc = dict(self._procs)[name]
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise ServiceError(
-                        f"{name} exited with {proc.returncode}; see {self.run_dir}/logs/{name}.log"
-                    )
-                try:
-                    if (await client.get(f"{url}/health")).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.25)
-        raise ServiceError(f"{name} not healthy after {timeout_s:.0f} s; see {self.run_dir}/logs/{name}.log")
+    @property
+    def engine_urls(self) -> list[str]:
+        return [c.base_url for c in self.cells + self.standalone]
 
-    async def start_engines(self, model_dir: Path, count: int, seed: int, timeout_s: float = 180.0) -> None:
-        for cell in range(count):
-            port = free_port()
-            self._spawn(
-                f"engine-{cell}",
-                [_bin("gyre-cell"), "engine", "serve", "--model", str(model_dir), "--port", str(port),
-                 "--device", "cpu", "--weight-version", "0", "--seed", str(seed + cell)],
-            )  # fmt: skip
-            self.engine_urls.append(f"http://127.0.0.1:{port}")
-        await asyncio.gather(
-            *(self._wait_healthy(f"engine-{i}", url, timeout_s) for i, url in enumerate(self.engine_urls))
-        )
+    async def start_cells(self, configs: list[CellWorkerConfig], timeout_s: float = 300.0) -> None:
+        """Start every worker, then wait until each finished its set-up (the gloo rendezvous needs all K)."""
+        cfg_dir = self.run_dir / "cells"
+        cfg_dir.mkdir(parents=True, exist_ok=True)
+        waits = []
+        for wc in configs:
+            name = f"cell-{wc.cell}" if wc.kind == "elastic" else f"standalone-{wc.cell}"
+            path = cfg_dir / f"{name}.json"
+            path.write_text(wc.model_dump_json(indent=2))
+            proc = self._spawn(name, [_bin("gyre-cell"), "worker", "--config", str(path)])
+            client = CellWorkerClient(f"http://{wc.host}:{wc.port}")
+            (self.cells if wc.kind == "elastic" else self.standalone).append(client)
+            waits.append((name, client, proc))
+
+        async def ready(name: str, client: CellWorkerClient, proc: subprocess.Popen) -> None:
+            try:
+                await client.wait_ready(timeout_s, alive=lambda: proc.poll() is None)
+            except Exception as exc:
+                raise ServiceError(f"{name}: {exc}; see {self.run_dir}/logs/{name}.log") from None
+
+        await asyncio.gather(*(ready(*w) for w in waits))
 
     async def start_proxy(self, tokenizer_dir: Path, timeout_s: float = 120.0) -> None:
         port = free_port()
@@ -98,18 +140,39 @@ class LocalServices:
                 "--export-dir", str(self.run_dir / "trajectories")]  # fmt: skip
         for url in self.engine_urls:
             argv += ["--engine", url]
-        self._spawn("proxy", argv, env={"GYRE_TITO_ADMIN_TOKEN": self.admin_token})
+        proc = self._spawn("proxy", argv, env={"GYRE_TITO_ADMIN_TOKEN": self.admin_token})
         self.proxy_url = f"http://127.0.0.1:{port}"
-        await self._wait_healthy("proxy", self.proxy_url, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise ServiceError(
+                        f"proxy exited with {proc.returncode}; see {self.run_dir}/logs/proxy.log"
+                    )
+                try:
+                    if (await client.get(f"{self.proxy_url}/health")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.25)
+        raise ServiceError(f"proxy not healthy after {timeout_s:.0f} s; see {self.run_dir}/logs/proxy.log")
 
-    def stop(self) -> None:
+    async def aclose_clients(self) -> None:
+        for client in self.cells + self.standalone:
+            await client.aclose()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every process group, SIGKILL what is still alive after `grace_s`; idempotent."""
         for _, proc in reversed(self._procs):
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         for _, proc in reversed(self._procs):
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=max(0.05, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self._procs.clear()
