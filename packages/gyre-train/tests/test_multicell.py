@@ -12,6 +12,7 @@ from gyre_train.advantages import group_advantages
 from gyre_train.localrun import LocalRunSpec, launch
 from gyre_train.loss import LossConfig
 from gyre_train.loss_reference import RefExecution, reference_loss, trajectory_target_logprobs
+from gyre_train.replay import load_dump, replay_batch
 from gyre_train.synthetic import make_groups
 
 
@@ -33,7 +34,7 @@ def _reference_grads(model_path: str, spec: LocalRunSpec) -> tuple[float, torch.
 @pytest.mark.slow
 def test_two_cell_processes_satellite_joins_mid_batch(tiny_model, tmp_path):
     spec = LocalRunSpec(model_path=tiny_model, out_dir=str(tmp_path), num_cells=2, steps=2, steps_per_burst=2,
-                        wait_join_at=2, save_grads=True)  # fmt: skip
+                        wait_join_at=2, save_grads=True, dump_steps=(0, 1))  # fmt: skip
     assert launch(spec, timeout=240) == [0, 0]
     reports = [json.loads(line) for line in (tmp_path / "reports.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in reports] == [1, 2]
@@ -47,6 +48,18 @@ def test_two_cell_processes_satellite_joins_mid_batch(tiny_model, tmp_path):
     grads = torch.load(tmp_path / "grads-0.pt")
     assert torch.allclose(grads, ref_grads, atol=1e-6, rtol=0)
     assert float(ref_grads.abs().max()) > 1e-4
+    # the dumped batches, recomputed on one in-process cell from their params_before (single-cell reference)
+    for step, report in enumerate(reports):
+        dump = load_dump(tmp_path / f"dump-{step}")
+        assert len(dump.microsteps) == report["num_microsteps"] and dump.report.loss == report["loss"]
+        assert torch.equal(dump.summed_grads, torch.load(tmp_path / f"grads-{step}.pt"))
+        loss, grads = replay_batch(tmp_path / f"dump-{step}", tiny_model, dtype="float64", loss=LossConfig(),
+                                   temperature=1.0)  # fmt: skip
+        assert loss == pytest.approx(report["loss"], abs=1e-6)
+        assert torch.allclose(grads, dump.summed_grads, atol=1e-6, rtol=0)
+        if step == 0:  # and the replay itself equals the literal float64 reference
+            assert loss == pytest.approx(ref_loss, abs=1e-9)
+            assert torch.allclose(grads, ref_grads, atol=1e-9, rtol=0)
 
 
 def test_coordinator_keeps_the_training_set_a_prefix_and_closes_the_window(tiny_model, tmp_path):
