@@ -147,3 +147,44 @@ def test_satellite_leaves_after_a_broadcast_and_rejoins_mid_batch(tiny_model, tm
     p0, p1 = load_dump(tmp_path / "dump-0").params_before, load_dump(tmp_path / "dump-1").params_before
     assert float((p1 - p0).abs().max()) > 1e-7
     assert [r["policy_version"] for r in reports] == [1, 2]
+
+
+def test_satellite_runner_leaves_while_waiting_and_after_a_stale_snapshot(tiny_model, tmp_path):
+    import threading
+
+    from gyre_train.satellite import SatelliteRunner
+
+    trainer = _trainer(tiny_model)
+    trainer.buffer.pop_ready()  # the batch will starve: the satellite joins and finds no work
+    cfg = MultiCellConfig(num_cells=2, master_port=1, control_port=free_port(), snapshot_dir=str(tmp_path / "s"),
+                          poll_s=0.001)  # fmt: skip
+    coord = Coordinator(cfg, trainer)
+    sat_backend = TorchBackend(TorchBackendConfig(model_path=tiny_model, dtype="float64", optimizer=False))
+    runner = SatelliteRunner(cfg, CellWorker(1, sat_backend, LossConfig()), groups=None)
+    channel = FileSnapshotChannel(tmp_path / "s")
+    try:
+        leave = threading.Event()
+        leave.set()
+        assert runner.run_burst(leave) == "left"  # waiting to join: nothing to undo
+        leave.clear()
+        result: list[str] = []
+        burst = threading.Thread(target=lambda: result.append(runner.run_burst(leave)))
+        burst.start()  # no batch open: it waits to join
+        snapshot = trainer.core.backend.flat_params() + 0.5
+        coord.open_batch(0, channel.publish(0, snapshot))
+        trainer.open_batch()
+        coord.wait_joined(1, timeout=60)  # joined, then waits for work that never comes
+        leave.set()
+        burst.join(60)
+        assert result == ["left"] and coord.participants == {0} and not runner.joined
+        assert torch.equal(sat_backend.flat_params(), snapshot)  # it had loaded the batch's snapshot
+        assert runner.items_run == 0
+        # a snapshot that cannot be read: the satellite leaves the batch (the core never waits for it) and raises
+        coord.open_batch(1, str(tmp_path / "s" / "snapshot-9.pt"))
+        leave.clear()
+        with pytest.raises(SnapshotError, match="stale snapshot"):
+            runner.run_burst(leave)
+        assert coord.participants == {0}
+    finally:
+        runner.conn.close()
+        coord.close()
