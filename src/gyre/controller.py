@@ -67,11 +67,16 @@ class Controller:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    async def run(self, steps: int, idle_timeout_s: float = 900.0) -> list[dict]:
+    async def run(self, steps: int, start: list[ev.Decision], idle_timeout_s: float = 900.0) -> list[dict]:
+        """Run until `steps` optimizer steps are done; `start` = the decisions of `policy.start(0.0)`."""
         self.target_steps = steps
         for i, cell in enumerate(self.cells):
             self._spawn(self._pump_cell_events(i, cell))
-        self._apply(0.0, self.policy.start(0.0))
+        await self._initial_roles()
+        self._apply(0.0, start)
+        for i in range(1, len(self.cells)):
+            if self.policy.roles[i] is CellRole.TRAINING:
+                self._spawn(self.cells[i].join())
         last_progress = 0.0
         while self.steps_done < steps:
             item = await self._next_event(idle_timeout_s)
@@ -113,6 +118,18 @@ class Controller:
                 "staleness": list(self.policy.staleness), "dropped": led.dropped,
                 "cancelled_surplus": led.cancelled_surplus, "withdrawn_surplus": led.withdrawn_surplus,
                 "claims_while_running": self.policy.claims_while_running}  # fmt: skip
+
+    async def _initial_roles(self) -> None:
+        """Cells the policy starts in training (Async's fixed split) switch before anything is launched."""
+        training = [i for i, r in enumerate(self.policy.roles) if r is CellRole.TRAINING]
+        results = await asyncio.gather(*(self.cells[i].to_training() for i in training))
+        with (self.run_dir / "metrics" / "switches.jsonl").open("ab") as out:
+            for result in results:
+                out.write(result.report.model_dump_json().encode() + b"\n")
+        serving = [c.base_url for i, c in enumerate(self.cells) if self._serving(i)]
+        await self.runner.admin_call(
+            "PUT", "/routes", {"engines": serving + [s.base_url for s in self.standalone]}
+        )
 
     def _progress_line(self, t: float, done: int, steps: int) -> None:
         led = self.policy.ledger
@@ -205,7 +222,8 @@ class Controller:
         path = await self.runner.export(eid, self.cfg.train.j_max, self.cfg.train.seed)
         agent = self.cfg.agent
         submission = Submission(
-            execution_id=eid, group_id=gid, group_size=self.cfg.scheduler.N, dispatch_index=index,
+            execution_id=eid, group_id=gid, group_size=self.policy.params.N, dispatch_index=index,
+            group_dispatched=self.policy.params.N_d,
             artifact_ref=str(done.workspace), evaluator=f"task-{query.query_id}", launched_at=done.launched_at,
             budget_s=agent.overall_budget_s, outcome=done.outcome, task={"prompt": query.prompt},
         )  # fmt: skip

@@ -30,7 +30,7 @@ from gyre_eval.service import AssessmentService
 from gyre_eval.store import AssessmentStore
 from gyre_sched.policies import make_policy
 from gyre_sched.runner import ExecutionRunner
-from gyre_sched.trace import TraceWriter
+from gyre_sched.trace import TraceWriter, policy_header
 
 log = logging.getLogger("gyre")
 
@@ -79,8 +79,8 @@ async def run(cfg: RunConfig, services: LocalServices | None = None) -> dict:
     queries = demo_queries()
     services = services or LocalServices(run_dir)
     services.run_dir = run_dir
-    header = {"K": params.K, "C_e": params.C_e, "C_s": params.C_s, "N": params.N, "B": params.B, "phi": params.phi,
-              "mu": params.mu, "policy": params.kind, "real": True}  # fmt: skip
+    start = policy.start(0.0)  # Async assigns its training cells here: the header records the initial roles
+    header = {**policy_header(params), "real": True, "initial_roles": [r.value for r in policy.roles]}
     # Unbuffered: every trace line reaches the file when written, so a crash loses no event.
     trace = TraceWriter((run_dir / "trace.jsonl").open("wb", buffering=0), header)
     try:
@@ -100,7 +100,7 @@ async def run(cfg: RunConfig, services: LocalServices | None = None) -> dict:
         log.info("running %d optimizer steps (policy %s, K=%d, N=%d, B=%d, phi=%g, mu=%d)", cfg.train.steps,
                  params.kind, params.K, params.N, params.B, params.phi, params.mu)  # fmt: skip
         try:
-            steps = await controller.run(cfg.train.steps)
+            steps = await controller.run(cfg.train.steps, start)
             final = await controller.finish()
             state = json.dumps(controller.scheduler_state(), indent=1)
             (run_dir / "metrics" / "scheduler.json").write_text(state + "\n")
