@@ -360,8 +360,11 @@ class TorchEngine:
         stepped = list(self.running)
         logits_BV = self.runner.step(batch, self.kv)
         params = [(r.sampling.temperature, r.sampling.top_p, r.sampling.top_k, r.generator) for r in stepped]
-        tokens, logprobs = sample_batch(logits_BV, params, self._gen)
-        for req, token, lp in zip(stepped, tokens, logprobs, strict=True):
+        tokens, logprobs, failed = sample_batch(logits_BV, params, self._gen)
+        for b, (req, token, lp) in enumerate(zip(stepped, tokens, logprobs, strict=True)):
+            if b in failed:  # this request alone ends; the rest of the batch goes on
+                self._finish(req, {"type": "abort", "message": f"sampling failed: {failed[b]}"})
+                continue
             req.append(token, lp, self.weight_version)
             req.pending = [token]
             self._tokens_generated += 1
