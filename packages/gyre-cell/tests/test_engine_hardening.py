@@ -82,3 +82,45 @@ def test_non_finite_temperature_is_refused(engine, temp):
             rid="bad", input_ids=[1], sampling=SamplingSpec(temperature=temp), return_logprob=False,
             stream=False, sink=lambda *_: None,
         )  # fmt: skip
+
+
+def test_nan_weights_are_refused_and_the_engine_keeps_its_weights(engine):
+    from gyre_cell.engine.weights import WeightError
+
+    name, param = next(iter(engine.weights._params.items()))
+    before = param.detach().clone()
+    bad = torch.full_like(before, float("nan"))
+    with pytest.raises(WeightError, match="NaN or infinite"):
+        engine.update_weights({name: bad}, weight_version="nan")
+    assert torch.equal(param.detach(), before) and engine.weight_version != "nan"
+
+
+def test_control_endpoints_answer_400_not_500(shared, tmp_path):
+    http = shared.http
+    r = http.post("/update_weights_from_disk", json={"model_path": "/x" * 2500})
+    assert r.status_code == 400 and r.json()["success"] is False and "model_path" in r.json()["message"]
+    r = http.post(
+        "/init_weights_update_group",
+        json={"master_address": "127.0.0.1", "master_port": 70000, "rank_offset": 1, "world_size": 2},
+    )
+    assert r.status_code == 400 and "master_port" in r.json()["error"]["message"]
+    (tmp_path / "x.safetensors").write_bytes(b"not a safetensors file")
+    r = http.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})
+    assert r.status_code == 400 and "cannot read the checkpoint" in r.json()["message"]
+    assert http.get("/health").status_code == 200
+
+
+def test_weight_dirs_restrict_update_from_disk(tiny_model, tiny_model_b, tmp_path):
+    from gyre_cell.engine.weights import WeightError
+
+    eng = TorchEngine(EngineConfig(model_path=str(tiny_model), device="cpu", weight_dirs=[str(tiny_model_b)]))
+    try:
+        link = tmp_path / "link"
+        link.symlink_to(tiny_model)  # resolved before the check: a link cannot smuggle another directory in
+        for path in (str(tiny_model), str(link), str(tiny_model_b) + "/../" + tiny_model.name):
+            with pytest.raises(WeightError, match="outside the engine's weight directories"):
+                eng.update_weights_from_disk(path, weight_version="x")
+        assert eng.update_weights_from_disk(str(tiny_model_b), weight_version="b") > 0
+        assert eng.weight_version == "b"
+    finally:
+        eng.close()

@@ -90,10 +90,10 @@ class UpdateFromTensorBody(_Body):
 
 
 class InitGroupBody(_Body):
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
+    master_address: str = Field(max_length=255)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=0)
+    world_size: int = Field(ge=1)
     group_name: str = "weight_update_group"
     backend: str = "nccl"
 

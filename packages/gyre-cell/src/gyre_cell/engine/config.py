@@ -40,5 +40,8 @@ class EngineConfig(BaseModel):
     shared machines, where a descheduled worker thread stalls every op."""
     seed: int = 0
     """Seed of the engine's sampler (per-request `sampling_seed` overrides it)."""
+    weight_dirs: list[str] | None = None
+    """Directories `/update_weights_from_disk` may load from (a `model_path` must resolve under one); None: any
+    directory the engine's user can read. `gyre run` sets its model and checkpoint directories."""
     served_model_name: str | None = None
     """Name reported by /model_info (default: the model path)."""

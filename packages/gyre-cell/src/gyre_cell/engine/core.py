@@ -29,7 +29,7 @@ from .request import (
     render_response,
 )
 from .sampling import sample_batch
-from .weights import WeightStore, load_checkpoint_dir
+from .weights import WeightStore, check_allowed_dir, load_checkpoint_dir
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -248,6 +248,7 @@ class TorchEngine:
             return n
 
     def update_weights_from_disk(self, model_path: str, **kw: Any) -> int:
+        check_allowed_dir(model_path, self.config.weight_dirs)
         return self.update_weights(load_checkpoint_dir(model_path), strict=True, model_path=model_path, **kw)
 
     def begin_weight_update(self) -> None:

@@ -22,15 +22,36 @@ class WeightError(ValueError):
 def load_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of the safetensors files in a Hugging Face checkpoint directory."""
     p = Path(path)
-    if not p.is_dir():
-        raise WeightError(f"model_path {str(p)!r} is not a directory")
-    files = sorted(p.glob("*.safetensors"))
-    if not files:
-        raise WeightError(f"no *.safetensors files in {str(p)!r}")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
+    shown = str(p) if len(str(p)) <= 200 else str(p)[:200] + "..."
+    try:
+        if not p.is_dir():
+            raise WeightError(f"model_path {shown!r} is not a directory")
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise WeightError(f"no *.safetensors files in {shown!r}")
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            out.update(load_file(str(f)))
+    except WeightError:
+        raise
+    except OSError as e:  # a name too long, a permission, a vanished file: the request's fault, not a crash
+        raise WeightError(f"model_path {shown!r}: {e.strerror or e}") from None
+    except Exception as e:  # safetensors raises its own error type on a damaged file
+        raise WeightError(f"model_path {shown!r}: cannot read the checkpoint: {e}") from None
     return out
+
+
+def check_allowed_dir(path: str, roots: list[str] | None) -> None:
+    """Refuse a checkpoint directory outside the configured `weight_dirs` (None: no restriction)."""
+    if roots is None:
+        return
+    try:
+        target = Path(path).resolve()
+    except (OSError, RuntimeError, ValueError) as e:
+        raise WeightError(f"model_path: {e}") from None
+    if not any(target == Path(r).resolve() or target.is_relative_to(Path(r).resolve()) for r in roots):
+        shown = path if len(path) <= 200 else path[:200] + "..."
+        raise WeightError(f"model_path {shown!r} is outside the engine's weight directories {roots}")
 
 
 class WeightStore:
@@ -83,6 +104,8 @@ class WeightStore:
                 raise WeightError(
                     f"shape mismatch for {name!r}: got {list(t.shape)}, expected {list(p.shape)}"
                 )
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise WeightError(f"tensor {name!r} holds NaN or infinite values")
             targets.append((p, t))
         if strict:
             given = {self._resolve_name(n) for n in named}
