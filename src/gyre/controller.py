@@ -254,7 +254,11 @@ class Controller:
         """Forward what a cell reports, in its order, as policy events (traced with the cell's own details)."""
         after = 0
         while True:
-            batch = await cell.events(after)
+            try:
+                batch = await cell.events(after)
+            except Exception as exc:  # the process died or hangs: name it and its log, one line
+                log_file = self.run_dir / "logs" / f"cell-{index}.log"
+                raise RunFailed(f"cell {index} stopped answering ({type(exc).__name__}); see {log_file}") from None
             after = batch.next
             for e in batch.events:
                 f = e.fields
