@@ -124,3 +124,65 @@ def test_weight_dirs_restrict_update_from_disk(tiny_model, tiny_model_b, tmp_pat
         assert eng.weight_version == "b"
     finally:
         eng.close()
+
+
+def test_engine_token_guards_every_endpoint_but_health(tiny_model):
+    """Before: any local process could POST /pause_generation (hanging every proxied call) or load weights."""
+    import asyncio
+
+    import httpx
+
+    from gyre_cell.client import TorchEngineClient
+    from gyre_cell.engine.server import create_app
+
+    eng = TorchEngine(EngineConfig(model_path=str(tiny_model), device="cpu"))
+    try:
+        app = create_app(eng, api_key="s3cret")
+
+        async def main():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://e") as anon:
+                assert (await anon.get("/health")).status_code == 200
+                for method, path in [
+                    ("POST", "/pause_generation"),
+                    ("POST", "/generate"),
+                    ("POST", "/update_weights_from_disk"),
+                    ("GET", "/model_info"),
+                    ("GET", "/server_info"),
+                    ("POST", "/abort_request"),
+                ]:
+                    r = await anon.request(method, path, json={})
+                    assert r.status_code == 401, (path, r.status_code)
+                    assert "token" in r.json()["error"]["message"]
+                r = await anon.post("/pause_generation", headers={"authorization": "Bearer wrong"})
+                assert r.status_code == 401
+            assert not eng.paused
+            async with TorchEngineClient("http://e", transport=transport, api_key="s3cret") as client:
+                res = await client.generate([3, 1, 4], {"max_new_tokens": 3, "temperature": 0.0})
+                assert len(res.output_ids) == 3
+                assert await client.weight_version() == "default"
+
+        asyncio.run(main())
+    finally:
+        eng.close()
+
+
+def test_read_secret_from_fd_and_private_file(tmp_path):
+    import os
+
+    from gyre_cell.secret import SecretError, read_secret
+
+    r, w = os.pipe()
+    os.write(w, b"tok-1\n")
+    os.close(w)
+    assert read_secret(fd=r) == "tok-1"
+    f = tmp_path / "token"
+    f.write_text("tok-2\n")
+    f.chmod(0o644)
+    with pytest.raises(SecretError, match="readable by others"):
+        read_secret(f)
+    f.chmod(0o600)
+    assert read_secret(f) == "tok-2" and read_secret() is None
+    f.write_text("\n")
+    with pytest.raises(SecretError, match="empty"):
+        read_secret(f)

@@ -37,7 +37,23 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-prefix-cache", action="store_true", help="disable prefix KV reuse")
     s.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads on CPU")
     s.add_argument("--seed", type=int, default=0, help="sampler seed")
-    w = sub.add_parser("worker", help="one cell worker process (engine + training side), driven by a controller")
+    s.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file (mode 600) holding the token every endpoint but /health needs",
+    )
+    s.add_argument(
+        "--api-key-fd", type=int, default=None, help="read the token from this inherited fd instead"
+    )
+    s.add_argument(
+        "--weight-dir",
+        action="append",
+        default=None,
+        help="update_weights_from_disk may load only under DIR (repeatable; default: anywhere)",
+    )
+    w = sub.add_parser(
+        "worker", help="one cell worker process (engine + training side), driven by a controller"
+    )
     w.add_argument("--config", required=True, help="CellWorkerConfig as JSON")
     return p
 
@@ -47,9 +63,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .engine import EngineConfig, TorchEngine
     from .engine.server import create_app
+    from .secret import SecretError, read_secret
 
     if not Path(args.model).is_dir():
         print(f"gyre-cell: --model {args.model!r} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        api_key = read_secret(args.api_key_file, args.api_key_fd)
+    except SecretError as e:
+        print(f"gyre-cell: {e}", file=sys.stderr)
         return 2
     cfg = EngineConfig(
         model_path=args.model,
@@ -62,11 +84,12 @@ def _serve(args: argparse.Namespace) -> int:
         enable_prefix_cache=not args.no_prefix_cache,
         cpu_threads=args.cpu_threads,
         seed=args.seed,
+        weight_dirs=[str(Path(d).resolve()) for d in args.weight_dir] if args.weight_dir else None,
     )
     print(cfg.model_dump_json(), flush=True)  # the resolved config, first
     engine = TorchEngine(cfg)
     try:
-        uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(create_app(engine, api_key=api_key), host=args.host, port=args.port, log_level="warning")
     finally:
         engine.close()
     return 0

@@ -64,10 +64,20 @@ class RolloutEngine:
     kind = "generic"
 
     def __init__(
-        self, base_url: str, *, timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport)
+        headers = (
+            {"authorization": f"Bearer {api_key}"} if api_key else None
+        )  # the engine's token, if it has one
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, timeout=timeout_s, transport=transport, headers=headers
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()

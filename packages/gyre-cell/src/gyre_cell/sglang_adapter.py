@@ -145,8 +145,9 @@ class SGLangEngine(RolloutEngine):
         tp_size: int = 1,
         timeout_s: float = 600.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
-        super().__init__(base_url, timeout_s=timeout_s, transport=transport)
+        super().__init__(base_url, timeout_s=timeout_s, transport=transport, api_key=api_key)
         self.tp_size = tp_size
 
     def tensor_update_body(

@@ -30,9 +30,12 @@ class CellCommandError(RuntimeError):
 
 
 class CellWorkerClient:
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=f"{self.base_url}/cell", timeout=timeout_s)
+        headers = (
+            {"authorization": f"Bearer {api_key}"} if api_key else None
+        )  # the worker's token, if it has one
+        self._http = httpx.AsyncClient(base_url=f"{self.base_url}/cell", timeout=timeout_s, headers=headers)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -93,9 +94,32 @@ def _input_ids(engine: TorchEngine, body: GenerateBody) -> list[int]:
     raise BadRequest("give input_ids (a list of ints) or text (a string)")
 
 
-def create_app(engine: TorchEngine) -> FastAPI:
+UNAUTHENTICATED = frozenset({("GET", "/health")})
+"""What answers without the engine's token (liveness only; it says nothing about the engine)."""
+
+
+def require_token(app: FastAPI, api_key: str | None) -> None:
+    """Every request but `GET /health` needs `Authorization: Bearer <api_key>` (SGLang's `--api-key` shape); 401
+    otherwise. No key: the app is open, for loopback-only deployments (see the README's trust model)."""
+    if not api_key:
+        return
+    expected = api_key.encode()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if (request.method, request.url.path) not in UNAUTHENTICATED:
+            auth = request.headers.get("authorization", "")
+            given = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+            if not hmac.compare_digest(given, expected):
+                return error_response("missing or wrong engine token (Authorization: Bearer ...)", 401)
+        return await call_next(request)
+
+
+def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
+    """The engine's HTTP app; with `api_key`, every endpoint but `GET /health` needs it as a bearer token."""
     app = FastAPI(title="gyre-cell torch engine")
     app.state.engine = engine
+    require_token(app, api_key)
 
     @app.exception_handler(BadRequest)
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
