@@ -92,7 +92,9 @@ def test_claude_code_cli_through_proxy(tmp_path):
             tokenizer=str(tok_dir),
             store=str(tmp_path / "store"),
             admin_token="adm",
-            export_dirs=[str(tmp_path)],  # the export below writes t.jsonl next to the store
+            export_dirs=[
+                str(tmp_path / "out")
+            ],  # never a directory holding the store: an export could overwrite it
         )
         with ProxyServer(cfg) as srv:
             eid, cred = srv.register("cc-exec", group_id="g1")
@@ -149,7 +151,7 @@ def test_claude_code_cli_through_proxy(tmp_path):
             r = srv.admin(
                 "POST",
                 f"/admin/executions/{eid}/export",
-                {"j_max": 5, "seed": 1, "path": str(tmp_path / "t.jsonl")},
+                {"j_max": 5, "seed": 1, "path": str(tmp_path / "out" / "t.jsonl")},
             )
             assert r.status_code == 200, r.text
             trajs = r.json()["trajectories"]
@@ -166,7 +168,7 @@ def test_claude_code_cli_through_proxy(tmp_path):
             lps = [lp for lp, m in zip(t["behavior_logprobs"], t["target_mask"], strict=True) if m]
             assert lps == [lp for rec in main for lp in rec.output_logprobs]
             assert "<tool_response>" not in tok.decode(targets, skip_special_tokens=False)
-            assert (tmp_path / "t.jsonl").read_text().count("\n") == 1
+            assert (tmp_path / "out" / "t.jsonl").read_text().count("\n") == 1
 
             # the ended execution's credential is refused in Anthropic's error shape
             assert srv.admin("POST", f"/admin/executions/{eid}/end").status_code == 200

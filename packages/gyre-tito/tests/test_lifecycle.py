@@ -7,7 +7,7 @@ import pytest
 
 from gyre_tito.execution import EndedExecution
 from gyre_tito.export import read_jsonl
-from gyre_tito.proxy import ProxyConfig
+from gyre_tito.proxy import Proxy, ProxyConfig
 from gyre_tito.scripted_engine import ScriptedEngine, ScriptedEngineConfig, ScriptRule
 from gyre_tito.testing import ProxyServer
 from gyre_tito.tiny_tokenizer import build_tiny_tokenizer
@@ -103,7 +103,7 @@ def test_ended_execution_is_unloaded_and_exports_the_same(tok_dir, tmp_path, eng
 
         assert _export(srv, e1) == before  # reloaded read-only from the log ...
         assert srv.proxy.loaded_executions() == ["e2"]  # ... and not kept
-        out = tmp_path / "store" / "traj" / "e1.jsonl"
+        out = tmp_path / "store" / "exports" / "traj" / "e1.jsonl"
         assert _export(srv, e1, path=str(out)) == before
         assert [t.token_ids for t in read_jsonl(out)] == [t["token_ids"] for t in before]
         info = srv.admin("GET", f"/admin/executions/{e1}").json()
@@ -183,7 +183,7 @@ def test_export_path_is_confined_to_store_and_export_dirs(tok_dir, tmp_path, eng
         eid, cred = srv.register("e")
         _run(srv, cred, "task")
         ok = [
-            tmp_path / "store" / "t" / "a.jsonl",
+            tmp_path / "store" / "exports" / "t" / "a.jsonl",
             extra / "new" / "b.parquet",
             extra / "sub" / ".." / "c.jsonl",
         ]
@@ -197,6 +197,10 @@ def test_export_path_is_confined_to_store_and_export_dirs(tok_dir, tmp_path, eng
             extra / "sub" / "link" / "z.jsonl",  # a symlinked directory resolving outside
             extra / "file-link.jsonl",  # a symlinked file resolving outside
             tmp_path / "store",  # a root itself is not a file under it
+            tmp_path
+            / "store"
+            / "t"
+            / "a.jsonl",  # the store itself is not an export root, only STORE/exports
         ]
         for p in bad:
             r = srv.admin("POST", f"/admin/executions/{eid}/export", {"path": str(p)})
@@ -204,7 +208,7 @@ def test_export_path_is_confined_to_store_and_export_dirs(tok_dir, tmp_path, eng
             err = r.json()["error"]
             assert r.json()["type"] == "error" and err["type"] == "invalid_request_error"
             assert (
-                str((tmp_path / "store").resolve()) in err["message"]
+                str((tmp_path / "store" / "exports").resolve()) in err["message"]
                 and str(extra.resolve()) in err["message"]
             )
         assert sorted(p.name for p in outside.iterdir()) == [] and not (tmp_path / "escape.jsonl").exists()
@@ -212,3 +216,39 @@ def test_export_path_is_confined_to_store_and_export_dirs(tok_dir, tmp_path, eng
             r = srv.admin("POST", f"/admin/executions/{eid}/export", body)
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         assert not (extra / "d.csv").exists()
+
+
+def test_export_never_overwrites_the_proxys_own_files(tok_dir, tmp_path, engine_url):
+    """Before: a `path` inside the store (executions.jsonl, records/<id>.tito.jsonl) overwrote the proxy's own files;
+    after a restart it had 0 executions or refused to start."""
+    store = tmp_path / "store"
+    with ProxyServer(_cfg(tok_dir, tmp_path, engine_url)) as srv:
+        eid, cred = srv.register("e")
+        _run(srv, cred, "task")
+        own = [store / "executions.jsonl", store / "records" / "e.tito.jsonl", store / "config.json"]
+        before = {p: p.read_bytes() for p in own if p.exists()}
+        assert len(before) >= 2
+        sneaky = tmp_path / "link.jsonl"
+        sneaky.symlink_to(store / "records" / "e.tito.jsonl")
+        (store / "exports").mkdir()
+        (store / "exports" / "rec.jsonl").symlink_to(store / "records" / "e.tito.jsonl")
+        for p in [
+            store / "executions.jsonl",
+            store / "records" / "e.tito.jsonl",
+            store / "records" / "new.jsonl",
+            store / "exports" / ".." / "executions.jsonl",
+            store / "exports" / "rec.jsonl",  # a link in the export root pointing at a record log
+            sneaky,
+        ]:
+            r = srv.admin("POST", f"/admin/executions/{eid}/export", {"path": str(p)})
+            assert r.status_code == 400, (p, r.text)
+        assert {p: p.read_bytes() for p in before} == before
+        assert not (store / "records" / "new.jsonl").exists()
+    with ProxyServer(_cfg(tok_dir, tmp_path, engine_url)) as srv:  # restarts with its execution and tree
+        assert srv.proxy.calls("e") == 3
+
+
+def test_an_export_dir_overlapping_the_store_is_refused(tok_dir, tmp_path, engine_url):
+    for d in (tmp_path, tmp_path / "store", tmp_path / "store" / "records" / "x"):
+        with pytest.raises(ValueError, match="overlaps the proxy's own state"):
+            Proxy(_cfg(tok_dir, tmp_path, engine_url, export_dirs=[str(d)]))

@@ -6,7 +6,7 @@
 | `GET /admin/executions/{id}` | | `{execution_id, group_id, ended, calls, route}` |
 | `POST /admin/executions/{id}/end` | | `{execution_id, ended: true}` |
 | `PUT /admin/executions/{id}/route` | `{engines: [url] \\| null}` | `{execution_id, route}` |
-| `POST /admin/executions/{id}/export` | `{j_max?, seed?, include_other?, path?}` | `{trajectories: [...]}` (and JSONL/Parquet at `path`, which must resolve under the store or an `--export-dir`) |
+| `POST /admin/executions/{id}/export` | `{j_max?, seed?, include_other?, path?}` | `{trajectories: [...]}` (and JSONL/Parquet at `path`, which must resolve under STORE/exports or an `--export-dir`) |
 | `GET /admin/engines` / `PUT /admin/routes` | `{engines: [url]}` | engine list |
 | `POST /admin/engines/drain` | `{engine, abort_inflight?: true, timeout_s?}` | `{engine, inflight_at_drain}` |
 """
@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from gyre_tito.conversation import ProtocolError
 from gyre_tito.execution import Execution
 
-__all__ = ["admin_router", "export_target", "export_trajectories"]
+__all__ = ["admin_router", "check_export_dirs", "export_roots", "export_target", "export_trajectories"]
 
 
 def _err(e: ProtocolError) -> JSONResponse:
@@ -34,27 +34,81 @@ def _err(e: ProtocolError) -> JSONResponse:
     )
 
 
+EXPORTS_SUBDIR = "exports"
+"""Exports inside the store go under STORE/exports/: the proxy's own files (registry, records, config) never do."""
+
+
+def export_roots(config) -> list[Path]:
+    """Where admin export may write: STORE/exports and each `--export-dir` (resolved)."""
+    return [Path(config.store).resolve() / EXPORTS_SUBDIR, *(Path(d).resolve() for d in config.export_dirs)]
+
+
+def protected_paths(config) -> list[Path]:
+    """The proxy's own state: an export may never write there, and no export root may contain or lie in it."""
+    store = Path(config.store).resolve()
+    return [store / "records", store / "executions.jsonl", store / "config.json", store / "quarantine"]
+
+
+def check_export_dirs(config) -> None:
+    """Refuse (ValueError) an `--export-dir` that overlaps the proxy's own files: an export could overwrite them."""
+    for root in export_roots(config):
+        for own in protected_paths(config):
+            if root == own or own.is_relative_to(root) or root.is_relative_to(own):
+                raise ValueError(f"export dir {str(root)!r} overlaps the proxy's own state {str(own)!r}")
+
+
 def export_target(proxy, path: Any) -> Path:
-    """Where an export may write: a resolved path under the store or an `--export-dir` root (else a 400)."""
-    roots = [Path(proxy.config.store).resolve(), *(Path(d).resolve() for d in proxy.config.export_dirs)]
-    if not isinstance(path, str) or not path:
-        raise ProtocolError(400, "invalid_request_error", "path: must be a non-empty string")
-    target = Path(path).resolve()  # `..` and symlinks resolved: what is checked is where the bytes would go
-    if not any(target != root and target.is_relative_to(root) for root in roots):
+    """Where an export may write: a resolved path under STORE/exports or an `--export-dir` root (else a 400)."""
+    roots = export_roots(proxy.config)
+    if not isinstance(path, str) or not path or "\x00" in path or len(path) > 4096:
+        raise ProtocolError(
+            400, "invalid_request_error", "path: must be a non-empty string (at most 4096 chars)"
+        )
+    try:
+        target = Path(
+            path
+        ).resolve()  # `..` and symlinks resolved: what is checked is where the bytes would go
+    except (OSError, RuntimeError) as e:
+        raise ProtocolError(400, "invalid_request_error", f"path: {e}") from None
+    inside = any(target != root and target.is_relative_to(root) for root in roots)
+    own = any(target == p or target.is_relative_to(p) for p in protected_paths(proxy.config))
+    if not inside or own:
         raise ProtocolError(
             400,
             "invalid_request_error",
-            f"path: {path!r} resolves to {str(target)!r}, outside the allowed export roots "
-            f"{[str(r) for r in roots]} (the store and --export-dir directories)",
+            f"path: {path[:300]!r} resolves to {str(target)[:300]!r}, outside the allowed export roots "
+            f"{[str(r) for r in roots]} (STORE/{EXPORTS_SUBDIR} and the --export-dir directories)",
         )
     if target.suffix not in (".jsonl", ".parquet"):
-        raise ProtocolError(400, "invalid_request_error", f"path: {path!r} must end in .jsonl or .parquet")
+        raise ProtocolError(
+            400, "invalid_request_error", f"path: {path[:300]!r} must end in .jsonl or .parquet"
+        )
     return target
+
+
+def _write_atomically(target: Path, trajs) -> None:
+    """Write beside the target and rename over it: a reader never sees half a file, and a hard link planted at the
+    target is replaced rather than written through."""
+    import os
+    import secrets
+
+    from gyre_tito.export import write_trajectories
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.stem}.{secrets.token_hex(6)}.tmp{target.suffix}")
+    try:
+        write_trajectories(tmp, trajs)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def path_repr(p: Path) -> str:
+    return repr(str(p)[:300])
 
 
 def export_trajectories(proxy, execution_id: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """Select (J_max admission) and materialise an execution's trajectories; optionally write them to `path`."""
-    from gyre_tito.export import write_trajectories
     from gyre_tito.materialize import placeholder_trajectory, select_trajectories
     from gyre_tito.selection import SelectionConfig
     from gyre_tito.types import ROLE_PRIORITY
@@ -68,8 +122,12 @@ def export_trajectories(proxy, execution_id: str, body: dict[str, Any]) -> list[
     else:
         trajs = select_trajectories(proxy.tree(execution_id), ex.group_id, cfg)
     if target is not None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_trajectories(target, trajs)
+        try:
+            _write_atomically(target, trajs)
+        except OSError as e:
+            raise ProtocolError(
+                400, "invalid_request_error", f"path: cannot write {path_repr(target)}: {e}"
+            ) from None
     return [orjson.loads(t.model_dump_json()) for t in trajs]
 
 

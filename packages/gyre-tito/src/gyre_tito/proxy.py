@@ -72,6 +72,9 @@ class Proxy:
     """Executions, their trees and the engine pool; `complete` serves one model call."""
 
     def __init__(self, config: ProxyConfig, classifiers: dict[str, RoleClassifier] | None = None):
+        from gyre_tito.admin import check_export_dirs
+
+        check_export_dirs(config)  # an export dir overlapping the store could overwrite the proxy's own files
         self.config = config
         self.store_dir = Path(config.store)
         self.store_dir.mkdir(parents=True, exist_ok=True)
