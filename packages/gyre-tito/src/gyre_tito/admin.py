@@ -7,6 +7,7 @@
 | `POST /admin/executions/{id}/end` | | `{execution_id, ended: true}` |
 | `PUT /admin/executions/{id}/route` | `{engines: [url] \\| null}` | `{execution_id, route}` |
 | `POST /admin/executions/{id}/export` | `{j_max?, seed?, include_other?, path?}` | `{trajectories: [...]}` (and JSONL/Parquet at `path`, which must resolve under STORE/exports or an `--export-dir`) |
+| `GET /admin/quarantine` | | `{quarantined: [{execution_id, group_id, log, reason}]}` |
 | `GET /admin/engines` / `PUT /admin/routes` | `{engines: [url]}` | engine list |
 | `POST /admin/engines/drain` | `{engine, abort_inflight?: true, timeout_s?}` | `{engine, inflight_at_drain}` |
 """
@@ -227,6 +228,19 @@ def admin_router(proxy) -> APIRouter:
             return _err(e)
         except (ValueError, TypeError) as e:
             return _err(ProtocolError(400, "invalid_request_error", str(e)))
+
+    @r.get("/quarantine")
+    async def quarantine(req: Request):
+        try:
+            await guard(req)
+            return {
+                "quarantined": [
+                    {"execution_id": q.id, "group_id": q.group_id, "log": str(q.log_path), "reason": q.reason}
+                    for q in proxy.quarantined.values()
+                ]
+            }
+        except ProtocolError as e:
+            return _err(e)
 
     @r.get("/engines")
     async def engines(req: Request):

@@ -13,7 +13,14 @@ from gyre_tito.conversation import Conversation
 from gyre_tito.records import ExecutionRecords
 from gyre_tito.types import CallRecord
 
-__all__ = ["EndedExecution", "Execution", "PreparedCall", "credential_hash", "text_key"]
+__all__ = [
+    "EndedExecution",
+    "Execution",
+    "PreparedCall",
+    "QuarantinedExecution",
+    "credential_hash",
+    "text_key",
+]
 
 
 def text_key(text: str) -> str:
@@ -63,6 +70,25 @@ class EndedExecution:
     route: list[str] | None = None
     calls: int | None = None  # None after a restart until first asked for (counted from the log, not kept)
     ended: bool = True
+
+
+@dataclass(slots=True)
+class QuarantinedExecution:
+    """An execution that could not be loaded at start (a damaged record log or registration). Its calls are refused
+    with 403 and admin requests with 409, both naming the damage; the log is left byte for byte as it was, so it can
+    be repaired (or inspected) and the proxy restarted. Every other execution is unaffected."""
+
+    id: str
+    group_id: str
+    log_path: Path
+    reason: str
+    ended: bool = True
+
+    def message(self) -> str:
+        return (
+            f"execution {self.id[:200]!r} is quarantined: {self.reason[:500]} "
+            f"(log {self.log_path}; repair or remove it and restart the proxy)"
+        )
 
 
 @dataclass

@@ -14,12 +14,14 @@ One call (`Proxy.complete`):
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 import uuid
 from array import array
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 from pydantic import BaseModel, Field
@@ -34,15 +36,42 @@ from gyre_tito.conversation import (
     Turn,
 )
 from gyre_tito.engine_client import EngineError, EnginePool, EnginePoolConfig, EngineRejected
-from gyre_tito.execution import EndedExecution, Execution, PreparedCall, credential_hash, text_key
+from gyre_tito.execution import (
+    EndedExecution,
+    Execution,
+    PreparedCall,
+    QuarantinedExecution,
+    credential_hash,
+    text_key,
+)
 from gyre_tito.parse import parse_output
-from gyre_tito.records import RecordLogConfig, RecordStore, read_log
+from gyre_tito.records import LOG_SUFFIX, RecordLogConfig, RecordLogCorrupt, RecordStore, read_log
 from gyre_tito.render import ChatTokenizer
 from gyre_tito.roles import RoleClassifier, make_classifier
 from gyre_tito.tree import ExecutionTree
 from gyre_tito.types import CallRecord, OutputSegment, Timings, runs_from_mask
 
-__all__ = ["Execution", "PreparedCall", "Proxy", "ProxyConfig"]  # Execution, PreparedCall re-exported
+__all__ = ["Execution", "PreparedCall", "Proxy", "ProxyConfig", "check_execution_id"]  # re-exports too
+
+log = logging.getLogger("gyre_tito.proxy")
+
+MAX_ID_CHARS = 128
+
+
+def check_execution_id(value: Any) -> str | None:
+    """Why an execution or group id is unusable (None when it is fine): 1-128 printable characters whose
+    percent-quoted log file name fits every filesystem (255 bytes)."""
+    if not isinstance(value, str) or not value:
+        return "must be a non-empty string"
+    if len(value) > MAX_ID_CHARS:
+        return f"at most {MAX_ID_CHARS} characters, got {len(value)}"
+    if not value.isprintable():
+        return "must not contain control characters"
+    if len(quote(value, safe="").encode()) + len(LOG_SUFFIX) > 255:
+        return "too long once percent-quoted into a file name (255 bytes)"
+    if value in (".", ".."):
+        return "must not be '.' or '..'"
+    return None
 
 
 class ProxyConfig(BaseModel):
@@ -87,6 +116,9 @@ class Proxy:
         }
         self.executions: dict[str, Execution] = {}  # loaded: running (and ended with a call still in flight)
         self.ended: dict[str, EndedExecution] = {}  # ended and unloaded: a summary only
+        self.quarantined: dict[
+            str, QuarantinedExecution
+        ] = {}  # damaged at load: refused, files kept for repair
         self._by_credential: dict[str, str] = {}  # sha256(credential) -> execution id
         self._registry = self.store_dir / "executions.jsonl"
         self.turn_cache: dict[bytes, list[Turn]] = {}  # parsed messages by JSON bytes (see anthropic_api)
@@ -104,17 +136,24 @@ class Proxy:
                 os.fsync(f.fileno())
 
     def _load_registry(self) -> None:
-        """Replay the registry; only executions still running get their tree and payload cache loaded."""
+        """Replay the registry; only executions still running get their tree and payload cache loaded.
+
+        A damaged line, or an execution whose record log cannot be loaded, never stops the proxy: the execution is
+        quarantined (its calls are refused with 403 naming the damage, its files are left untouched for repair)
+        and every other execution loads."""
         if not self._registry.is_file():
             return
         regs: dict[str, dict[str, Any]] = {}
         ended: set[str] = set()
-        for line in self._registry.read_bytes().splitlines():
+        for n, line in enumerate(self._registry.read_bytes().splitlines()):
             try:
                 ev = orjson.loads(line)
             except orjson.JSONDecodeError:
+                log.warning("%s: line %d is not JSON (skipped)", self._registry, n + 1)
                 continue  # a torn last line: the registration was never acknowledged
-            eid = ev.get("execution_id")
+            if not isinstance(ev, dict) or not isinstance(eid := ev.get("execution_id"), str):
+                log.warning("%s: line %d is not a registry event (skipped)", self._registry, n + 1)
+                continue
             if ev.get("ev") == "register":
                 regs.setdefault(eid, ev)
             elif ev.get("ev") == "end" and eid in regs:
@@ -122,11 +161,26 @@ class Proxy:
             elif ev.get("ev") == "route" and eid in regs:
                 regs[eid] = regs[eid] | {"route": ev.get("route")}
         for eid, ev in regs.items():
-            if eid in ended:
-                self._by_credential[ev["credential_sha256"]] = eid
-                self.ended[eid] = EndedExecution(eid, ev["group_id"], self.records.path(eid), ev.get("route"))
+            cred, group = ev.get("credential_sha256"), ev.get("group_id")
+            problem = check_execution_id(eid)
+            if problem is None and not (isinstance(cred, str) and isinstance(group, str)):
+                problem = "registration lacks its credential hash or group"
+            if problem is not None:
+                self._quarantine(eid, group if isinstance(group, str) else eid, cred, f"registry: {problem}")
+            elif eid in ended:
+                self._by_credential[cred] = eid
+                self.ended[eid] = EndedExecution(eid, group, self.records.path(eid), ev.get("route"))
             else:
-                self._open(eid, ev["group_id"], ev["credential_sha256"], ev.get("route"), ev.get("metadata"))
+                try:
+                    self._open(eid, group, cred, ev.get("route"), ev.get("metadata"))
+                except (RecordLogCorrupt, OSError, ValueError) as e:
+                    self._quarantine(eid, group, cred, f"record log: {e}")
+
+    def _quarantine(self, eid: str, group: str, cred_hash: str | None, reason: str) -> None:
+        log.error("execution %r quarantined: %s", eid, reason)
+        self.quarantined[eid] = QuarantinedExecution(eid, group, self.records.path(eid), reason)
+        if isinstance(cred_hash, str):
+            self._by_credential[cred_hash] = eid
 
     def _open(self, eid: str, group: str, cred_hash: str, route, metadata) -> Execution:
         ex = Execution(eid, group, self.records.open(eid), route, metadata=metadata or {})
@@ -155,8 +209,16 @@ class Proxy:
         metadata: dict[str, Any] | None = None,
     ) -> tuple[Execution, str]:
         eid = execution_id or f"ex-{uuid.uuid4().hex[:12]}"
-        if eid in self.executions or eid in self.ended:
+        for name, value in (("execution_id", eid), ("group_id", group_id or eid)):
+            problem = check_execution_id(value)
+            if problem is not None:
+                raise ProtocolError(400, "invalid_request_error", f"{name}: {problem}")
+        if eid in self.executions or eid in self.ended or eid in self.quarantined:
             raise ProtocolError(409, "invalid_request_error", f"execution {eid!r} already exists")
+        if self.records.path(
+            eid
+        ).exists():  # a log without a registration (a registry line was lost): keep it
+            raise ProtocolError(409, "invalid_request_error", f"execution {eid!r} already has a record log")
         credential = "tito-" + secrets.token_urlsafe(24)
         ev = {
             "ev": "register",
@@ -167,8 +229,17 @@ class Proxy:
             "metadata": metadata or {},
             "t": time.time(),
         }
-        self._log_event(ev)
-        return self._open(eid, ev["group_id"], ev["credential_sha256"], route, metadata), credential
+        # open (create) the log first: an id the filesystem refuses leaves no registry entry behind
+        ex = self._open(eid, ev["group_id"], ev["credential_sha256"], route, metadata)
+        try:
+            self._log_event(ev)
+        except BaseException:
+            self.executions.pop(eid, None)
+            self._by_credential.pop(ev["credential_sha256"], None)
+            self.records.release(eid)
+            self.records.path(eid).unlink(missing_ok=True)
+            raise
+        return ex, credential
 
     def end(self, execution_id: str) -> Execution | EndedExecution:
         """End an execution: its credential stops working; its tree leaves memory once no call is in flight."""
@@ -188,7 +259,10 @@ class Proxy:
     def get(self, execution_id: str) -> Execution | EndedExecution:
         ex = self.executions.get(execution_id) or self.ended.get(execution_id)
         if ex is None:
-            raise ProtocolError(404, "not_found_error", f"no execution {execution_id!r}")
+            q = self.quarantined.get(execution_id)
+            if q is not None:
+                raise ProtocolError(409, "invalid_request_error", q.message())
+            raise ProtocolError(404, "not_found_error", f"no execution {execution_id[:200]!r}")
         return ex
 
     def calls(self, execution_id: str) -> int:
@@ -205,8 +279,13 @@ class Proxy:
         ex = self.get(execution_id)
         if isinstance(ex, Execution):
             return ex.records.tree
-        records = read_log(ex.log_path).records if ex.log_path.is_file() else []
-        return ExecutionTree.from_records(ex.id, records)
+        try:
+            records = read_log(ex.log_path).records if ex.log_path.is_file() else []
+            return ExecutionTree.from_records(ex.id, records)
+        except (RecordLogCorrupt, OSError, ValueError) as e:  # damaged after the execution ended
+            raise ProtocolError(
+                409, "invalid_request_error", f"execution {ex.id!r}: record log unreadable: {e}"
+            ) from None
 
     def authenticate(self, credential: str | None) -> Execution:
         if not credential:
@@ -216,6 +295,8 @@ class Proxy:
         eid = self._by_credential.get(credential_hash(credential))
         if eid is None:
             raise ProtocolError(401, "authentication_error", "invalid credential: no such execution")
+        if eid in self.quarantined:
+            raise ProtocolError(403, "permission_error", self.quarantined[eid].message())
         ex = self.get(eid)
         if ex.ended or not isinstance(ex, Execution):
             raise ProtocolError(401, "authentication_error", f"execution {eid} has ended")

@@ -209,6 +209,7 @@ def create_app(proxy: Proxy) -> FastAPI:
             "status": "ok",
             "engines": proxy.pool.engines(),
             "executions": len(proxy.executions) + len(proxy.ended),
+            "quarantined": len(proxy.quarantined),
         }
 
     @app.get("/metrics")

@@ -1,0 +1,141 @@
+"""Issue 15 regressions for the proxy: damaged state is quarantined per execution, bad ids are 4xx, and the
+request-controlled splice marker, admin bodies and engine answers cannot corrupt records or freeze the proxy."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from gyre_tito.proxy import Proxy, ProxyConfig
+from gyre_tito.scripted_engine import ScriptedEngine, ScriptedEngineConfig, ScriptRule
+from gyre_tito.testing import ProxyServer
+from gyre_tito.tiny_tokenizer import build_tiny_tokenizer
+
+CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call>'
+TOOLS = [
+    {
+        "name": "Bash",
+        "description": "run",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def engine(tok_dir):
+    rules = [ScriptRule(last_contains=["<tool_response>"], reply="finished " * 3), ScriptRule(reply=CALL)]
+    e = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok_dir), rules=rules))
+    e.start()
+    yield e
+    e.stop()
+
+
+def _cfg(tok_dir, tmp_path, urls, **kw):
+    return ProxyConfig(
+        engines=urls, tokenizer=str(tok_dir), store=str(tmp_path / "store"), admin_token="adm", **kw
+    )
+
+
+def _msg(url, cred, messages, **kw):
+    body = {"model": "m", "max_tokens": 300, "messages": messages, "tools": TOOLS, **kw}
+    return httpx.post(url + "/v1/messages", headers={"x-api-key": cred}, json=body, timeout=30)
+
+
+def _two_calls(srv, cred, task="go"):
+    msgs = [{"role": "user", "content": task}]
+    use = _msg(srv.url, cred, msgs).json()["content"][0]
+    msgs += [
+        {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "ok"}]},
+    ]
+    assert _msg(srv.url, cred, msgs).status_code == 200
+    return msgs
+
+
+def test_a_flipped_byte_quarantines_one_execution_not_the_proxy(tok_dir, tmp_path, engine):
+    """Before: one damaged record log stopped the proxy from starting, taking every execution down."""
+    cfg = _cfg(tok_dir, tmp_path, [engine.url])
+    creds = {}
+    with ProxyServer(cfg) as srv:
+        for i in range(4):
+            eid, creds[f"e{i}"] = srv.register(f"e{i}")
+            _two_calls(srv, creds[eid])
+        srv.admin("POST", "/admin/executions/e3/end")
+    log = tmp_path / "store" / "records" / "e1.tito.jsonl"
+    data = bytearray(log.read_bytes())
+    data[40] ^= 0x01  # inside the first of two records: not a torn tail
+    log.write_bytes(bytes(data))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "store" / "records").iterdir()}
+    with ProxyServer(cfg) as srv:
+        assert sorted(srv.proxy.quarantined) == ["e1"]
+        assert srv.proxy.loaded_executions() == ["e0", "e2"]
+        assert _msg(srv.url, creds["e0"], [{"role": "user", "content": "more"}]).status_code == 200
+        r = _msg(srv.url, creds["e1"], [{"role": "user", "content": "more"}])
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        assert (
+            "quarantined" in r.json()["error"]["message"] and "e1.tito.jsonl" in r.json()["error"]["message"]
+        )
+        r = srv.admin("GET", "/admin/executions/e1")
+        assert r.status_code == 409 and "quarantined" in r.json()["error"]["message"]
+        assert srv.admin("POST", "/admin/executions/e1/export", {}).status_code == 409
+        q = srv.admin("GET", "/admin/quarantine").json()["quarantined"]
+        assert [x["execution_id"] for x in q] == ["e1"] and "damaged record" in q[0]["reason"]
+        assert httpx.get(srv.url + "/health").json()["quarantined"] == 1
+        assert srv.admin("POST", "/admin/executions", {"execution_id": "e1"}).status_code == 409
+    after = {p.name: p.read_bytes() for p in (tmp_path / "store" / "records").iterdir()}
+    assert after["e1.tito.jsonl"] == before["e1.tito.jsonl"]  # left exactly as found, for repair
+
+
+def test_an_ended_executions_damaged_log_is_a_409_on_export(tok_dir, tmp_path, engine):
+    with ProxyServer(_cfg(tok_dir, tmp_path, [engine.url])) as srv:
+        _, cred = srv.register("e")
+        _two_calls(srv, cred)
+        srv.admin("POST", "/admin/executions/e/end")
+        log = tmp_path / "store" / "records" / "e.tito.jsonl"
+        data = bytearray(log.read_bytes())
+        data[40] ^= 0x01
+        log.write_bytes(bytes(data))
+        r = srv.admin("POST", "/admin/executions/e/export", {})
+        assert r.status_code == 409 and "record log unreadable" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "eid",
+    ["x" * 300, "%" * 90, "a\nb", "a\x00b", "..", ""],
+)
+def test_unusable_execution_ids_are_400_and_leave_no_registry_entry(tok_dir, tmp_path, engine, eid):
+    """Before: a 300-character id gave a 500 and left a registry entry that stopped the proxy from restarting."""
+    cfg = _cfg(tok_dir, tmp_path, [engine.url])
+    with ProxyServer(cfg) as srv:
+        r = srv.admin("POST", "/admin/executions", {"execution_id": eid})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        r = srv.admin("POST", "/admin/executions", {"execution_id": "ok", "group_id": "g" * 300})
+        assert r.status_code == 400 and "group_id" in r.json()["error"]["message"]
+        srv.register("fine")
+    registry = (tmp_path / "store" / "executions.jsonl").read_text().splitlines()
+    assert len(registry) == 1 and '"fine"' in registry[0]
+    with ProxyServer(cfg) as srv:
+        assert srv.proxy.loaded_executions() == ["fine"] and not srv.proxy.quarantined
+
+
+def test_a_registry_entry_that_cannot_be_opened_is_quarantined(tok_dir, tmp_path, engine):
+    """An old registry line with an id the filesystem refuses (written before ids were checked) is quarantined."""
+    import orjson
+
+    cfg = _cfg(tok_dir, tmp_path, [engine.url])
+    with ProxyServer(cfg) as srv:
+        srv.register("good")
+    with open(tmp_path / "store" / "executions.jsonl", "ab") as f:
+        bad = {"ev": "register", "execution_id": "x" * 300, "group_id": "g", "credential_sha256": "0" * 64}
+        f.write(orjson.dumps(bad) + b"\n" + b"[1, 2]\n" + b"{not json\n")
+    proxy = Proxy(cfg)
+    try:
+        assert proxy.loaded_executions() == ["good"] and list(proxy.quarantined) == ["x" * 300]
+    finally:
+        proxy.records.close()
