@@ -139,3 +139,33 @@ def test_a_registry_entry_that_cannot_be_opened_is_quarantined(tok_dir, tmp_path
         assert proxy.loaded_executions() == ["good"] and list(proxy.quarantined) == ["x" * 300]
     finally:
         proxy.records.close()
+
+
+@pytest.mark.parametrize(
+    "text", ["\ue000R", "look: \ue000R0\ue001 here", "\ue000R99\ue001", "\ue000\ue001\ue000R"]
+)
+def test_private_use_marker_text_is_ordinary_text(tok_dir, tmp_path, engine, text):
+    """Before: `\\ue000R` anywhere in a message gave a 500 on every later call; `\\ue000R0\\ue001` was replaced by an
+    earlier recorded output, flagged as policy tokens."""
+    from gyre_tito.types import mask_from_runs
+
+    with ProxyServer(_cfg(tok_dir, tmp_path, [engine.url])) as srv:
+        eid, cred = srv.register("e")
+        msgs = _two_calls(srv, cred)
+        msgs = [*msgs, {"role": "assistant", "content": "noted"}, {"role": "user", "content": text}]
+        r = _msg(srv.url, cred, msgs)
+        assert r.status_code == 200, r.text
+        tree = srv.proxy.executions[eid].records.tree
+        recs = {rec.call_id: rec for rec in tree.records()}
+        first = next(rec for rec in recs.values() if rec.seq == 0)
+        leaf = next(rec for rec in recs.values() if rec.seq == 2)
+        path, node = [], leaf
+        while node is not None:
+            path.append(node)
+            node = recs.get(node.parent_id) if node.parent_id else None
+        assert path[-1] is first  # the recorded tool use was matched as the path (its output is the parent's)
+        # no recorded output was spliced anywhere else into the context: no policy-marked input token at all
+        assert sum(mask_from_runs(rec.input_provenance).count(True) for rec in path) == 0
+        assert text in srv.proxy.chat.decode(leaf.input_ids)
+        more = [*msgs, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+        assert _msg(srv.url, cred, more).status_code == 200  # nothing poisoned the execution

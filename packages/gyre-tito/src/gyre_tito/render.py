@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -30,7 +31,11 @@ from tokenizers import Tokenizer
 
 __all__ = ["ChatTokenizer", "EncodedContext", "TemplateError", "recorded_marker"]
 
-_MARK_OPEN = "\ue000R"
+# The splice marker carries a per-process secret nonce: request text is rendered into the same string, and a marker a
+# harness could type would splice earlier model output (flagged as policy tokens) into its context, or break the call.
+# The rendered text never leaves the process, so the nonce cannot be learnt; text holding the private-use characters
+# without it is ordinary text.
+_MARK_OPEN = f"\ue000R{secrets.token_hex(16)}:"
 _MARK_CLOSE = "\ue001"
 _MARK_RE = re.compile(re.escape(_MARK_OPEN) + r"(\d+)" + re.escape(_MARK_CLOSE))
 
