@@ -117,6 +117,19 @@ class TorchTrainingState:
             os.unlink(self._file)
         self._file, self._home, self._offloaded = None, {}, {}
 
+    @property
+    def offloaded(self) -> bool:
+        """True while the training state is off the device."""
+        return bool(self._home)
+
+    def offload_blocking(self) -> None:
+        """`offload` for callers already on a worker thread."""
+        self._offload()
+
+    def restore_blocking(self) -> None:
+        """`restore` for callers already on a worker thread."""
+        self._restore()
+
     async def offload(self) -> None:
         await asyncio.to_thread(self._offload)
 

@@ -78,7 +78,7 @@ class CellTraining:
             self.publisher = WeightPublisher(self.backend.model, version=0, config=cfg.mooncake)
             url = self.publisher.serve_manifest(cfg.host)
             self.published = PublishedWeights(version=0, manifest_url=url, path=cfg.engine.model_path)
-        self.state._offload()  # every cell starts in rollout: the engine has the memory
+        self.state.offload_blocking()  # every cell starts in rollout: the engine has the memory
         mc = MultiCellConfig(
             num_cells=cfg.num_cells, master_port=t.master_port, control_port=t.coordinator_port,
             snapshot_dir=str(Path(cfg.run_dir) / "snapshots"), steps_per_burst=t.steps_per_burst,
@@ -169,14 +169,14 @@ class CellTraining:
     @contextlib.contextmanager
     def _resident(self):
         """Training state on the device for the block (restored if the cell is in rollout, offloaded again)."""
-        offloaded = bool(self.state._home)
+        offloaded = self.state.offloaded
         if offloaded:
-            self.state._restore()
+            self.state.restore_blocking()
         try:
             yield
         finally:
             if offloaded:
-                self.state._offload()
+                self.state.offload_blocking()
 
     def publish(self, version: int, save: bool) -> PublishedWeights:
         """Expose `version` to rollout engines: refresh the Mooncake buffer in place, and/or write a checkpoint."""
