@@ -103,6 +103,31 @@ class AgentConfig(_Section):
     """From launch, execution plus evaluation retries; exhausted without a score = excluded."""
 
 
+class DashboardConfig(_Section):
+    enabled: bool = True
+    """Serve the live dashboard during the run (read-only; its URL is logged and written to RUN/dashboard.url)."""
+    host: str = "127.0.0.1"
+    """Bind address. Loopback by default; any other address requires a token."""
+    port: int = Field(0, ge=0, le=65535)
+    """0: a free port."""
+    token: str | None = None
+    """Access token; None on a non-loopback host generates one (it is part of the printed URL)."""
+    refresh_s: float = Field(1.0, gt=0)
+    """How often the page asks for new data."""
+    linger_s: float = Field(0.0, ge=0)
+    """Keep serving this long after the run ends (the final state; SIGINT/SIGTERM still stop at once)."""
+
+
+class MetricsConfig(_Section):
+    tensorboard: bool = True
+    """Write TensorBoard event files under RUN/metrics/ (per step and per interval)."""
+    interval_s: float = Field(2.0, ge=1.0)
+    """Interval of the scheduler/rollout metrics (executions, waterlevel, role shares, tokens/s, latency)."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases under this project (needs `wandb` installed; WANDB_* variables apply)."""
+    wandb_entity: str | None = None
+
+
 DEMO_SCHEDULER = PolicyConfig(
     kind="elastic", N=4, B=2, phi=0.5, mu=1, rho_min=0.5, tau_s=1.0, async_train_cells=1
 )
@@ -119,6 +144,8 @@ class RunConfig(_Section):
     train: TrainConfig = TrainConfig()
     weights: WeightsConfig = WeightsConfig()
     agent: AgentConfig = AgentConfig()
+    dashboard: DashboardConfig = DashboardConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
     def _policy_valid(self) -> RunConfig:
