@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import statistics
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import orjson
@@ -62,6 +63,7 @@ class Controller:
         self._standalone_rr = 0
         self.steps_done = 0
         self.target_steps = 0
+        self.on_step: Callable[[dict], None] | None = None  # the run monitor: metrics, dashboard, progress
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -351,6 +353,7 @@ class Controller:
         training = sum(r is CellRole.TRAINING for r in self.policy.roles)
         row = report | {
             "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+            "reward_std": statistics.pstdev(rewards) if rewards else None,
             "training_cells": training,
             "t": round(self.now(), 3),
         }
@@ -359,3 +362,5 @@ class Controller:
             out.write(orjson.dumps(row) + b"\n")
         log.info("step %d: mean reward %.4f, loss %.5f, micro-steps by cell %s", report["policy_version"],
                  row["mean_reward"] or 0.0, report["loss"], report["microsteps_by_cell"])  # fmt: skip
+        if self.on_step is not None:
+            self.on_step(row)
