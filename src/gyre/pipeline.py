@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gyre.config import RunConfig
 from gyre.controller import Controller
+from gyre.monitor import RunMonitor
 from gyre.report import write_report
 from gyre.services import LocalServices, cell_configs
 from gyre.tasks import demo_queries, scoring_command
@@ -83,6 +84,7 @@ async def run(cfg: RunConfig, services: LocalServices | None = None) -> dict:
     header = {**policy_header(params), "real": True, "initial_roles": [r.value for r in policy.roles]}
     # Unbuffered: every trace line reaches the file when written, so a crash loses no event.
     trace = TraceWriter((run_dir / "trace.jsonl").open("wb", buffering=0), header)
+    monitor: RunMonitor | None = None
     try:
         log.info("starting %d cell worker(s), %d standalone engine(s) and the TITO proxy",
                  cfg.cluster.cells, cfg.cluster.standalone_engines)  # fmt: skip
@@ -97,6 +99,9 @@ async def run(cfg: RunConfig, services: LocalServices | None = None) -> dict:
         published = (await services.cells[0].status()).published
         controller = Controller(cfg, run_dir, policy, trace, runner, services.cells, services.standalone,
                                 assessments, queries, published)  # fmt: skip
+        monitor = RunMonitor(cfg, run_dir, controller)  # metrics sink, live dashboard, progress bar
+        controller.on_step = monitor.on_step
+        await monitor.start()
         log.info("running %d optimizer steps (policy %s, K=%d, N=%d, B=%d, phi=%g, mu=%d)", cfg.train.steps,
                  params.kind, params.K, params.N, params.B, params.phi, params.mu)  # fmt: skip
         try:
@@ -105,14 +110,23 @@ async def run(cfg: RunConfig, services: LocalServices | None = None) -> dict:
             state = json.dumps(controller.scheduler_state(), indent=1)
             (run_dir / "metrics" / "scheduler.json").write_text(state + "\n")
         finally:
+            await monitor.end_run()
             await controller.shutdown()
             await assessments.close()
             await runner.aclose()
+    except BaseException:
+        if monitor is not None:
+            await monitor.close()
+        raise
     finally:
         trace.close()
         await services.aclose_clients()
         services.stop()
     report = write_report(run_dir)
+    try:
+        await monitor.linger()  # [dashboard] linger_s: the final state stays up
+    finally:
+        await monitor.close()
     return {
         "run_dir": str(run_dir),
         "steps": len(steps),
