@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
         if name != "config":
             p.add_argument("--run-dir", default=None, help="run directory (default runs/<UTC timestamp>)")
             p.add_argument("--steps", type=int, default=None, help="optimizer steps to run")
+            p.add_argument("--quiet", action="store_true", help="warnings and errors only, no progress bar")
+            p.add_argument("--log-format", choices=["text", "json"], default="text",
+                           help="stderr as text with a progress bar, or one JSON object per line")  # fmt: skip
     r = sub.add_parser("report", help="rebuild RUN/report.html")
     r.add_argument("run_dir", type=Path)
     return parser
@@ -113,10 +116,9 @@ async def _run_until_signal(cfg: RunConfig, command: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(
-        logging.WARNING
-    )  # one line per HTTP request drowns the progress lines
+    from gyre import progress
+
+    progress.setup(quiet=getattr(args, "quiet", False), log_format=getattr(args, "log_format", "text"))
     try:
         if args.command == "report":
             from gyre.report import write_report
