@@ -40,6 +40,9 @@ def _serve(a: argparse.Namespace) -> int:
         max_context_tokens=a.max_context,
         fsync=not a.no_fsync,
         export_dirs=[str(Path(d).resolve()) for d in a.export_dir],
+        context_overflow=a.context_overflow,
+        sampling_policy=a.sampling_policy,
+        temperature=a.temperature,
     )
     Path(cfg.store).mkdir(parents=True, exist_ok=True)
     resolved = cfg.model_dump(exclude={"admin_token"}) | {"host": a.host, "port": a.port}
@@ -85,6 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument(
         "--export-dir", action="append", default=[], help="admin export may also write under DIR (repeatable)"
     )
+    s.add_argument(
+        "--context-overflow", choices=["clamp", "refuse"], default="clamp",
+        help="max_tokens beyond the room left in the context: clamp it, or refuse in Anthropic's wording",
+    )  # fmt: skip
+    s.add_argument(
+        "--sampling-policy", choices=["pin", "refuse", "pass"], default="pin",
+        help="per-call temperature/top_p/top_k: pin to the run's (top_p=1, top_k=-1), refuse others, or pass",
+    )  # fmt: skip
+    s.add_argument("--temperature", type=float, default=1.0, help="the run's sampling temperature")
     s.add_argument("--no-fsync", action="store_true", help="skip fsync per record (benchmarks only)")
     s.add_argument("--log-level", default="warning")
     s.set_defaults(fn=_serve)

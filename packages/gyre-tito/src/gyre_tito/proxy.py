@@ -20,7 +20,7 @@ import time
 import uuid
 from array import array
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote
 
 import orjson
@@ -94,6 +94,21 @@ class ProxyConfig(BaseModel):
     export_dirs: list[str] = Field(
         default_factory=list, description="directories admin export may write under, besides the store"
     )
+    context_overflow: Literal["clamp", "refuse"] = Field(
+        "clamp",
+        description="a request whose max_tokens exceeds the room left in the context: 'clamp' max_tokens to the room "
+        "(the harness goes on; Claude Code always asks for its full output cap), or 'refuse' with Anthropic's "
+        "'input length and `max_tokens` exceed context limit' 400",
+    )
+    sampling_policy: Literal["pin", "refuse", "pass"] = Field(
+        "pin",
+        description="per-call temperature/top_p/top_k: 'pin' to the run's values below, 'refuse' (400 naming the "
+        "parameter) when a request asks for another value, 'pass' the harness's values through; both what was asked "
+        "and what was used are recorded in CallRecord.metadata['sampling']",
+    )
+    temperature: float = Field(1.0, gt=0, description="the run's sampling temperature (the trainer's)")
+    top_p: float = Field(1.0, gt=0, le=1, description="the run's top_p (DESIGN 7.2: 1)")
+    top_k: int = Field(-1, description="the run's top_k (DESIGN 7.2: -1 = off)")
     engine: EnginePoolConfig = Field(default_factory=EnginePoolConfig, description="engine pool settings")
 
 
@@ -362,19 +377,18 @@ class Proxy:
         async with ex.lock:  # the tree is not read while a record is being added to it (in a worker thread)
             ids, policy = self.encode(ex, conv)
             parent, n = ex.records.match(ids)
-        if len(ids) + sampling.max_new_tokens > self.config.max_context_tokens:
-            raise ProtocolError(
-                400,
-                "invalid_request_error",
-                f"prompt is too long: {len(ids)} tokens + {sampling.max_new_tokens} max tokens > "
-                f"{self.config.max_context_tokens} maximum",
-            )
+        limit = self.config.max_context_tokens
+        max_new = self.fit_max_tokens(len(ids), sampling.max_new_tokens, limit)
+        used = self.sampling_used(sampling, body)
+        meta = {**meta, "sampling": {
+            "policy": self.config.sampling_policy,
+            "asked": {**self._asked(body), "max_tokens": sampling.max_new_tokens},
+            "used": {**used, "max_tokens": max_new},
+        }}  # fmt: skip
         role = self.classifiers[api].classify(body or {}, headers)
         sp = {
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
+            "max_new_tokens": max_new,
+            **used,
             "stop_token_ids": self.chat.eos_ids,
             "skip_special_tokens": False,
             "no_stop_trim": True,
@@ -383,6 +397,46 @@ class Proxy:
             sp["stop"] = sampling.stop
         msg_id = ("msg_" if api == "anthropic" else "chatcmpl-") + uuid.uuid4().hex[:24]
         return PreparedCall(ex, conv, api, meta, ids, policy, parent, n, tuple(role), sp, msg_id, t0)
+
+    def fit_max_tokens(self, prompt: int, asked: int, limit: int) -> int:
+        """Output tokens this call may generate: the room left in the context (`context_overflow = "clamp"`), or
+        a 400 in Anthropic's own wording, which Claude Code recognises (it lowers max_tokens and retries)."""
+        if prompt >= limit:
+            raise ProtocolError(
+                400, "invalid_request_error", f"prompt is too long: {prompt} tokens > {limit} maximum"
+            )
+        if prompt + asked <= limit:
+            return asked
+        if self.config.context_overflow == "clamp":
+            return limit - prompt
+        raise ProtocolError(
+            400,
+            "invalid_request_error",
+            f"input length and `max_tokens` exceed context limit: {prompt} + {asked} > {limit}, "
+            "decrease input length or `max_tokens` and try again",
+        )
+
+    @staticmethod
+    def _asked(body: dict[str, Any] | None) -> dict[str, Any]:
+        return {k: body[k] for k in ("temperature", "top_p", "top_k") if body and body.get(k) is not None}
+
+    def sampling_used(self, sampling: Sampling, body: dict[str, Any] | None) -> dict[str, Any]:
+        """temperature/top_p/top_k sent to the engine under the run's sampling policy (raises a 400 under
+        'refuse' when the request asks for a value other than the run's)."""
+        run = {"temperature": self.config.temperature, "top_p": self.config.top_p, "top_k": self.config.top_k}
+        policy = self.config.sampling_policy
+        if policy == "pass":
+            return {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+        if policy == "refuse":
+            for key, value in self._asked(body).items():
+                if value != run[key]:
+                    raise ProtocolError(
+                        400,
+                        "invalid_request_error",
+                        f"{key}: this run samples with {key}={run[key]}, the request asked for {value} "
+                        "(sampling policy 'refuse'; leave it unset or send the run's value)",
+                    )
+        return run
 
     def _check_running(self, ex: Execution) -> None:
         # ended between authentication and now (the request body was still arriving)
