@@ -19,9 +19,10 @@ from pathlib import Path
 
 from gyre.config import RunConfig
 from gyre.controller import Controller
+from gyre.launch import Launcher, make_launcher
+from gyre.launch.base import cell_configs
 from gyre.monitor import RunMonitor
 from gyre.report import write_report
-from gyre.services import LocalServices, cell_configs
 from gyre.tasks import demo_queries, scoring_command
 from gyre_cell.tiny_model import build_tiny_model
 from gyre_eval.config import ServiceConfig
@@ -66,7 +67,7 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
     return cfg, run_dir
 
 
-async def run(cfg: RunConfig, services: LocalServices | None = None) -> dict:
+async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
     """One run; `services` lets the caller stop the processes from a signal handler (see gyre.cli)."""
     cfg, run_dir = prepare_run_dir(cfg)
     started = time.monotonic()
@@ -78,7 +79,7 @@ async def run(cfg: RunConfig, services: LocalServices | None = None) -> dict:
     params = cfg.policy_params()
     policy = make_policy(params)
     queries = demo_queries()
-    services = services or LocalServices(run_dir)
+    services = services or make_launcher(cfg, run_dir)
     services.run_dir = run_dir
     start = policy.start(0.0)  # Async assigns its training cells here: the header records the initial roles
     header = {**policy_header(params), "real": True, "initial_roles": [r.value for r in policy.roles]}

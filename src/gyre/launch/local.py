@@ -1,0 +1,45 @@
+"""The `local` launcher: every process of a run is a subprocess of the controller, on loopback (the default).
+
+Each is started with its own CLI (the same commands a user runs by hand: `gyre-cell worker --config`, `gyre-tito
+serve`) in its own process group, logs to RUN/logs/NAME.log, and dies with this process (cells set PDEATHSIG).
+`stop()` ends them all: SIGTERM to each group, SIGKILL to what is left after a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from dataclasses import dataclass
+
+from gyre.launch.base import Launcher, ServiceError, bin_path, cell_name
+from gyre_cell.worker_client import CellWorkerClient
+from gyre_cell.worker_types import CellWorkerConfig
+
+__all__ = ["LocalLauncher"]
+
+
+@dataclass
+class LocalLauncher(Launcher):
+    kind = "local"
+
+    async def start_cells(self, configs: list[CellWorkerConfig], timeout_s: float = 300.0) -> None:
+        """Start every worker, then wait until each finished its set-up (the gloo rendezvous needs all K)."""
+        cfg_dir = self.run_dir / "cells"
+        cfg_dir.mkdir(parents=True, exist_ok=True)
+        waits = []
+        for wc in configs:
+            name = cell_name(wc)
+            path = cfg_dir / f"{name}.json"
+            path.write_text(wc.model_dump_json(indent=2))
+            proc = self._spawn(name, [bin_path("gyre-cell"), "worker", "--config", str(path)])
+            client = CellWorkerClient(f"http://{wc.host}:{wc.port}")
+            (self.cells if wc.kind == "elastic" else self.standalone).append(client)
+            waits.append((name, client, proc))
+
+        async def ready(name: str, client: CellWorkerClient, proc: subprocess.Popen) -> None:
+            try:
+                await client.wait_ready(timeout_s, alive=lambda: proc.poll() is None)
+            except Exception as exc:
+                raise ServiceError(f"{name}: {exc}; see {self.run_dir}/logs/{name}.log") from None
+
+        await asyncio.gather(*(ready(*w) for w in waits))
