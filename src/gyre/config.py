@@ -128,6 +128,26 @@ class MetricsConfig(_Section):
     wandb_entity: str | None = None
 
 
+class LauncherConfig(_Section):
+    """Where the run's processes live (`gyre.launch`): local subprocesses, or Ray actors in placement groups."""
+
+    kind: Literal["local", "ray"] = "local"
+    """local: subprocesses on this machine (no Ray). ray: one placement group per cell, cell workers as actors."""
+    address: str | None = None
+    """Ray: the cluster to join (`auto`, `HOST:6379`); None starts a Ray instance on this machine."""
+    num_cpus: int | None = None
+    """Ray without an address: CPUs of the local instance (None: Ray's own count)."""
+    cpus_per_cell: float | None = Field(None, gt=0)
+    """Ray: CPUs of each cell's placement group (None: cluster.cpu_threads_per_cell)."""
+    gpus_per_cell: float = Field(0.0, ge=0)
+    """Ray: GPUs of each cell's placement group (0 on CPU)."""
+    cell_resources: list[dict[str, float]] = []
+    """Ray: extra resources of cell i's bundle (standalone engines follow the K cells), e.g. a node's custom
+    resource to pin a cell to it; shorter than the worker list = nothing extra for the rest."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """Ray: how long the placement groups may wait for resources."""
+
+
 DEMO_SCHEDULER = PolicyConfig(
     kind="elastic", N=4, B=2, phi=0.5, mu=1, rho_min=0.5, tau_s=1.0, async_train_cells=1
 )
@@ -146,6 +166,8 @@ class RunConfig(_Section):
     agent: AgentConfig = AgentConfig()
     dashboard: DashboardConfig = DashboardConfig()
     metrics: MetricsConfig = MetricsConfig()
+    launcher: LauncherConfig = LauncherConfig()
+    """local subprocesses (default) or a Ray cluster (`gyre run --ray ADDRESS`)."""
 
     @model_validator(mode="after")
     def _policy_valid(self) -> RunConfig:
