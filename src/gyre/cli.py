@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="stderr as text with a progress bar, or one JSON object per line")  # fmt: skip
     r = sub.add_parser("report", help="rebuild RUN/report.html")
     r.add_argument("run_dir", type=Path)
+    t = sub.add_parser("tasks", help="task datasets (gyre.datasets)")
+    tsub = t.add_subparsers(dest="tasks_command", required=True)
+    tv = tsub.add_parser("validate", help="check a task file (JSONL, Parquet or dataset folder): one line")
+    tv.add_argument("file", type=Path)
     return parser
 
 
@@ -119,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     from gyre import progress
 
     progress.setup(quiet=getattr(args, "quiet", False), log_format=getattr(args, "log_format", "text"))
+    if args.command == "tasks":
+        from gyre.datasets import validate_main
+
+        return validate_main(str(args.file))
     try:
         if args.command == "report":
             from gyre.report import write_report
