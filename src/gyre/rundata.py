@@ -346,7 +346,7 @@ class RunView:
         for c in self.calls:
             buckets.setdefault(int(max(0.0, c.end_at - t0) // width), []).append(c)
         out = []
-        for b in range(int(max(buckets) + 1)):
+        for b in range(max(int(length // width), *buckets) + 1):  # the whole run: 0 tokens/s while none end
             calls = buckets.get(b, [])
             lat = [c.latency_s for c in calls]
             out.append({

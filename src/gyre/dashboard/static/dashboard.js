@@ -115,7 +115,10 @@
     unitName = series.time_unit || "s";
     unitScale = series.time_scale || 1;
     for (const name of ["roles", "waterlevel", "throughput", "latency", "switches"]) {
-      charts[name].options.scales.x.title.text = `time (${unitName})`;
+      const x = charts[name].options.scales.x;
+      x.title.text = `time (${unitName})`;
+      x.min = 0;
+      x.max = series.length_s > 0 ? T(series.length_s) : undefined; // every time axis spans the whole run
     }
   }
   const T = (t) => (t == null ? null : t / unitScale);
@@ -132,7 +135,6 @@
         for (const [a, b, role] of spans) if (role === ds.label && b > a) ds.data.push({ x: [T(a), T(b)], y: labels[i] });
       });
     }
-    rc.options.scales.x.max = T(series.length_s) || undefined;
     rc.update();
 
     const wl = series.waterlevel || [];
