@@ -18,6 +18,7 @@ from gyre_tito.testing import ProxyServer
 from gyre_tito.tiny_tokenizer import build_tiny_tokenizer, load_tiny_tokenizer
 
 REPLY = " ".join(f"word{i}" for i in range(60)) + " done."
+HELD = 25  # tokens engine A streams before its gate holds the request (then it is killed)
 
 
 def _free_port() -> int:
@@ -26,8 +27,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_engine(tok_dir, script, version: str) -> tuple[subprocess.Popen, str]:
+def _spawn_engine(
+    tok_dir, script, version: str, hold_after: int | None = None
+) -> tuple[subprocess.Popen, str]:
     port = _free_port()
+    hold = ["--hold-after", str(hold_after)] if hold_after is not None else []
     p = subprocess.Popen(
         [
             sys.executable,
@@ -39,17 +43,19 @@ def _spawn_engine(tok_dir, script, version: str) -> tuple[subprocess.Popen, str]
             str(script),
             "--port",
             str(port),
-            "--token-delay",
-            "0.02",
             "--weight-version",
             version,
+            *hold,
         ],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while time.time() < deadline:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # readiness poll of a starting process (not an ordering assumption)
+        if p.poll() is not None:
+            break
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return p, url
@@ -65,7 +71,7 @@ def test_engine_killed_mid_request_completes_elsewhere(tmp_path):
     tok = load_tiny_tokenizer(tok_dir)
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"rules": [], "default_reply": REPLY}))
-    a, url_a = _spawn_engine(tok_dir, script, "v1")
+    a, url_a = _spawn_engine(tok_dir, script, "v1", hold_after=HELD)
     b, url_b = _spawn_engine(tok_dir, script, "v2")
     try:
         cfg = ProxyConfig(
@@ -85,12 +91,8 @@ def test_engine_killed_mid_request_completes_elsewhere(tmp_path):
 
             th = threading.Thread(target=run)
             th.start()
-            st = srv.proxy.pool._engines[url_a]  # the least-loaded pick with both idle is the first engine
-            deadline = time.time() + 20
-            while not st.inflight and time.time() < deadline:
-                time.sleep(0.01)
-            assert st.inflight, "request never reached engine A"
-            time.sleep(0.5)  # let A stream part of the answer
+            # gate: A (the least-loaded pick with both idle is the first engine) streams HELD tokens and holds
+            assert a.stdout.readline().strip() == "holding", "request never reached engine A's gate"
             a.kill()
             a.wait()
             th.join(timeout=60)
@@ -110,7 +112,7 @@ def test_engine_killed_mid_request_completes_elsewhere(tmp_path):
             assert len(segs) == 2
             (ea, va, s0, p), (eb, vb, p2, n) = segs
             assert (ea, va, s0) == (url_a, "v1", 0) and (eb, vb) == (url_b, "v2")
-            assert 0 < p == p2 < n == len(want)
+            assert p == p2 == HELD and n == len(want)  # A's part is exactly what it streamed before dying
             assert rec.metadata["attempts"] == 2
     finally:
         for p in (a, b):

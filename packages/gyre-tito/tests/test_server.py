@@ -134,10 +134,15 @@ def test_restart_reloads_executions_tree_and_tool_cache(tok_dir, tmp_path, engin
 def test_drain_aborts_and_continues_on_other_engine(tok_dir, tmp_path, engines):
     es, urls = engines
     for e in es:
-        e.config.token_delay_s = 0.01
+        e.config.hold_after = 5  # gate: the first attempt stops after 5 tokens until drained (aborted)
     with ProxyServer(_cfg(tok_dir, tmp_path, urls)) as srv:
         eid, cred = srv.register()
+        for e in es:
+            e.release.set()  # the first call runs through
         first = _msg(srv.url, cred, [{"role": "user", "content": "go"}]).json()["content"][0]
+        for e in es:
+            e.release.clear()
+            e.holding.clear()
         msgs = [
             {"role": "user", "content": "go"},
             {"role": "assistant", "content": [first]},
@@ -149,12 +154,8 @@ def test_drain_aborts_and_continues_on_other_engine(tok_dir, tmp_path, engines):
         out = {}
         th = threading.Thread(target=lambda: out.setdefault("r", _msg(srv.url, cred, msgs)))
         th.start()
-        deadline = time.time() + 10
-        busy = None
-        while busy is None and time.time() < deadline:
-            busy = next((e["url"] for e in srv.proxy.pool.engines() if e["inflight"]), None)
-            time.sleep(0.005)
-        time.sleep(0.1)
+        held = _wait_any_holding(es)
+        busy = urls[es.index(held)].rstrip("/")
         r = srv.admin("POST", "/admin/engines/drain", {"engine": busy})
         assert r.status_code == 200 and r.json()["inflight_at_drain"] == 1
         th.join(30)
@@ -163,17 +164,28 @@ def test_drain_aborts_and_continues_on_other_engine(tok_dir, tmp_path, engines):
             and out["r"].json()["content"][0]["text"] == ("finished " * 30).strip()
         )
         rec = list(srv.proxy.executions[eid].records.tree.records())[-1]
-        assert [s.engine_id for s in rec.output_segments] == [busy, next(u for u in urls if u != busy)]
+        other = next(u for u in urls if u.rstrip("/") != busy).rstrip("/")
+        assert [s.engine_id for s in rec.output_segments] == [busy, other]
+        assert (rec.output_segments[0].start, rec.output_segments[0].end) == (0, 5)  # exactly the held prefix
         assert rec.output_logprobs == [scripted_logprob(i, t) for i, t in enumerate(rec.output_ids)]
         assert busy not in [e["url"] for e in srv.proxy.pool.engines()]
+
+
+def _wait_any_holding(es, timeout=20.0):
+    """The engine whose request reached its hold gate (an event, not a timing guess)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in es:
+            if e.holding.wait(0.01):
+                return e
+    raise AssertionError("no request reached the hold gate")
 
 
 def test_interrupted_call_continues_on_the_executions_new_route(tok_dir, tmp_path, engines):
     """A cell leaving rollout: the controller reroutes the execution, then drains its engine. The interrupted call
     must continue on the new route, not go back to the drained engine once the pool has forgotten it."""
     es, urls = engines
-    for e in es:
-        e.config.token_delay_s = 0.01
+    es[0].config.hold_after = 3  # gate: the call holds on engine 0 after 3 tokens
     with ProxyServer(_cfg(tok_dir, tmp_path, urls)) as srv:
         eid, cred = srv.register()
         assert srv.admin("PUT", f"/admin/executions/{eid}/route", {"engines": [urls[0]]}).status_code == 200
@@ -182,16 +194,14 @@ def test_interrupted_call_continues_on_the_executions_new_route(tok_dir, tmp_pat
             target=lambda: out.setdefault("r", _msg(srv.url, cred, [{"role": "user", "content": "go"}]))
         )
         th.start()
-        deadline = time.time() + 10
-        while not len(es[0].requests) and time.time() < deadline:
-            time.sleep(0.005)
-        time.sleep(0.05)
+        assert es[0].holding.wait(20)
         assert srv.admin("PUT", f"/admin/executions/{eid}/route", {"engines": [urls[1]]}).status_code == 200
         assert srv.admin("POST", "/admin/engines/drain", {"engine": urls[0]}).status_code == 200
         th.join(30)
         assert out["r"].status_code == 200
         rec = list(srv.proxy.executions[eid].records.tree.records())[-1]
         assert [s.engine_id for s in rec.output_segments] == [urls[0].rstrip("/"), urls[1].rstrip("/")]
+        assert (rec.output_segments[0].start, rec.output_segments[0].end) == (0, 3)
         assert len(es[0].requests) == 1  # the drained engine was never called again
 
 
@@ -256,7 +266,7 @@ def test_engine_rejection_is_a_400_not_a_retry_storm(tok_dir, tmp_path):
     eng = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok_dir), context_length=50))
     url = eng.start()
     try:
-        with ProxyServer(_cfg(tok_dir, tmp_path, [url])) as srv:
+        with ProxyServer(_cfg(tok_dir, tmp_path, [url], context_from_engines=False)) as srv:
             eid, cred = srv.register()
             r = _msg(srv.url, cred, [{"role": "user", "content": "hi"}])
             assert (
@@ -279,18 +289,35 @@ def _frames(resp: httpx.Response) -> list[tuple[str, dict]]:
 
 def test_stream_starts_at_once_pings_while_generating_and_reports_late_errors(tok_dir, tmp_path):
     eng = ScriptedEngine(
-        ScriptedEngineConfig(tokenizer=str(tok_dir), default_reply="slow " * 6, token_delay_s=0.03)
+        ScriptedEngineConfig(tokenizer=str(tok_dir), default_reply="slow " * 6, hold_after=2)
     )
     url = eng.start()
+    dying = ScriptedEngine(
+        ScriptedEngineConfig(tokenizer=str(tok_dir), default_reply="slow " * 6, fail_after=2)
+    )
+    dying_url = dying.start()
     try:
         cfg = _cfg(tok_dir, tmp_path, [url], keepalive_s=0.05)
         cfg.engine.max_attempts = 2
         cfg.engine.retry_backoff_s = 0.01
         with ProxyServer(cfg) as srv:
             eid, cred = srv.register()
-            r = _msg(srv.url, cred, [{"role": "user", "content": "hi"}], stream=True)
-            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-            kinds = [k for k, _ in _frames(r)]
+            body = {
+                "model": "m",
+                "max_tokens": 300,
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+            }
+            kinds = []
+            with httpx.stream(
+                "POST", srv.url + "/v1/messages", headers={"x-api-key": cred}, json=body, timeout=30
+            ) as r:
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                for line in r.iter_lines():
+                    if line.startswith("event: "):
+                        kinds.append(line[7:])
+                        if kinds[-1] == "ping":
+                            eng.release.set()  # gate: the engine holds until the harness has seen a keep-alive
             assert kinds[0] == "message_start" and "ping" in kinds and kinds[-1] == "message_stop"
             assert kinds[kinds.index("content_block_start") :] == [
                 "content_block_start",
@@ -300,11 +327,11 @@ def test_stream_starts_at_once_pings_while_generating_and_reports_late_errors(to
                 "message_stop",
             ]
             assert len(srv.proxy.executions[eid].records.tree) == 1
-            # an engine failure after the stream started arrives as an error event in Anthropic's shape
-            _, cred2 = srv.register(route=["http://127.0.0.1:9"])
+            # an engine failure after the engine accepted the call arrives as an error event in Anthropic's shape
+            _, cred2 = srv.register(route=[dying_url])
             r = _msg(srv.url, cred2, [{"role": "user", "content": "hi"}], stream=True)
             frames = _frames(r)
-            assert frames[0][0] == "message_start" and frames[-1][0] == "error"
+            assert r.status_code == 200 and frames[0][0] == "message_start" and frames[-1][0] == "error"
             assert frames[-1][1] == {
                 "type": "error",
                 "error": {"type": "overloaded_error", "message": frames[-1][1]["error"]["message"]},
@@ -322,3 +349,108 @@ def test_stream_starts_at_once_pings_while_generating_and_reports_late_errors(to
             )
     finally:
         eng.stop()
+        dying.stop()
+
+
+def test_a_streamed_call_the_engine_rejects_is_an_http_400(tok_dir, tmp_path):
+    """Before: the stream started before the engine saw the request, so its 400 came back as HTTP 200 + an error event."""
+    eng = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok_dir), context_length=50))
+    url = eng.start()
+    try:
+        with ProxyServer(_cfg(tok_dir, tmp_path, [url], context_from_engines=False)) as srv:
+            _, cred = srv.register()
+            long = "word " * 60
+            r = _msg(srv.url, cred, [{"role": "user", "content": long}], stream=True)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+            assert "context length" in r.json()["error"]["message"]
+            r = httpx.post(
+                srv.url + "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {cred}"},
+                json={"model": "m", "messages": [{"role": "user", "content": long}], "stream": True},
+                timeout=30,
+            )
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    finally:
+        eng.stop()
+
+
+def test_max_context_is_taken_from_the_engines(tok_dir, tmp_path):
+    """Before: `--max-context` (131072) was the only limit, whatever the engine's context length."""
+    eng = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok_dir), context_length=200))
+    url = eng.start()
+    try:
+        with ProxyServer(_cfg(tok_dir, tmp_path, [url])) as srv:
+            _, cred = srv.register()
+            r = _msg(srv.url, cred, [{"role": "user", "content": "hi"}])  # the tools alone are ~220 tokens
+            assert r.status_code == 400 and "> 200 maximum" in r.json()["error"]["message"], r.text
+            assert len(eng.requests) == 0  # refused by the proxy, never sent
+            body = {"model": "m", "max_tokens": 1000, "messages": [{"role": "user", "content": "hi"}]}
+            r = httpx.post(srv.url + "/v1/messages", headers={"x-api-key": cred}, json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            sent = eng.requests[-1]
+            assert len(sent["input_ids"]) + sent["sampling_params"]["max_new_tokens"] <= 200
+    finally:
+        eng.stop()
+
+
+def test_admin_bodies_are_validated(tok_dir, tmp_path, engines):
+    _, urls = engines
+    with ProxyServer(_cfg(tok_dir, tmp_path, urls)) as srv:
+        for body in ({}, {"engine": [urls[0]]}, {"engines": None}, {"engines": urls, "extra": 1}):
+            r = srv.admin("PUT", "/admin/routes", body)
+            assert r.status_code == 400, body
+        assert len(srv.proxy.pool.engines()) == 2  # before: `{}` or a misspelled key removed every engine
+        for body in (
+            {"engine": urls[0], "timeout_s": "abc"},
+            {"engine": urls[0], "timeout_s": 1e300},
+            {"engine": urls[0], "timeout_s": -1},
+            {"engine": urls[0], "abort_inflight": "no"},
+        ):
+            r = srv.admin("POST", "/admin/engines/drain", body)
+            assert r.status_code == 400, (body, r.text)
+        eid, _ = srv.register()
+        for body in ({"j_max": 1e300}, {"j_max": "x"}, {"seed": 2**70}, {"j_max": 0}):
+            r = srv.admin("POST", f"/admin/executions/{eid}/export", body)
+            assert r.status_code == 400, (body, r.text)
+        assert (
+            srv.admin("PUT", "/admin/routes", {"engines": [urls[1]]}).status_code == 200
+        )  # explicit is fine
+        assert [e["url"] for e in srv.proxy.pool.engines()] == [urls[1].rstrip("/")]
+
+
+def test_a_null_logprob_from_an_engine_is_never_recorded_as_zero(tok_dir, tmp_path):
+    """Before: an engine with NaN weights sent `null` log-probs and the proxy recorded 0.0 (a certain token)."""
+    from gyre_tito.engine_client import EnginePool, EnginePoolConfig, _apply, _Attempt
+
+    att = _Attempt()
+    with pytest.raises(ValueError, match="null or non-finite"):
+        _apply(att, {"meta_info": {"output_token_logprobs": [[-0.5, 7, None], [None, 8, None]]}})
+    assert att.ids == [] and att.logprobs == []
+
+    class NullEngine(ScriptedEngine):
+        def _answer(self, rid, ids, out, done, finish):
+            ans = super()._answer(rid, ids, out, done, finish)
+            for t in ans["meta_info"]["output_token_logprobs"]:
+                t[0] = None
+            return ans
+
+    bad = NullEngine(ScriptedEngineConfig(tokenizer=str(tok_dir)))
+    good = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok_dir)))
+    urls = [bad.start(), good.start()]
+    try:
+        import asyncio
+
+        async def main():
+            pool = EnginePool(EnginePoolConfig(engines=urls, retry_backoff_s=0.01))
+            try:
+                res = await pool.generate([1, 2, 3], {"max_new_tokens": 50}, route=[urls[0], urls[1]])
+            finally:
+                await pool.aclose()
+            return res
+
+        res = asyncio.run(main())
+        assert res.segments[-1].engine == urls[1] and all(s.engine == urls[1] for s in res.segments)
+        assert res.logprobs == [scripted_logprob(i, t) for i, t in enumerate(res.output_ids)]
+    finally:
+        bad.stop()
+        good.stop()

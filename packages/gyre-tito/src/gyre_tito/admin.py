@@ -117,7 +117,11 @@ def export_trajectories(proxy, execution_id: str, body: dict[str, Any]) -> list[
     ex = proxy.get(execution_id)
     target = export_target(proxy, body["path"]) if body.get("path") is not None else None
     priority = (*ROLE_PRIORITY, "other") if body.get("include_other") else ROLE_PRIORITY
-    cfg = SelectionConfig(j_max=int(body.get("j_max", 5)), seed=int(body.get("seed", 0)), priority=priority)
+    j_max, seed = body.get("j_max", 5), body.get("seed", 0)
+    for name, v, lo, hi in (("j_max", j_max, 1, 10_000), ("seed", seed, -(2**63), 2**63 - 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ProtocolError(400, "invalid_request_error", f"{name}: must be an integer in [{lo}, {hi}]")
+    cfg = SelectionConfig(j_max=j_max, seed=seed, priority=priority)
     if body.get("no_work"):
         trajs = [placeholder_trajectory(ex.id, ex.group_id)]
     else:
@@ -254,9 +258,18 @@ def admin_router(proxy) -> APIRouter:
     async def routes(req: Request):
         try:
             body = await guard(req)
-            urls = _urls(body.get("engines"), "engines")
-            proxy.pool.set_engines(urls or [])
-            proxy.config.engines = urls or []
+            unknown = sorted(set(body) - {"engines"})
+            if unknown or "engines" not in body or body["engines"] is None:
+                # a misspelled or missing key must never read as "no engines" and empty the route
+                raise ProtocolError(
+                    400,
+                    "invalid_request_error",
+                    "body must be {'engines': [url, ...]}" + (f"; unknown keys {unknown}" if unknown else ""),
+                )
+            urls = _urls(body["engines"], "engines") or []
+            proxy.pool.set_engines(urls)
+            proxy.config.engines = urls
+            proxy.refresh_context_limit()
             return {"engines": proxy.pool.engines()}
         except ProtocolError as e:
             return _err(e)
@@ -268,10 +281,20 @@ def admin_router(proxy) -> APIRouter:
             url = body.get("engine")
             if not isinstance(url, str):
                 raise ProtocolError(400, "invalid_request_error", "engine: required URL string")
-            try:
-                n = await proxy.pool.drain(
-                    url, bool(body.get("abort_inflight", True)), float(body.get("timeout_s", 30))
+            timeout_s = body.get("timeout_s", 30)
+            if (
+                isinstance(timeout_s, bool)
+                or not isinstance(timeout_s, int | float)
+                or not 0 <= timeout_s <= 3600
+            ):
+                raise ProtocolError(
+                    400, "invalid_request_error", "timeout_s: must be a number of seconds in [0, 3600]"
                 )
+            abort = body.get("abort_inflight", True)
+            if not isinstance(abort, bool):
+                raise ProtocolError(400, "invalid_request_error", "abort_inflight: must be a boolean")
+            try:
+                n = await proxy.pool.drain(url, abort, float(timeout_s))
             except KeyError:
                 raise ProtocolError(404, "not_found_error", f"no engine {url!r}") from None
             return {"engine": url.rstrip("/"), "inflight_at_drain": n}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -86,7 +87,12 @@ def _apply(att: _Attempt, obj: dict[str, Any]) -> None:
     meta = obj.get("meta_info") or {}
     lps = meta.get("output_token_logprobs")
     ids = [int(t[1]) for t in lps] if lps is not None else list(obj.get("output_ids") or [])
-    lp = [float(t[0]) if t[0] is not None else 0.0 for t in lps] if lps is not None else [0.0] * len(ids)
+    if lps is not None:
+        lp = [float(t[0]) if t[0] is not None else math.nan for t in lps]
+        if not all(math.isfinite(v) for v in lp):  # JSON null is how NaN travels: never record it as a number
+            raise ValueError("engine returned a null or non-finite log-prob")
+    else:
+        lp = [0.0] * len(ids)
     ctoks = meta.get("completion_tokens")
     version = str(meta.get("weight_version", "default"))
     spans = meta.get("weight_versions")
@@ -120,15 +126,18 @@ def _error_message(raw: bytes) -> str:
 class EnginePool:
     """Least-loaded routing and retrying `/generate` calls over a set of engines."""
 
-    def __init__(self, config: EnginePoolConfig, client: httpx.AsyncClient | None = None):
+    def __init__(
+        self, config: EnginePoolConfig, client: httpx.AsyncClient | None = None, api_key: str | None = None
+    ):
         self.config = config
         self._engines: dict[str, _EngineState] = {}
         self.set_engines(config.engines)
         # Idle connections are dropped before uvicorn/SGLang's 5 s keep-alive ends, so a reused connection is never
         # closed by the engine under our feet (that would count as an engine failure and cool it down).
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0)
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else None  # the engines' token, if any
         self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(config.request_timeout_s, connect=5.0), limits=limits
+            timeout=httpx.Timeout(config.request_timeout_s, connect=5.0), limits=limits, headers=headers
         )
         self.retries = 0  # attempts beyond the first, over the pool's life (for /metrics)
 
@@ -197,11 +206,13 @@ class EnginePool:
         sampling: dict[str, Any],
         route: list[str] | Callable[[], list[str] | None] | None = None,
         rid: str | None = None,
+        on_accept: Callable[[], None] | None = None,
     ) -> GenerateResult:
         """Generate up to `sampling["max_new_tokens"]` tokens after `input_ids`, retrying across engines.
 
         `route` may be a callable: it is read again before every attempt, so a call interrupted because its engine
         left rollout continues on the execution's *new* route, never back on the engine being drained.
+        `on_accept` is called once, when an engine first answers the request with a success status (it accepted it).
         """
         if not isinstance(input_ids, list):
             input_ids = list(input_ids)
@@ -222,7 +233,8 @@ class EnginePool:
             st.inflight[att_rid] = 0
             failed = False
             try:
-                await self._call(st.url, input_ids + res.output_ids, sp, att_rid, att, res)
+                await self._call(st.url, input_ids + res.output_ids, sp, att_rid, att, res, on_accept)
+                on_accept = None
             except (httpx.HTTPError, ValueError, orjson.JSONDecodeError):
                 failed = True
                 st.cool_until = time.time() + self.config.cooldown_s
@@ -249,7 +261,9 @@ class EnginePool:
             # aborted, killed or unreachable: continue from input + what was produced, on the current route
         raise EngineError(f"no engine finished the call after {self.config.max_attempts} attempts")
 
-    async def _call(self, url: str, ids: list[int], sp: dict[str, Any], rid: str, att: _Attempt, res) -> None:
+    async def _call(
+        self, url: str, ids: list[int], sp: dict[str, Any], rid: str, att: _Attempt, res, on_accept=None
+    ) -> None:
         body = {
             "rid": rid,
             "input_ids": ids,
@@ -266,6 +280,8 @@ class EnginePool:
                 raise httpx.HTTPStatusError(
                     f"engine answered {r.status_code}: {text!r}", request=r.request, response=r
                 )
+            if on_accept is not None:
+                on_accept()
             if "text/event-stream" not in r.headers.get("content-type", ""):
                 _apply(att, orjson.loads(await r.aread()))
                 return
@@ -280,6 +296,16 @@ class EnginePool:
                     res.first_token_at = time.time()
             if att.finish is None:  # stream ended without a finish reason: the engine went away
                 raise httpx.RemoteProtocolError("stream ended early")
+
+    async def context_length(self, url: str, timeout_s: float = 10.0) -> int | None:
+        """The engine's context length from `GET /server_info` (`context_length`; SGLang reports it when set),
+        or None when the engine does not say or cannot be reached."""
+        try:
+            r = await self._client.get(f"{url.rstrip('/')}/server_info", timeout=timeout_s)
+            value = r.json().get("context_length") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
     async def aclose(self) -> None:
         await self._client.aclose()

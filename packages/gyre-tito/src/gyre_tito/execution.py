@@ -107,6 +107,7 @@ class PreparedCall:
     sampling: dict[str, Any]
     msg_id: str
     t0: float
+    accepted: asyncio.Event = field(default_factory=asyncio.Event)  # set once an engine accepted the request
 
     @property
     def input_tokens(self) -> int:

@@ -80,7 +80,14 @@ class ProxyConfig(BaseModel):
     store: str = Field(description="directory for executions, records and the resolved config")
     model_name: str = Field("gyre-policy", description="model name reported to harnesses")
     admin_token: str | None = Field(None, description="token for /admin endpoints (None: admin API disabled)")
+    engine_api_key: str | None = Field(
+        None, description="bearer token sent to every engine (None: engines without a token, loopback only)"
+    )
     max_context_tokens: int = Field(131072, description="model context limit (prompt + max new tokens)")
+    context_from_engines: bool = Field(
+        True,
+        description="also limit prompts to the smallest context length the route's engines report (GET /server_info)",
+    )
     volatile_patterns: list[str] = Field(
         default_factory=lambda: list(DEFAULT_VOLATILE_PATTERNS),
         description="system lines dropped before rendering",
@@ -124,7 +131,10 @@ class Proxy:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.chat = ChatTokenizer(config.tokenizer)
         self.records = RecordStore(self.store_dir / "records", RecordLogConfig(fsync=config.fsync))
-        self.pool = EnginePool(config.engine.model_copy(update={"engines": config.engines}))
+        self.pool = EnginePool(
+            config.engine.model_copy(update={"engines": config.engines}), api_key=config.engine_api_key
+        )
+        self._engine_context: dict[str, tuple[int | None, float]] = {}  # url -> (context length, when asked)
         self.classifiers: dict[str, RoleClassifier] = classifiers or {
             "anthropic": make_classifier(config.classifier),
             "openai": make_classifier(config.openai_classifier),
@@ -377,7 +387,7 @@ class Proxy:
         async with ex.lock:  # the tree is not read while a record is being added to it (in a worker thread)
             ids, policy = self.encode(ex, conv)
             parent, n = ex.records.match(ids)
-        limit = self.config.max_context_tokens
+        limit = await self.context_limit(ex.route)
         max_new = self.fit_max_tokens(len(ids), sampling.max_new_tokens, limit)
         used = self.sampling_used(sampling, body)
         meta = {**meta, "sampling": {
@@ -438,6 +448,27 @@ class Proxy:
                     )
         return run
 
+    def refresh_context_limit(self) -> None:
+        """Forget what the engines reported: the next call asks the (new) route's engines again."""
+        self._engine_context.clear()
+
+    async def context_limit(self, route: list[str] | None) -> int:
+        """The configured limit, lowered to the smallest context length the call's engines report (each engine is
+        asked once; one that does not answer is asked again after 30 s)."""
+        limit = self.config.max_context_tokens
+        if not self.config.context_from_engines:
+            return limit
+        urls = [u.rstrip("/") for u in (route if route is not None else self.config.engines)]
+        now = time.monotonic()
+        stale = [u for u in urls if u not in self._engine_context or (
+            self._engine_context[u][0] is None and now - self._engine_context[u][1] > 30.0)]  # fmt: skip
+        if stale:
+            found = await asyncio.gather(*(self.pool.context_length(u) for u in stale))
+            for u, n in zip(stale, found, strict=True):
+                self._engine_context[u] = (n, now)
+        known = [self._engine_context[u][0] for u in urls if self._engine_context.get(u, (None,))[0]]
+        return min([limit, *known])
+
     def _check_running(self, ex: Execution) -> None:
         # ended between authentication and now (the request body was still arriving)
         if ex.ended:
@@ -469,7 +500,9 @@ class Proxy:
         sp, msg_id, t0 = call.sampling, call.msg_id, call.t0
         t_engine = time.time()
         try:
-            res = await self.pool.generate(ids, sp, route=lambda: ex.route)  # re-read on every retry
+            res = await self.pool.generate(  # the route is re-read on every retry
+                ids, sp, route=lambda: ex.route, on_accept=call.accepted.set
+            )
         except EngineError as e:
             raise ProtocolError(529, "overloaded_error", f"no engine available: {e}") from e
         except EngineRejected as e:

@@ -51,6 +51,14 @@ class ScriptedEngineConfig(BaseModel):
     token_delay_s: float = Field(0.0, description="sleep per generated token (to make requests take time)")
     weight_version: str = Field("default", description="reported as meta_info.weight_version")
     context_length: int | None = Field(None, description="reject longer inputs with 400, as SGLang does")
+    hold_after: int | None = Field(
+        None,
+        description="gate for tests: a fresh request (not a continuation) stops after this many tokens until "
+        "`release` is set or it is aborted; `holding` is set when one reaches that point",
+    )
+    fail_after: int | None = Field(
+        None, description="end every stream after this many tokens without a finish reason (a dying engine)"
+    )
 
 
 def scripted_logprob(i: int, token_id: int) -> float:
@@ -71,6 +79,8 @@ class ScriptedEngine:
         self.requests: list[dict[str, Any]] = []  # bodies received, for tests
         self.prompts: list[str] = []
         self._aborted: set[str] = set()
+        self.holding = threading.Event()  # a request reached `hold_after` tokens
+        self.release = threading.Event()  # lets held requests go on
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
@@ -126,6 +136,10 @@ class ScriptedEngine:
                 "weight_version": self.config.weight_version,
             }
 
+        @app.get("/server_info")
+        async def server_info() -> dict[str, Any]:
+            return {"context_length": self.config.context_length, "version": "scripted"}
+
         @app.post("/abort_request")
         async def abort(req: Request) -> dict[str, Any]:
             body = await req.json()
@@ -162,6 +176,14 @@ class ScriptedEngine:
     async def _produce(self, rid: str, reply: list[int], done: int, max_new: int):
         out: list[int] = []
         for i in range(done, len(reply)):
+            hold = self.config.hold_after
+            if hold is not None and done == 0 and len(out) == hold:
+                self.holding.set()
+                while not self.release.is_set() and rid not in self._aborted:
+                    await asyncio.sleep(0.002)  # a gate the test opens; never a timing assumption
+            fail = self.config.fail_after
+            if fail is not None and len(out) >= fail:
+                return  # the stream ends without a finish reason, as when the engine dies
             if rid in self._aborted:
                 yield out, {"type": "abort", "message": "aborted"}
                 return
@@ -228,12 +250,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--token-delay", type=float, default=0.0)
     ap.add_argument("--weight-version", default="default")
+    ap.add_argument(
+        "--hold-after", type=int, default=None, help="hold fresh requests after N tokens; prints 'holding'"
+    )
     a = ap.parse_args(argv)
     script = json.loads(Path(a.script).read_text()) if a.script else {}
     cfg = ScriptedEngineConfig(
-        tokenizer=a.tokenizer, token_delay_s=a.token_delay, weight_version=a.weight_version, **script
+        tokenizer=a.tokenizer,
+        token_delay_s=a.token_delay,
+        weight_version=a.weight_version,
+        hold_after=a.hold_after,
+        **script,
     )
     eng = ScriptedEngine(cfg)
+    if a.hold_after is not None:  # a test in another process learns the gate was reached from stdout
+
+        def announce() -> None:
+            eng.holding.wait()
+            print("holding", flush=True)
+
+        threading.Thread(target=announce, daemon=True).start()
     uvicorn.run(
         eng.app, host="127.0.0.1", port=a.port, log_level="warning", lifespan="off", timeout_keep_alive=75
     )

@@ -85,15 +85,27 @@ def create_app(proxy: Proxy) -> FastAPI:
         e = ProtocolError(500, "api_error", f"internal error: {type(exc).__name__}")
         return _openai_error(e) if req.url.path.startswith("/v1/chat") else _anthropic_error(e)
 
-    def _streamed(call, first: bytes, ping: bytes, content, on_error, api: str) -> StreamingResponse:
-        """Stream `first` now, keep-alives while the engine works, then the content (or an error event).
+    async def _streamed(call, first: bytes, ping: bytes, content, on_error, api: str) -> StreamingResponse:
+        """Stream `first` once an engine accepted the call, keep-alives while it works, then the content (or an
+        error event).
 
-        The generation runs as its own task: a harness that disconnects does not cancel it, so the call is still
-        recorded (and its tool-call payloads cached) when the harness retries."""
+        The response starts only when an engine accepted the request (or after `keepalive_s`, whichever is first):
+        a request the engine refuses (400) or that no engine can take in that time is answered with its own HTTP
+        status, not a 200 carrying an error. The generation runs as its own task: a harness that disconnects does not
+        cancel it, so the call is still recorded (and its tool-call payloads cached) when the harness retries."""
         task = asyncio.ensure_future(proxy.finish(call))
         task.add_done_callback(
             lambda t: t.cancelled() or t.exception()
         )  # never "exception was never retrieved"
+        accepted = asyncio.ensure_future(call.accepted.wait())
+        try:
+            await asyncio.wait(
+                {task, accepted}, timeout=proxy.config.keepalive_s, return_when="FIRST_COMPLETED"
+            )
+        finally:
+            accepted.cancel()
+        if task.done() and isinstance(task.exception(), ProtocolError):
+            raise task.exception()
 
         async def frames():
             yield first
@@ -131,7 +143,7 @@ def create_app(proxy: Proxy) -> FastAPI:
             if stream:  # headers and message_start go out now; content only once the call is recorded
                 model = call.meta.get("model") or proxy.config.model_name
                 first = anthropic_api.sse_message_start(call.msg_id, model, call.input_tokens)
-                return _streamed(
+                return await _streamed(
                     call,
                     first,
                     anthropic_api.sse_ping(),
@@ -169,7 +181,7 @@ def create_app(proxy: Proxy) -> FastAPI:
             )
             if stream:
                 model = call.meta.get("model") or proxy.config.model_name
-                return _streamed(
+                return await _streamed(
                     call,
                     openai_api.stream_role_chunk(call.msg_id, model),
                     openai_api.KEEPALIVE,
