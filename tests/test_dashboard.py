@@ -193,7 +193,7 @@ def test_view_follows_appends_and_waits_for_a_torn_line(run):
 # ---- the server ------------------------------------------------------------------------------------------------
 def test_api_is_read_only_and_serves_the_vendored_chart_library(run):
     run_dir, expect = run
-    client = TestClient(make_app(RunView(run_dir)))
+    client = TestClient(make_app(RunView(run_dir)), base_url="http://127.0.0.1:8000")
     page = client.get("/")
     assert (
         page.status_code == 200
@@ -215,6 +215,10 @@ def test_api_is_read_only_and_serves_the_vendored_chart_library(run):
             r = getattr(client, method)(path)
             assert r.status_code == 405, (method, path)
     assert client.get("/api/state").headers["cache-control"] == "no-store"
+    assert client.get("/api/state", headers={"host": "localhost:8000"}).status_code == 200
+    assert client.get("/api/state", headers={"host": "[::1]:8000"}).status_code == 200
+    # a page elsewhere that rebinds its own name to 127.0.0.1 still sends its name: refused
+    assert client.get("/api/state", headers={"host": "evil.example:8000"}).status_code == 421
 
 
 def test_a_token_is_required_off_loopback(run):

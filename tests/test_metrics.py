@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import sys
 import types
@@ -12,6 +13,7 @@ import types
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from gyre import progress
 from gyre.metrics import INTERVAL_TAGS, STEP_TAGS, MetricsSink, interval_scalars, step_scalars
 from gyre.progress import Progress, format_duration
 from gyre.rundata import Call, percentile, time_unit
@@ -176,3 +178,34 @@ def test_progress_bar_text_json_and_quiet():
         and time_unit(600) == ("min", 60.0)
         and time_unit(5 * 3600) == ("h", 3600.0)
     )
+
+
+@pytest.fixture
+def root_logging():
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+
+
+def test_log_format_json_and_quiet(root_logging):
+    buf = io.StringIO()
+    progress.setup(log_format="json", stream=buf)
+    logging.getLogger("gyre").info("dashboard: %s", "http://127.0.0.1:1/")
+    progress.current().update(1, 2, 4.0, 0.5)
+    first, second = (json.loads(line) for line in buf.getvalue().splitlines())
+    assert (first["level"], first["logger"], first["msg"]) == (
+        "info",
+        "gyre",
+        "dashboard: http://127.0.0.1:1/",
+    )
+    assert second["event"] == "progress" and second["eta_s"] == 4.0
+
+    buf = io.StringIO()
+    progress.setup(quiet=True, stream=buf)
+    logging.getLogger("gyre").info("not shown")
+    logging.getLogger("gyre").warning("shown")
+    progress.current().update(1, 2, 4.0, 0.5)
+    (line,) = buf.getvalue().splitlines()  # the warning alone: no info line, no bar
+    assert line.endswith("gyre: shown")

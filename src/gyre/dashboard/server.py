@@ -7,7 +7,8 @@ Routes (GET only; any other method is refused with 405):
 - `/api/summary`, `/api/series`, `/api/executions`: the same parts alone;
 - `/api/execution/{id}`: one execution's trajectory tree, selected trajectories and assessments (404 if unknown).
 
-Access: on a loopback address anyone on this machine may read it. On any other address a token is required: as
+Access: on a loopback address anyone on this machine may read it (requests must name a loopback host, so a web page
+cannot reach it through DNS rebinding). On any other address a token is required: as
 `?token=...` (the page then gets an HttpOnly cookie, so its own requests carry it), an `Authorization: Bearer` header or
 that cookie; anything else is 401. `DashboardServer.url` includes the token.
 """
@@ -44,6 +45,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _loopback_host(host_header: str) -> bool:
+    host = host_header.strip()
+    if host.startswith("["):  # [::1]:port
+        host = host[1:].split("]", 1)[0]
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return is_loopback(host)
+
+
 def page(head: str, scripts: str, refresh_s: float, mode: str) -> str:
     """static/index.html with its head and scripts filled in (linked here, inlined by the static report)."""
     html = (STATIC / "index.html").read_text()
@@ -77,6 +87,9 @@ def make_app(view: RunView, token: str | None = None, refresh_s: float = 1.0) ->
     @app.middleware("http")
     async def guard(request: Request, call_next):
         set_cookie = False
+        if token is None and not _loopback_host(request.headers.get("host", "")):
+            # served on loopback without a token: refuse other Host names (DNS rebinding from a web page)
+            return JSONResponse({"error": "this dashboard answers on its loopback address only"}, 421)
         if token is not None:
             given = request.query_params.get("token") or request.cookies.get(COOKIE) or ""
             auth = request.headers.get("authorization", "")
