@@ -82,7 +82,7 @@ class CellTraining:
         mc = MultiCellConfig(
             num_cells=cfg.num_cells, master_port=t.master_port, control_port=t.coordinator_port,
             snapshot_dir=str(Path(cfg.run_dir) / "snapshots"), steps_per_burst=t.steps_per_burst,
-            host=cfg.host, claim_timeout_s=t.claim_timeout_s, starve_timeout_s=float("inf"),
+            host=t.master_host or cfg.host, claim_timeout_s=t.claim_timeout_s, starve_timeout_s=float("inf"),
         )  # fmt: skip
         self.groups = init_cell_process(
             mc, cfg.cell

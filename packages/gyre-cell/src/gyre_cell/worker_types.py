@@ -65,6 +65,9 @@ class CellTrainingConfig(_Wire):
     """gloo rendezvous port of the cells' process group (rank = cell index)."""
     coordinator_port: int = Field(ge=1)
     """Port of the core's micro-step coordinator (satellites claim through it)."""
+    master_host: str | None = None
+    """Address of the core's node: the gloo rendezvous and the micro-step coordinator (None: this worker's
+    `host`, right when every cell is on one machine). A launcher placing cells on several hosts sets it."""
     claim_timeout_s: float = Field(300.0, gt=0)
     """Claim lease: a satellite holding one micro-step longer than this is dropped and its work requeued."""
     snapshot: Literal["mooncake", "file"] = "mooncake"
