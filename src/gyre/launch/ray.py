@@ -1,0 +1,276 @@
+"""The `ray` launcher: one placement group per cell, each cell worker a Ray actor (`[launcher] kind = "ray"`).
+
+Placement: every worker (the K elastic cells, then the standalone engines) gets its own placement group with one
+bundle: its CPUs (`cpus_per_cell`), its GPUs (`gpus_per_cell`) and any custom resources the config names for it
+(`cell_resources`, e.g. a node's own resource to pin a cell there). The actor runs in that bundle and runs the same
+worker as the local launcher (`gyre_cell.worker.CellWorkerProcess`), in process.
+
+Addresses are exchanged through the controller: each actor first reports its node's IP and free ports on that node;
+the controller then writes every worker's config with its node's address (HTTP server, Mooncake `local_hostname`)
+and the core's address and ports (the gloo rendezvous and the micro-step coordinator: `training.master_host`), and
+starts them. Nothing binds 127.0.0.1 unless the node's address is loopback (a one-machine Ray instance).
+
+Logs: each actor's stdout and stderr go to RUN/logs/cell-I.log (standalone-I.log); RUN/logs/placement.json lists
+every worker's node, IP, PID and placement group. The run directory must be on a filesystem every node sees.
+
+The proxy and the evaluator stay with the controller (the agents they serve run there); see the README's cluster
+guide for what is and is not placed on the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyre.config import LauncherConfig
+from gyre.launch.base import Launcher, ServiceError, cell_name, free_port
+from gyre_cell.worker_client import CellWorkerClient
+from gyre_cell.worker_types import CellWorkerConfig
+
+log = logging.getLogger("gyre.launch")
+
+__all__ = ["CellActor", "RayLauncher", "place"]
+
+
+def _import_ray():
+    # Before Ray's first import (its constants are read then): the workers run this interpreter as it is, not
+    # through `uv run` with the working tree uploaded; SIGINT/SIGTERM stay gyre's (one line, every process stopped).
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - the dev group has it
+        raise ServiceError(
+            f"[launcher] kind = 'ray' needs Ray ({exc}): install gyre[ray] (uv sync --extra ray)"
+        ) from None
+    return ray
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface holding `ip` (gloo must use it, not whatever the host name resolves to)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            return name
+    return None
+
+
+class CellActor:
+    """One cell worker inside a Ray actor: reports its node, then runs `CellWorkerProcess` until shut down."""
+
+    def __init__(self, name: str, log_path: str) -> None:
+        self.name, self.log_path = name, log_path
+        self._done = threading.Event()
+        self._worker: Any = None
+
+    def node(self) -> dict:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        return {
+            "ip": ip, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+            "ports": [free_port(ip) for _ in range(3)],
+        }  # fmt: skip
+
+    def start(self, config_json: str) -> int:
+        """Redirect this process's output to the run's log, then serve the worker in a thread; returns the PID."""
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        import sys
+
+        import torch
+
+        from gyre_cell.worker import CellWorkerProcess
+
+        cfg = CellWorkerConfig.model_validate_json(config_json)
+        logging.basicConfig(
+            level=logging.INFO, format=f"%(asctime)s {self.name}: %(message)s", stream=sys.stderr, force=True
+        )
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        if "GLOO_SOCKET_IFNAME" not in os.environ and (iface := interface_of(cfg.host)) is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
+        torch.set_num_threads(cfg.cpu_threads)
+        print(cfg.model_dump_json(), flush=True)  # the resolved config, first (as the local worker does)
+        self._worker = CellWorkerProcess(cfg)
+        threading.Thread(target=self._serve, name="cell-worker", daemon=True).start()
+        return os.getpid()
+
+    def _serve(self) -> None:
+        worker = self._worker
+        try:
+            worker.serve()
+        except BaseException:
+            logging.getLogger("gyre_cell.worker").exception("%s: worker stopped", self.name)
+        finally:
+            with contextlib.suppress(Exception):
+                if worker.training is not None:
+                    worker.training.close()
+                worker.engine.close()
+            self._done.set()
+            # Daemon threads (gloo, Mooncake, the coordinator) must not keep a finished cell alive: like the local
+            # worker, the process ends here (Ray sees the actor exit).
+            os._exit(0)
+
+    def wait_exit(self) -> bool:
+        """Returns when the worker stopped; its reference fails with an actor error when the actor died."""
+        self._done.wait()
+        return True
+
+
+def place(configs: list[CellWorkerConfig], nodes: list[dict]) -> list[CellWorkerConfig]:
+    """Every worker's config with its node's address (from `CellActor.node`): the HTTP server and Mooncake bind
+    the node's IP; the gloo rendezvous and the micro-step coordinator are on the core's node (cell 0, first)."""
+    core_ip, (_, master_port, coordinator_port) = nodes[0]["ip"], nodes[0]["ports"]
+    placed = []
+    for wc, node in zip(configs, nodes, strict=True):
+        update: dict[str, Any] = {
+            "host": node["ip"],
+            "port": node["ports"][0],
+            "mooncake": wc.mooncake.model_copy(update={"local_hostname": node["ip"]}),
+        }
+        if wc.training is not None:
+            update["training"] = wc.training.model_copy(
+                update={
+                    "master_host": core_ip,
+                    "master_port": master_port,
+                    "coordinator_port": coordinator_port,
+                }
+            )
+        placed.append(wc.model_copy(update=update))
+    return placed
+
+
+@dataclass
+class RayLauncher(Launcher):
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    placement: list[dict] = field(default_factory=list)
+    _actors: list[Any] = field(default_factory=list)
+    _groups: list[Any] = field(default_factory=list)
+    _exits: list[Any] = field(default_factory=list)
+    _started_ray: bool = False
+
+    kind = "ray"
+
+    def _init_ray(self):
+        ray = _import_ray()
+        if not ray.is_initialized():
+            lc = self.launcher
+            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+            if lc.address:
+                kwargs["address"] = lc.address
+            elif lc.num_cpus is not None:
+                kwargs["num_cpus"] = lc.num_cpus
+            ray.init(**kwargs)
+            self._started_ray = True
+        return ray
+
+    def _bundle(self, i: int, cpu_threads: int) -> dict[str, float]:
+        lc = self.launcher
+        bundle = {"CPU": float(lc.cpus_per_cell if lc.cpus_per_cell is not None else cpu_threads)}
+        if lc.gpus_per_cell > 0:
+            bundle["GPU"] = lc.gpus_per_cell
+        if i < len(lc.cell_resources):
+            bundle.update(lc.cell_resources[i])
+        return bundle
+
+    async def start_cells(self, configs: list[CellWorkerConfig], timeout_s: float = 300.0) -> None:
+        ray = self._init_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        t0 = time.monotonic()
+        remote_cls = ray.remote(max_concurrency=4)(CellActor)
+        names = [cell_name(wc) for wc in configs]
+        for i, wc in enumerate(configs):
+            bundle = self._bundle(i, wc.cpu_threads)
+            pg = placement_group([bundle], strategy="STRICT_PACK", name=f"gyre-{names[i]}-{os.getpid()}")
+            self._groups.append(pg)
+        try:
+            await asyncio.to_thread(
+                ray.get, [pg.ready() for pg in self._groups], timeout=self.launcher.start_timeout_s
+            )
+        except Exception as exc:
+            wanted = [self._bundle(i, wc.cpu_threads) for i, wc in enumerate(configs)]
+            raise ServiceError(
+                f"ray: placement groups not ready after {self.launcher.start_timeout_s:.0f} s ({type(exc).__name__}); "
+                f"bundles {wanted}, cluster has {ray.cluster_resources()}"
+            ) from None
+        for i, wc in enumerate(configs):
+            bundle = self._bundle(i, wc.cpu_threads)
+            actor = remote_cls.options(
+                name=f"gyre-{names[i]}-{os.getpid()}",
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[i], placement_group_bundle_index=0),
+            ).remote(names[i], str(self.log_path(names[i])))  # fmt: skip
+            self._actors.append(actor)
+        # Each actor's node and free ports there, then the configs rewritten with them (through the controller).
+        nodes = await asyncio.to_thread(ray.get, [a.node.remote() for a in self._actors], timeout=timeout_s)
+        placed = place(configs, nodes)
+        cfg_dir = self.run_dir / "cells"
+        cfg_dir.mkdir(parents=True, exist_ok=True)
+        for name, wc in zip(names, placed, strict=True):
+            (cfg_dir / f"{name}.json").write_text(wc.model_dump_json(indent=2))
+        await asyncio.to_thread(
+            ray.get,
+            [a.start.remote(wc.model_dump_json()) for a, wc in zip(self._actors, placed, strict=True)],
+        )
+        self._exits = [a.wait_exit.remote() for a in self._actors]
+        self.placement = [
+            {"worker": n, "node_id": node["node_id"], "ip": node["ip"], "pid": node["pid"],
+             "port": wc.port, "placement_group": pg.id.hex(), "bundle": self._bundle(i, wc.cpu_threads)}
+            for i, (n, node, wc, pg) in enumerate(zip(names, nodes, placed, self._groups, strict=True))
+        ]  # fmt: skip
+        self.log_path("placement").with_suffix(".json").write_text(
+            json.dumps(self.placement, indent=1) + "\n"
+        )
+        for wc in placed:
+            client = CellWorkerClient(f"http://{wc.host}:{wc.port}")
+            (self.cells if wc.kind == "elastic" else self.standalone).append(client)
+        clients = self.cells + self.standalone
+
+        async def ready(i: int) -> None:
+            try:
+                await clients[i].wait_ready(timeout_s, alive=lambda: self.alive(i))
+            except Exception as exc:
+                raise ServiceError(f"{names[i]}: {exc}; see {self.run_dir}/logs/{names[i]}.log") from None
+
+        await asyncio.gather(*(ready(i) for i in range(len(clients))))
+        log.info("ray: %d worker actor(s) ready in %.1f s on node(s) %s", len(clients), time.monotonic() - t0,
+                 sorted({p["ip"] for p in self.placement}))  # fmt: skip
+
+    def alive(self, i: int) -> bool:
+        """False once worker i's actor exited or died (its exit reference resolved)."""
+        import ray
+
+        ready, _ = ray.wait([self._exits[i]], timeout=0)
+        return not ready
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        super().stop(grace_s)
+        if not self._actors and not self._groups:
+            return
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if ray.is_initialized():
+            for actor in self._actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+            for pg in self._groups:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(pg)
+            if self._started_ray:
+                ray.shutdown()
+        self._actors.clear()
+        self._groups.clear()
+        self._exits.clear()

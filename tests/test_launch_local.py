@@ -1,0 +1,81 @@
+"""Launchers without a cluster: the interface, the config, the address exchange of the ray launcher (no Ray)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre.config import ConfigError, load_config
+from gyre.launch import make_launcher
+from gyre.launch.base import cell_configs
+from gyre.launch.local import LocalLauncher
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_local_is_the_default_and_needs_no_ray():
+    code = (
+        "import sys; from gyre.config import load_config; from gyre.launch import make_launcher;"
+        "from gyre import pipeline, cli;"
+        "l = make_launcher(load_config(None)); print(l.kind, 'ray' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["local", "False"]
+
+
+def test_ray_kind_from_config_and_cli_flag(tmp_path):
+    cfg = load_config(None, {"launcher.kind": "ray", "launcher.address": "10.0.0.1:6379"})
+    launcher = make_launcher(cfg, tmp_path)
+    assert (launcher.kind, launcher.launcher.address, launcher.run_dir) == ("ray", "10.0.0.1:6379", tmp_path)
+    from gyre.cli import _parser, _resolve
+
+    args = _parser().parse_args(["run", str(ROOT / "configs" / "demo.toml"), "--ray", "auto"])
+    assert (_resolve(args).launcher.kind, _resolve(args).launcher.address) == ("ray", "auto")
+    args = _parser().parse_args(["demo", "--ray", "local"])
+    assert (_resolve(args).launcher.kind, _resolve(args).launcher.address) == ("ray", None)
+    assert isinstance(make_launcher(load_config(None), tmp_path), LocalLauncher)
+    with pytest.raises(ConfigError, match=r"launcher\.kind"):
+        load_config(None, {"launcher.kind": "slurm"})
+
+
+def test_ray_placement_binds_each_worker_to_its_node_and_the_rendezvous_to_the_core(tmp_path):
+    from gyre.launch.ray import place
+
+    cfg = load_config(
+        None, {"cluster.cells": 2, "cluster.standalone_engines": 1, "cluster.standalone_capacity": 2}
+    )
+    configs = cell_configs(cfg, tmp_path, tmp_path / "model")
+    assert all(c.host == "127.0.0.1" and c.mooncake.local_hostname == "127.0.0.1" for c in configs)
+    nodes = [
+        {"ip": "10.77.0.1", "ports": [41001, 41002, 41003]},
+        {"ip": "10.77.0.2", "ports": [42001, 42002, 42003]},
+        {"ip": "10.77.0.2", "ports": [43001, 43002, 43003]},
+    ]
+    placed = place(configs, nodes)
+    assert [(c.kind, c.cell, c.host, c.port, c.mooncake.local_hostname) for c in placed] == [
+        ("elastic", 0, "10.77.0.1", 41001, "10.77.0.1"),
+        ("elastic", 1, "10.77.0.2", 42001, "10.77.0.2"),
+        ("standalone", 0, "10.77.0.2", 43001, "10.77.0.2"),
+    ]
+    # Every elastic cell meets at the core's node: gloo master and coordinator ports chosen there.
+    assert {
+        (c.training.master_host, c.training.master_port, c.training.coordinator_port) for c in placed[:2]
+    } == {("10.77.0.1", 41002, 41003)}
+    assert placed[2].training is None
+    # Nothing else changes between launchers.
+    strip = {"host", "port", "mooncake", "training"}
+    assert [c.model_dump(exclude=strip) for c in placed] == [c.model_dump(exclude=strip) for c in configs]
+
+
+def test_ray_bundles_per_cell(tmp_path):
+    from gyre.launch.ray import RayLauncher
+
+    cfg = load_config(None, {"launcher.kind": "ray", "launcher.gpus_per_cell": 8,
+                             "launcher.cell_resources": [{"node_a": 1}, {"node_b": 1}]})  # fmt: skip
+    launcher = RayLauncher(tmp_path, launcher=cfg.launcher)
+    assert launcher._bundle(0, 1) == {"CPU": 1.0, "GPU": 8, "node_a": 1}
+    assert launcher._bundle(1, 2) == {"CPU": 2.0, "GPU": 8, "node_b": 1}
+    assert launcher._bundle(2, 1) == {"CPU": 1.0, "GPU": 8}
