@@ -45,6 +45,9 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
         overrides["run_dir"] = args.run_dir
     if getattr(args, "steps", None) is not None:
         overrides["train.steps"] = args.steps
+    if getattr(args, "ray", None):
+        overrides["launcher.kind"] = "ray"
+        overrides["launcher.address"] = None if args.ray == "local" else args.ray
     return load_config(args.config, overrides)
 
 
@@ -67,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
         if name != "config":
             p.add_argument("--run-dir", default=None, help="run directory (default runs/<UTC timestamp>)")
             p.add_argument("--steps", type=int, default=None, help="optimizer steps to run")
+            p.add_argument("--ray", default=None, metavar="ADDRESS",
+                           help="place cells on a Ray cluster (auto, HOST:PORT, or local for a Ray instance "
+                                "on this machine); same as [launcher] kind = 'ray'")  # fmt: skip
             p.add_argument("--quiet", action="store_true", help="warnings and errors only, no progress bar")
             p.add_argument("--log-format", choices=["text", "json"], default="text",
                            help="stderr as text with a progress bar, or one JSON object per line")  # fmt: skip
@@ -80,10 +86,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _run_until_signal(cfg: RunConfig, command: str) -> int:
+    from gyre.launch import make_launcher
     from gyre.pipeline import RunDirError, run
-    from gyre.services import LocalServices
 
-    services = LocalServices(Path("."))
+    services = make_launcher(cfg)
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     caught: list[int] = []
