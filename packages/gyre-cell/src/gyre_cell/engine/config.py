@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..transfer.mooncake import MooncakeConfig
 
 
 class EngineConfig(BaseModel):
@@ -45,3 +47,10 @@ class EngineConfig(BaseModel):
     directory the engine's user can read. `gyre run` sets its model and checkpoint directories."""
     served_model_name: str | None = None
     """Name reported by /model_info (default: the model path)."""
+    kv_migration: bool = True
+    """Serve /kv/pin and /kv/takeover (KV-cache migration on reroute; see engine/kv_migration.py)."""
+    kv_transfer: MooncakeConfig = Field(default_factory=MooncakeConfig)
+    """Mooncake transfer engine the KV pool is exposed through: TCP on loopback by default; on GPU nodes set
+    `protocol = "rdma"`, `device_name` and a `local_hostname` peers can reach."""
+    kv_pin_ttl_s: float = 30.0
+    """How long a pinned (source) or adopted (destination) KV sequence lives without acknowledgement / use."""

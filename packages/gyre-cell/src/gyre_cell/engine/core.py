@@ -18,6 +18,7 @@ import torch
 from .checkpoint import eos_token_ids, load_tokenizer
 from .config import EngineConfig
 from .kv_cache import KVCacheFullError, PagedKVCache
+from .kv_migration import KVMigrator
 from .model_runner import ModelRunner, StepInput
 from .request import (
     EngineInputError,
@@ -91,7 +92,13 @@ class TorchEngine:
         self._stop = False
         self._gen = torch.Generator().manual_seed(config.seed)
         self._tokens_generated = 0
+        self.prefill_tokens_total = 0
+        """Tokens computed at admission (prompt tokens not found in the prefix cache or a migrated sequence)."""
+        self.context_prefill_tokens_total = 0
+        """The same minus each admission's last token (the one whose logits start generation; for a request moved
+        mid-decode, the token the source emitted but never wrote): context that was computed again."""
         self._started = time.monotonic()
+        self.migrator = KVMigrator(self, mooncake=config.kv_transfer, ttl_s=config.kv_pin_ttl_s)
         self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
         self._thread.start()
 
@@ -100,6 +107,7 @@ class TorchEngine:
             self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.migrator.close()
         self.weights.close()
 
     # ---- requests ----------------------------------------------------------------------------
@@ -184,6 +192,8 @@ class TorchEngine:
 
     def release_memory(self, tags: list[str] | None) -> None:
         tags = self._check_tags(tags)
+        if "kv_cache" in tags:  # let destinations finish reading pinned blocks (or the pins expire), bounded
+            self.migrator.wait_idle(min(self.config.kv_pin_ttl_s, 10.0))
         with self._lock:
             if self.running:
                 raise EngineStateError(
@@ -193,6 +203,7 @@ class TorchEngine:
             if "weights" in tags:
                 self.weights.release()
             if "kv_cache" in tags:
+                self.migrator.drop_all()  # a destination still reading gets its ack refused and recomputes
                 self.kv.release()
             self.released.update(tags)
 
@@ -221,6 +232,7 @@ class TorchEngine:
             if self.running or self.waiting:
                 raise EngineStateError("flush_cache refused: requests are running or waiting")
             if self.kv.allocated:
+                self.migrator.drop_adopted()
                 self.kv.flush()
 
     # ---- weights -----------------------------------------------------------------------------
@@ -240,6 +252,7 @@ class TorchEngine:
                 self.abort(abort_all=True, message="Aborted by weight update")
             n = self.weights.apply(named, strict=strict)
             if flush_cache and self.kv.allocated:
+                self.migrator.drop_adopted()
                 self.kv.flush()  # cached prefixes were computed with the old weights
             if weight_version is not None:
                 self.weight_version = weight_version
@@ -325,13 +338,23 @@ class TorchEngine:
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
             tokens = req.all_tokens()
-            seq = self.kv.new_sequence(tokens, reuse_prefix=self.config.enable_prefix_cache)
+            adopted = self.migrator.match(tokens) if self.migrator.adopted else None
+            if adopted is not None:  # KV migrated from another engine: its blocks, not a prefill
+                seq = self.kv.adopt_sequence(adopted.blocks, len(adopted.tokens))
+            else:
+                seq = self.kv.new_sequence(tokens, reuse_prefix=self.config.enable_prefix_cache)
             new = len(tokens) - seq.num_tokens
             over_budget = new > budget and self.running
             if over_budget or self.kv.blocks_needed(seq, new) > self.kv.available_blocks():
-                self.kv.free_sequence(seq, None)
+                if adopted is None:
+                    self.kv.free_sequence(seq, None)
                 return
+            if adopted is not None:
+                seq = self.migrator.take(adopted)
+                req.migrated_tokens += seq.num_tokens
             budget -= new
+            self.prefill_tokens_total += new
+            self.context_prefill_tokens_total += max(0, new - 1)
             self.waiting.popleft()
             req.seq, req.pending = seq, tokens[seq.num_tokens :]
             if not req.output_ids:

@@ -185,6 +185,41 @@ class PagedKVCache:
         """Slots of every written token (the list is owned by `seq`; do not mutate)."""
         return seq.slots
 
+    # ---- pinning and adoption (KV-cache migration) -----------------------------------------------
+    def pin_blocks(self, blocks: list[int]) -> None:
+        """Hold one more reference on each block: it is neither evicted nor handed out until unpinned. Every writer
+        appends to blocks it took itself, so a pinned block's contents no longer change."""
+        for b in blocks:
+            self._incref(b)
+
+    def unpin_blocks(self, blocks: list[int]) -> None:
+        """Drop a reference taken by `pin_blocks` / `take_blocks`; cached full blocks stay reusable (LRU)."""
+        for b in blocks:
+            self._refcount[b] -= 1
+            if self._refcount[b] == 0:
+                if b in self._block_hash:
+                    self._evictable[b] = None
+                    self._evictable.move_to_end(b)
+                else:
+                    self._free.append(b)
+
+    def take_blocks(self, n: int) -> list[int]:
+        """`n` blocks owned by the caller (refcount 1, unregistered), e.g. to receive migrated KV."""
+        if n > self.available_blocks():
+            raise KVCacheFullError(f"KV cache is full: need {n} blocks, {self.available_blocks()} left")
+        return [self._take_block() for _ in range(n)]
+
+    def adopt_sequence(self, blocks: list[int], num_tokens: int) -> SeqBlocks:
+        """A sequence over blocks the caller owns whose first `num_tokens` tokens already hold KV (the references
+        move to the sequence; `free_sequence` releases them)."""
+        bs = self.block_size
+        seq = SeqBlocks(blocks=list(blocks), num_tokens=num_tokens, num_cached=num_tokens)
+        seq.slots = [blocks[p // bs] * bs + p % bs for p in range(num_tokens)]
+        return seq
+
+    def block_refcount(self, block: int) -> int:
+        return self._refcount[block]
+
     def free_sequence(self, seq: SeqBlocks, tokens: list[int] | None) -> None:
         """Release a sequence's blocks. With `tokens` (its written tokens) full blocks stay cached."""
         bs, parent = self.block_size, 0

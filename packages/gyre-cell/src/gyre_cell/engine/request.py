@@ -72,6 +72,8 @@ class Request:
     version_spans: list[list[Any]] = field(default_factory=list)
     """[version, start, end) over output positions (SGLang 0.5.23 `weight_versions`)."""
     num_retractions: int = 0
+    migrated_tokens: int = 0
+    """Tokens whose KV was migrated from another engine (KV-cache migration) instead of being computed."""
 
     def all_tokens(self) -> list[int]:
         return self.input_ids + self.output_ids
@@ -97,6 +99,8 @@ class Request:
             "completion_tokens": n,
             "cached_tokens": self.cached_tokens,
         }
+        if self.migrated_tokens:
+            meta["migrated_tokens"] = self.migrated_tokens
         if self.version_spans:
             meta["weight_versions"] = [{"version": v, "start": s, "end": e} for v, s, e in self.version_spans]
         if self.return_logprob:

@@ -27,6 +27,7 @@ from ..protocol import (
 )
 from .core import TorchEngine
 from .request import EngineInputError, EngineStateError, SamplingSpec
+from .server_kv import add_kv_routes
 from .server_weights import add_weight_routes
 
 HEALTH_TIMEOUT_S = 20.0
@@ -286,6 +287,7 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
         }
 
     add_weight_routes(app, engine, parse_body)
+    add_kv_routes(app, engine, parse_body, api_key=api_key)
     return app
 
 
