@@ -6,9 +6,10 @@ or `cancelled` (the controller withdrew it). The harness is a black box in its o
 the runner only sees its exit status and the workspace it leaves behind. When the harness ends, however it ends, the
 whole process group is killed, so nothing it started outlives the execution.
 
-The harness command is a template (``harness_argv``): ``{workspace}`` and ``{task}`` are substituted in every argument
-per execution, e.g. ``[sys.executable, "-m", "gyre.agent", "--workspace", "{workspace}", "--task", "{task}"]`` or
-``["claude", "-p", "{task}"]``. The harness runs in its workspace with an environment built from an allow-list of the
+The harness is an adapter (``gyre_sched.harness``: ``builtin``, ``command``, ``claude-code``; chosen per run, and per
+execution through ``run(..., harness=...)``), or a command template (``harness_argv``): ``{workspace}`` and ``{task}``
+are substituted in every argument per execution, e.g. ``[sys.executable, "-m", "gyre.agent", "--workspace",
+"{workspace}", "--task", "{task}"]``. ``run(..., setup=fn)`` fills the fresh workspace before the harness starts. The harness runs in its workspace with an environment built from an allow-list of the
 runner's variables (``DEFAULT_ENV_ALLOW``: PATH, HOME, locale, TMPDIR, the Python environment...) plus ``extra_env``
 and the execution's own: ``OPENAI_BASE_URL`` (proxy/v1), ``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL`` (proxy),
 ``ANTHROPIC_API_KEY`` (the execution's credential). Nothing else of the runner's environment reaches a harness: in
@@ -23,11 +24,13 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from gyre_sched.harness import CommandHarness, Harness, HarnessContext, make_harness
 
 __all__ = ["DEFAULT_ENV_ALLOW", "ExecutionRunner", "Finished", "harness_argv", "harness_env"]
 
@@ -79,24 +82,29 @@ class ExecutionRunner:
         run_dir: Path,
         proxy_url: str,
         admin_token: str,
-        harness_argv: Sequence[str],
+        harness_argv: Sequence[str] | Harness | Mapping[str, object],
         harness_timeout_s: float,
         *,
         env_allow: Iterable[str] = DEFAULT_ENV_ALLOW,
         extra_env: Mapping[str, str] | None = None,
         admin_timeout_s: float = 60.0,
+        model: str = "gyre-policy",
     ) -> None:
-        if (
-            isinstance(harness_argv, str)
-            or not harness_argv
-            or not all(isinstance(a, str) for a in harness_argv)
-        ):
-            raise ValueError(f"harness_argv must be a non-empty list of strings, got {harness_argv!r}")
+        if isinstance(harness_argv, Harness | Mapping):
+            self.harness = make_harness(harness_argv)
+        else:
+            if (
+                isinstance(harness_argv, str)
+                or not harness_argv
+                or not all(isinstance(a, str) for a in harness_argv)
+            ):
+                raise ValueError(f"harness_argv must be a non-empty list of strings, got {harness_argv!r}")
+            self.harness = CommandHarness(list(harness_argv))
         if not harness_timeout_s > 0:
             raise ValueError(f"harness_timeout_s must be > 0, got {harness_timeout_s}")
         self.run_dir = Path(run_dir)
         self.proxy_url = proxy_url.rstrip("/")
-        self.harness_argv = list(harness_argv)
+        self.model = model
         self.harness_timeout_s = harness_timeout_s
         self.env_allow = tuple(env_allow)
         self.extra_env = dict(extra_env or {})
@@ -126,21 +134,24 @@ class ExecutionRunner:
     def _lock(self, execution_id: str) -> asyncio.Lock:
         return self._locks.setdefault(execution_id, asyncio.Lock())
 
-    def _env(self, credential: str) -> dict[str, str]:
-        return harness_env(
-            os.environ,
-            self.env_allow,
-            {
-                **self.extra_env,
-                "OPENAI_BASE_URL": f"{self.proxy_url}/v1",
-                "OPENAI_API_KEY": credential,
-                "ANTHROPIC_BASE_URL": self.proxy_url,
-                "ANTHROPIC_API_KEY": credential,
-            },
-        )
+    def _env(self, harness: Harness, ctx: HarnessContext) -> dict[str, str]:
+        return harness_env(os.environ, self.env_allow, {**self.extra_env, **harness.env(ctx)})
 
-    async def run(self, execution_id: str, group_id: str, engine_url: str, task: str) -> Finished:
-        """Register the execution at the proxy, run its harness, end it; returns its single outcome."""
+    async def run(
+        self,
+        execution_id: str,
+        group_id: str,
+        engine_url: str,
+        task: str,
+        *,
+        harness: Harness | str | Mapping[str, object] | None = None,
+        setup: Callable[[Path], object] | None = None,
+        harness_timeout_s: float | None = None,
+    ) -> Finished:
+        """Register the execution at the proxy, run its harness (the run's, or `harness` for this execution; in a
+        workspace `setup` filled), end it; returns its single outcome."""
+        chosen = self.harness if harness is None else make_harness(harness)
+        timeout_s = self.harness_timeout_s if harness_timeout_s is None else harness_timeout_s
         async with self._lock(execution_id):
             self._state[execution_id] = "registering"
             route = self._routes.setdefault(execution_id, engine_url)  # a reroute that came first wins
@@ -153,19 +164,24 @@ class ExecutionRunner:
             self._state[execution_id] = "registered"
         workspace = self.run_dir / "workspaces" / execution_id
         workspace.mkdir(parents=True, exist_ok=True)
+        if setup is not None:
+            setup(workspace)
         log = self.run_dir / "logs" / "agents" / f"{execution_id}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         launched_at = time.time()
         returncode: int | None = None
         outcome = "cancelled"
         if execution_id not in self._cancelled:  # cancelled while registering: never started
+            ctx = HarnessContext(
+                execution_id, workspace, task, self.proxy_url, registered["credential"], self.model
+            )
             with log.open("wb") as out:
                 proc = await asyncio.create_subprocess_exec(
-                    *harness_argv(self.harness_argv, workspace, task),
+                    *chosen.argv(ctx),
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=out,
                     stderr=asyncio.subprocess.STDOUT,
-                    env=self._env(registered["credential"]),
+                    env=self._env(chosen, ctx),
                     cwd=workspace,
                     start_new_session=True,
                 )
@@ -173,7 +189,7 @@ class ExecutionRunner:
             try:
                 if execution_id in self._cancelled:  # cancelled while the process was being created
                     self._kill(proc)
-                returncode = await asyncio.wait_for(proc.wait(), timeout=self.harness_timeout_s)
+                returncode = await asyncio.wait_for(proc.wait(), timeout=timeout_s)
                 outcome = "completed" if returncode == 0 else "failed"
             except TimeoutError:
                 self._kill(proc)
