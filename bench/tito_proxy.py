@@ -83,7 +83,7 @@ def _naive(proxy: Proxy, ex, raw: bytes) -> int:
 
 
 def _incremental(proxy: Proxy, ex, raw: bytes) -> int:
-    conv, _, _ = anthropic_api.parse_request(orjson.loads(raw), DEFAULT_VOLATILE_PATTERNS, proxy.turn_cache)
+    conv, _, _ = anthropic_api.parse_request(orjson.loads(raw), DEFAULT_VOLATILE_PATTERNS, ex.turn_cache)
     ids, _ = proxy.encode(ex, conv)
     ex.records.match(ids)
     return len(ids)

@@ -89,7 +89,7 @@ def test_source_killed_during_transfer_falls_back_to_recompute(
             "/kv/takeover", json={"export": export.model_dump(), "token_ids": PROMPT + done, "timeout_s": 20}
         )
         assert r.status_code == 502, r.text
-        assert r.json()["status"] == "failed"
+        assert r.json()["status"] == "failed" and "failed (rc" in r.json()["reason"]  # the read itself failed
         assert dst.http.get("/v1/loads").json()["loads"][0]["num_used_tokens"] == used0  # blocks given back
         assert dst.engine.migrator.adopted == {}
         rest = dst.http.post(

@@ -5,6 +5,11 @@
 - A call that fails because its engine was drained, aborted (`finish_reason.type == "abort"`), unreachable or
   killed mid-stream is continued on another engine from `input + tokens produced so far`; the result merges the
   pieces and keeps one `Segment` (engine, weight version, span) per piece, so the caller sees one answer.
+- KV-cache migration on reroute (DESIGN §8): `drain` asks each in-flight request's engine to pin its KV blocks
+  (`POST /kv/pin`, which also ends the request) instead of a plain abort; the retry first asks the destination to
+  take the blocks over (`POST /kv/takeover`: it reads them over Mooncake, checks layout and identity, installs them
+  and acknowledges to the source) and then sends the request there as usual, so the destination skips the prefill.
+  An engine without `/kv/pin` (SGLang), a refusal or any failure falls back to a plain abort and a recompute.
 - Routing: least in-flight requests among the route's engines that are not draining and not cooling down after a
   failure. Routes are global (`set_engines`) or per execution (the caller passes `route`).
 """
@@ -16,6 +21,7 @@ import contextlib
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +30,15 @@ import httpx
 import orjson
 from pydantic import BaseModel, Field
 
-__all__ = ["EngineError", "EnginePool", "EnginePoolConfig", "EngineRejected", "GenerateResult", "Segment"]
+__all__ = [
+    "EngineError",
+    "EnginePool",
+    "EnginePoolConfig",
+    "EngineRejected",
+    "GenerateResult",
+    "Reroute",
+    "Segment",
+]
 
 
 class EnginePoolConfig(BaseModel):
@@ -36,6 +50,13 @@ class EnginePoolConfig(BaseModel):
     retry_backoff_s: float = Field(0.2, description="wait before retrying when no engine is available")
     cooldown_s: float = Field(2.0, description="how long an engine that failed is skipped")
     request_timeout_s: float = Field(600.0, description="per-attempt timeout")
+    kv_migration: bool = Field(
+        True,
+        description="on drain, pin in-flight requests' KV at the source and have the destination take it over",
+    )
+    kv_takeover_timeout_s: float = Field(
+        30.0, description="how long a destination may take to read pinned KV"
+    )
 
 
 class EngineError(Exception):
@@ -81,6 +102,29 @@ class _Attempt:
     versions: list[str] = field(default_factory=list)
     finish: str | None = None
     matched: Any = None
+    cached_tokens: int | None = None
+    first_at: float | None = None
+
+
+@dataclass
+class Reroute:
+    """One request moved off a drained engine: what the destination got from the source's KV, what it recomputed."""
+
+    rid: str
+    source: str
+    destination: str
+    context_tokens: int
+    """Tokens of the retried prompt."""
+    status: str
+    """installed | refused | failed | unavailable (no pin: plain abort)."""
+    migrated_tokens: int = 0
+    recomputed_tokens: int | None = None
+    """Context tokens the destination computed again (prompt - cached/migrated - the last token); None until known."""
+    nbytes: int = 0
+    takeover_s: float = 0.0
+    first_token_s: float | None = None
+    """From the reroute (the source's abort seen here) to the first token from the destination."""
+    reason: str | None = None
 
 
 def _apply(att: _Attempt, obj: dict[str, Any]) -> None:
@@ -107,6 +151,8 @@ def _apply(att: _Attempt, obj: dict[str, Any]) -> None:
         for s in spans:
             for i in range(int(s["start"]), min(int(s["end"]), len(att.versions))):
                 att.versions[i] = str(s["version"])
+    if isinstance(meta.get("cached_tokens"), int):
+        att.cached_tokens = meta["cached_tokens"]
     fr = meta.get("finish_reason")
     if isinstance(fr, dict):
         att.finish = fr.get("type")
@@ -140,6 +186,20 @@ class EnginePool:
             timeout=httpx.Timeout(config.request_timeout_s, connect=5.0), limits=limits, headers=headers
         )
         self.retries = 0  # attempts beyond the first, over the pool's life (for /metrics)
+        self._pins: dict[str, asyncio.Future[dict[str, Any] | None]] = {}  # attempt rid -> KV export (drain)
+        self.reroutes: deque[Reroute] = deque(maxlen=1024)
+        self.kv_stats: dict[str, float] = dict.fromkeys(
+            (
+                "reroutes",
+                "migrated",
+                "migrated_tokens",
+                "recomputed_tokens",
+                "bytes",
+                "first_token_s",
+                "first_tokens",
+            ),
+            0,
+        )  # totals over the pool's life (for /metrics); one `Reroute` per moved request in `reroutes`
 
     # ---- membership ------------------------------------------------------------------------------------------
     def set_engines(self, urls: list[str]) -> None:
@@ -173,16 +233,85 @@ class EnginePool:
         n = len(st.inflight)
         if abort_inflight:
             for rid in list(st.inflight):
-                with contextlib.suppress(httpx.HTTPError):
-                    await self._client.post(
-                        f"{url}/abort_request", json={"rid": rid, "abort_all": False}, timeout=5.0
-                    )
+                await self._pin_or_abort(url, rid)
         deadline = time.time() + timeout_s
         while st.inflight and time.time() < deadline:
             await asyncio.sleep(0.02)
         if not st.inflight:
             self._engines.pop(url, None)
         return n
+
+    async def _pin_or_abort(self, url: str, rid: str) -> None:
+        """End `rid` at `url`: pin its KV for a takeover (the engine ends the request), else a plain abort."""
+        fut: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
+        self._pins[rid] = fut  # registered first: the retry may see the abort before the pin's answer arrives
+        export = None
+        if self.config.kv_migration:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = await self._client.post(f"{url}/kv/pin", json={"rid": rid}, timeout=5.0)
+                if r.status_code == 200:
+                    export = dict(r.json(), source_url=url)
+        if not fut.done():
+            fut.set_result(export)
+        if export is None:
+            self._pins.pop(rid, None)
+            with contextlib.suppress(httpx.HTTPError):
+                await self._client.post(
+                    f"{url}/abort_request", json={"rid": rid, "abort_all": False}, timeout=5.0
+                )
+
+    async def _export_for(self, rid: str) -> dict[str, Any] | None:
+        fut = self._pins.pop(rid, None)
+        if fut is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), 10.0)
+        except TimeoutError:
+            return None
+
+    async def _takeover(self, st: _EngineState, export: dict[str, Any], ids: list[int], rid: str) -> Reroute:
+        """Ask `st` to take over the source's pinned KV; any failure releases the pin (the retry recomputes)."""
+        src = str(export.get("source_url"))
+        rec = Reroute(rid, src, st.url, len(ids), "failed")
+        t0 = time.perf_counter()
+        if st.url == src:
+            rec.status, rec.reason = "refused", "same engine"
+        else:
+            try:
+                r = await self._client.post(
+                    f"{st.url}/kv/takeover",
+                    content=orjson.dumps({"export": export, "token_ids": ids}),
+                    headers={"content-type": "application/json"},
+                    timeout=self.config.kv_takeover_timeout_s + 5.0,
+                )
+                body = r.json() if r.status_code in (200, 409, 502) else {}
+                rec.status = str(body.get("status", "failed"))
+                rec.reason = body.get("reason") or (None if body else f"HTTP {r.status_code}")
+                if rec.status == "installed":
+                    rec.migrated_tokens, rec.nbytes = int(body["migrated_tokens"]), int(body["nbytes"])
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                rec.status, rec.reason = "failed", repr(e)
+        rec.takeover_s = time.perf_counter() - t0
+        if (
+            rec.status != "installed"
+        ):  # the source may still hold the pin: give it back now instead of at expiry
+            with contextlib.suppress(httpx.HTTPError):
+                await self._client.post(
+                    f"{src}/kv/release", json={"migration_id": export.get("migration_id")}, timeout=5.0
+                )
+        return rec
+
+    def _record(self, rec: Reroute) -> None:
+        self.reroutes.append(rec)
+        k = self.kv_stats
+        k["reroutes"] += 1
+        k["migrated"] += rec.status == "installed"
+        k["migrated_tokens"] += rec.migrated_tokens
+        k["recomputed_tokens"] += rec.recomputed_tokens or 0
+        k["bytes"] += rec.nbytes
+        if rec.first_token_s is not None:
+            k["first_token_s"] += rec.first_token_s
+            k["first_tokens"] += 1
 
     def _pick(self, route: list[str] | None) -> _EngineState | None:
         now = time.time()
@@ -219,6 +348,9 @@ class EnginePool:
         res = GenerateResult()
         budget = int(sampling.get("max_new_tokens", 128))
         base = rid or uuid.uuid4().hex
+        moved: tuple[dict[str, Any] | None, float] | None = (
+            None  # (KV export, when) of the last drained attempt
+        )
         for attempt in range(self.config.max_attempts):
             res.attempts = attempt + 1
             st = self._pick(route() if callable(route) else route)
@@ -227,6 +359,15 @@ class EnginePool:
                 continue
             if attempt:
                 self.retries += 1
+            reroute = None
+            if moved is not None:
+                export, t_moved = moved
+                ctx = input_ids + res.output_ids
+                if export is not None:
+                    reroute = await self._takeover(st, export, ctx, base)
+                else:
+                    reroute = Reroute(base, "", st.url, len(ctx), "unavailable")
+                moved = None
             sp = dict(sampling, max_new_tokens=budget - len(res.output_ids))
             att_rid = f"{base}-{attempt}"
             att = _Attempt()
@@ -242,6 +383,14 @@ class EnginePool:
                 st.inflight.pop(att_rid, None)
                 if st.draining and not st.inflight and st.url in self._engines:
                     self._engines.pop(st.url, None)
+            if reroute is not None:
+                if att.cached_tokens is not None:
+                    reroute.recomputed_tokens = max(0, reroute.context_tokens - att.cached_tokens - 1)
+                if att.first_at is not None:
+                    reroute.first_token_s = att.first_at - t_moved
+                self._record(reroute)
+            if (st.draining and att.finish == "abort") or att_rid in self._pins:
+                moved = (await self._export_for(att_rid), time.time())
             if att.ids:
                 start = len(res.output_ids)
                 res.output_ids += att.ids
@@ -284,6 +433,7 @@ class EnginePool:
                 on_accept()
             if "text/event-stream" not in r.headers.get("content-type", ""):
                 _apply(att, orjson.loads(await r.aread()))
+                att.first_at = time.time() if att.ids else None
                 return
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
@@ -292,6 +442,8 @@ class EnginePool:
                 if payload == "[DONE]":
                     break
                 _apply(att, orjson.loads(payload))
+                if att.ids and att.first_at is None:
+                    att.first_at = time.time()
                 if att.ids and res.first_token_at is None:
                     res.first_token_at = time.time()
             if att.finish is None:  # stream ended without a finish reason: the engine went away

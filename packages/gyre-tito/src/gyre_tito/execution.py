@@ -33,6 +33,34 @@ def credential_hash(credential: str) -> str:
     return hashlib.sha256(credential.encode()).hexdigest()
 
 
+class TurnCache(dict):
+    """Parsed messages by their JSON bytes, for one execution: a harness resends its whole history on every call.
+
+    Held by the execution, so it leaves memory when the execution ends; bounded by the bytes of its keys (oldest
+    entries go first), so one execution sending ever new large messages cannot grow it without limit."""
+
+    def __init__(self, max_bytes: int = 16 << 20) -> None:
+        super().__init__()
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+
+    def __setitem__(self, key: bytes, value) -> None:
+        if key in self:
+            return
+        if 2 * len(key) > self.max_bytes:
+            return  # larger than half the budget: parse it again next time rather than keep it
+        super().__setitem__(key, value)
+        self.nbytes += 2 * len(key)  # the JSON bytes and the parsed text they hold
+        while self.nbytes > self.max_bytes:
+            old = next(iter(self))
+            super().__delitem__(old)
+            self.nbytes -= 2 * len(old)
+
+    def __delitem__(self, key: bytes) -> None:
+        super().__delitem__(key)
+        self.nbytes -= 2 * len(key)
+
+
 @dataclass
 class Execution:
     """One registered execution: its record log + tree, and the payload cache that maps our responses back."""
@@ -47,6 +75,7 @@ class Execution:
     gen_suffix: dict[str, str] = field(default_factory=dict)  # call id -> generation-prompt text after header
     metadata: dict[str, Any] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # guards tree reads against an append in flight
+    turn_cache: TurnCache = field(default_factory=lambda: TurnCache())  # parsed messages (see anthropic_api)
     inflight: int = 0  # calls between `Proxy.finish` start and end: an ended execution is unloaded only at 0
 
     def index(self, rec: CallRecord) -> None:

@@ -84,6 +84,13 @@ class ProxyConfig(BaseModel):
         None, description="bearer token sent to every engine (None: engines without a token, loopback only)"
     )
     max_context_tokens: int = Field(131072, description="model context limit (prompt + max new tokens)")
+    encode_cache_bytes: int = Field(
+        64 << 20, description="budget of each of the two shared encoding caches (turns, pieces), in bytes"
+    )
+    max_request_bytes: int | None = Field(
+        None,
+        description="largest request body accepted (413 above it); None: 32 bytes per context token, >= 1 MiB",
+    )
     context_from_engines: bool = Field(
         True,
         description="also limit prompts to the smallest context length the route's engines report (GET /server_info)",
@@ -129,7 +136,7 @@ class Proxy:
         self.config = config
         self.store_dir = Path(config.store)
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        self.chat = ChatTokenizer(config.tokenizer)
+        self.chat = ChatTokenizer(config.tokenizer, cache_bytes=config.encode_cache_bytes)
         self.records = RecordStore(self.store_dir / "records", RecordLogConfig(fsync=config.fsync))
         self.pool = EnginePool(
             config.engine.model_copy(update={"engines": config.engines}), api_key=config.engine_api_key
@@ -146,7 +153,6 @@ class Proxy:
         ] = {}  # damaged at load: refused, files kept for repair
         self._by_credential: dict[str, str] = {}  # sha256(credential) -> execution id
         self._registry = self.store_dir / "executions.jsonl"
-        self.turn_cache: dict[bytes, list[Turn]] = {}  # parsed messages by JSON bytes (see anthropic_api)
         self.stats: dict[str, float] = {"calls": 0, "input_tokens": 0, "output_tokens": 0, "overhead_s": 0.0}
         self._load_registry()
 
@@ -328,8 +334,15 @@ class Proxy:
         return ex
 
     # ---- one call --------------------------------------------------------------------------------------------
-    def encode(self, ex: Execution, conv: Conversation) -> tuple[array, bytearray]:
-        """Full context ids of a request (recorded outputs spliced in) and the per-token policy flags."""
+    @property
+    def request_bytes_limit(self) -> int:
+        return self.config.max_request_bytes or max(1 << 20, 32 * self.config.max_context_tokens)
+
+    def encode(self, ex: Execution, conv: Conversation, limit: int | None = None) -> tuple[array, bytearray]:
+        """Full context ids of a request (recorded outputs spliced in) and the per-token policy flags.
+
+        With `limit`, a render that cannot fit (at least `limit` tokens by its byte length alone) is refused before any
+        tokenizing. Runs in a worker thread (see `prepare`): tokenizing a long text never blocks the event loop."""
         tree = ex.records.tree
         recorded: list[Any] = []
         prefixes: list[str] = []
@@ -350,13 +363,18 @@ class Proxy:
         messages = conv.template_messages(recorded_for)
         kwargs = {} if conv.enable_thinking is None else {"enable_thinking": conv.enable_thinking}
         text = self.chat.render(messages, conv.tools, add_generation_prompt=True, **kwargs)
+        if limit is not None and (least := self.chat.min_tokens(text)) >= limit:
+            raise ProtocolError(
+                400, "invalid_request_error", f"prompt is too long: at least {least} tokens > {limit} maximum"
+            )
         enc = self.chat.encode_rendered(text, recorded, prefixes)
         return enc.ids, enc.policy
 
     async def count_tokens(self, ex: Execution, conv: Conversation) -> int:
         self._check_running(ex)
+        limit = await self.context_limit(ex.route)
         async with ex.lock:
-            return len(self.encode(ex, conv)[0])
+            return len((await asyncio.to_thread(self.encode, ex, conv, limit))[0])
 
     async def complete(
         self,
@@ -384,10 +402,10 @@ class Proxy:
         """Everything that can fail because of the request itself, before any engine work (raises ProtocolError)."""
         t0 = time.time()
         self._check_running(ex)
-        async with ex.lock:  # the tree is not read while a record is being added to it (in a worker thread)
-            ids, policy = self.encode(ex, conv)
-            parent, n = ex.records.match(ids)
         limit = await self.context_limit(ex.route)
+        async with ex.lock:  # the tree is not read while a record is being added to it (in a worker thread)
+            ids, policy = await asyncio.to_thread(self.encode, ex, conv, limit)  # never on the event loop
+            parent, n = ex.records.match(ids)
         max_new = self.fit_max_tokens(len(ids), sampling.max_new_tokens, limit)
         used = self.sampling_used(sampling, body)
         meta = {**meta, "sampling": {

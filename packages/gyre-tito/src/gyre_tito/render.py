@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -90,10 +91,55 @@ def _tojson(
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class ByteLRU:
+    """Text -> token ids, least recently used first out, bounded by the bytes it holds (keys + ids), thread-safe.
+
+    Memory stays bounded whatever text requests carry (unique 120 KB messages used to pile up by entry count); an
+    entry larger than an eighth of the budget is not kept at all."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._d: OrderedDict[str, array] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _size(key: str, ids: array) -> int:
+        return len(key) + ids.itemsize * len(ids) + 128
+
+    def get(self, key: str) -> array | None:
+        with self._lock:
+            ids = self._d.get(key)
+            if ids is not None:
+                self._d.move_to_end(key)
+            return ids
+
+    def put(self, key: str, ids: array) -> None:
+        size = self._size(key, ids)
+        if size > self.max_bytes // 8:
+            return
+        with self._lock:
+            old = self._d.pop(key, None)
+            if old is not None:
+                self.nbytes -= self._size(key, old)
+            self._d[key] = ids
+            self.nbytes += size
+            while self.nbytes > self.max_bytes and self._d:
+                k, v = self._d.popitem(last=False)
+                self.nbytes -= self._size(k, v)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
 class ChatTokenizer:
     """A tokenizer directory's tokenizer + chat template, with memoised exact encoding."""
 
-    def __init__(self, path: str | Path, cache_entries: int = 65536):
+    BIG_PIECE_CHARS = 65536
+    """Pieces at least this long are encoded with `encode_batch`, which releases the GIL (plain `encode` holds it for
+    the whole piece: a 3.7 MB piece froze every other thread for 15 s)."""
+
+    def __init__(self, path: str | Path, cache_bytes: int = 64 << 20):
         p = Path(path)
         tj = p / "tokenizer.json"
         if not tj.is_file():
@@ -125,11 +171,15 @@ class ChatTokenizer:
         self._split_re = re.compile("(" + "|".join(re.escape(a) for a in alts) + ")") if alts else None
         self.im_end_id = self.added.get("<|im_end|>")
         self.eos_ids = [i for t, i in self.added.items() if t in ("<|im_end|>", "<|endoftext|>")]
-        self._cache: OrderedDict[str, array] = OrderedDict()  # piece between added tokens -> ids
-        self._turns: OrderedDict[str, array] = OrderedDict()  # text between two <|im_start|> -> ids
+        self._cache = ByteLRU(cache_bytes)  # piece between added tokens -> ids
+        self._turns = ByteLRU(cache_bytes)  # text between two <|im_start|> -> ids
         self._turn_sep_id = self.added.get("<|im_start|>")
         self._suffixes: dict[tuple, str] = {}
-        self._cache_entries = cache_entries
+        vocab = self.tokenizer.get_vocab(with_added_tokens=False)
+        # the longest text one token can stand for: a text of B UTF-8 bytes has at least B / this many tokens
+        self.max_token_bytes = (
+            max((len(self.tokenizer.decode([i]).encode()) for i in vocab.values()), default=1) or 1
+        )
 
     # ---- rendering -------------------------------------------------------------------------------------------
     def _native_if_equivalent(self):
@@ -175,16 +225,20 @@ class ChatTokenizer:
             raise TemplateError(f"chat template failed: {e}") from e
 
     # ---- encoding --------------------------------------------------------------------------------------------
-    def _lru(self, cache: OrderedDict[str, array], key: str) -> array | None:
-        ids = cache.get(key)
-        if ids is not None:
-            cache.move_to_end(key)
-        return ids
+    def cache_bytes(self) -> int:
+        """Bytes held by the encoding caches (bounded by their budget)."""
+        return self._cache.nbytes + self._turns.nbytes
 
-    def _store(self, cache: OrderedDict[str, array], key: str, ids: array) -> None:
-        cache[key] = ids
-        if len(cache) > self._cache_entries:
-            cache.popitem(last=False)
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the token count of `text`, without encoding it (for an early length check)."""
+        return len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes
+
+    def _encode_piece(self, piece: str) -> array:
+        if (
+            len(piece) >= self.BIG_PIECE_CHARS
+        ):  # releases the GIL: other threads and the event loop keep running
+            return array("i", self.tokenizer.encode_batch([piece], add_special_tokens=False)[0].ids)
+        return array("i", self.tokenizer.encode(piece, add_special_tokens=False).ids)
 
     def _encode_pieces(self, text: str) -> array:
         out = array("i")
@@ -196,10 +250,10 @@ class ChatTokenizer:
             if sid is not None:
                 out.append(sid)
                 continue
-            ids = self._lru(self._cache, piece)
+            ids = self._cache.get(piece)
             if ids is None:
-                ids = array("i", self.tokenizer.encode(piece, add_special_tokens=False).ids)
-                self._store(self._cache, piece, ids)
+                ids = self._encode_piece(piece)
+                self._cache.put(piece, ids)
             out.extend(ids)
         return out
 
@@ -213,11 +267,11 @@ class ChatTokenizer:
         parts = text.split("<|im_start|>")
         out = self._encode_pieces(parts[0]) if parts[0] else array("i")
         for part in parts[1:]:
-            ids = self._lru(self._turns, part)
+            ids = self._turns.get(part)
             if ids is None:
                 ids = array("i", [self._turn_sep_id])
                 ids.extend(self._encode_pieces(part))
-                self._store(self._turns, part, ids)
+                self._turns.put(part, ids)
             out.extend(ids)
         return out
 

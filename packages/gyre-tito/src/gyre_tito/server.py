@@ -37,13 +37,25 @@ def _credential(req: Request) -> str | None:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
-async def _json(req: Request) -> Any:
+async def _json(req: Request, limit: int) -> Any:
+    """The JSON body, read in chunks and refused with 413 as soon as it exceeds `limit` bytes (before parsing)."""
+    declared = req.headers.get("content-length")
+    too_big = ProtocolError(413, "request_too_large", f"request body exceeds {limit} bytes")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks: list[bytes] = []
+    size = 0
     try:
-        raw = await req.body()
+        async for chunk in req.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
     except ClientDisconnect:
         raise ProtocolError(
             400, "invalid_request_error", "client disconnected before sending the body"
         ) from None
+    raw = b"".join(chunks)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -133,9 +145,9 @@ def create_app(proxy: Proxy) -> FastAPI:
     async def messages(req: Request) -> Response:
         try:
             ex = proxy.authenticate(_credential(req))
-            body = await _json(req)
+            body = await _json(req, proxy.request_bytes_limit)
             conv, sampling, stream = anthropic_api.parse_request(
-                body, proxy.config.volatile_patterns, proxy.turn_cache
+                body, proxy.config.volatile_patterns, ex.turn_cache
             )
             call = await proxy.prepare(
                 ex, conv, sampling, "anthropic", _headers_meta(req, body), body, dict(req.headers)
@@ -162,7 +174,7 @@ def create_app(proxy: Proxy) -> FastAPI:
     async def count_tokens(req: Request) -> Response:
         try:
             ex = proxy.authenticate(_credential(req))
-            body = await _json(req)
+            body = await _json(req, proxy.request_bytes_limit)
             if isinstance(body, dict):
                 body = {"max_tokens": 1, **body}
             conv, _, _ = anthropic_api.parse_request(body, proxy.config.volatile_patterns)
@@ -174,7 +186,7 @@ def create_app(proxy: Proxy) -> FastAPI:
     async def chat(req: Request) -> Response:
         try:
             ex = proxy.authenticate(_credential(req))
-            body = await _json(req)
+            body = await _json(req, proxy.request_bytes_limit)
             conv, sampling, stream, opts = openai_api.parse_request(body, proxy.config.volatile_patterns)
             call = await proxy.prepare(
                 ex, conv, sampling, "openai", _headers_meta(req, body), body, dict(req.headers)
@@ -238,6 +250,19 @@ def create_app(proxy: Proxy) -> FastAPI:
             f"gyre_tito_overhead_seconds_total {s['overhead_s']:.6f}",
             "# TYPE gyre_tito_engine_retries_total counter",
             f"gyre_tito_engine_retries_total {proxy.pool.retries}",
+            "# TYPE gyre_tito_kv_reroutes_total counter",
+            f"gyre_tito_kv_reroutes_total {proxy.pool.kv_stats['reroutes']}",
+            "# TYPE gyre_tito_kv_migrated_reroutes_total counter",
+            f"gyre_tito_kv_migrated_reroutes_total {proxy.pool.kv_stats['migrated']}",
+            "# TYPE gyre_tito_kv_migrated_tokens_total counter",
+            f"gyre_tito_kv_migrated_tokens_total {proxy.pool.kv_stats['migrated_tokens']}",
+            "# TYPE gyre_tito_kv_recomputed_tokens_total counter",
+            f"gyre_tito_kv_recomputed_tokens_total {proxy.pool.kv_stats['recomputed_tokens']}",
+            "# TYPE gyre_tito_kv_migrated_bytes_total counter",
+            f"gyre_tito_kv_migrated_bytes_total {proxy.pool.kv_stats['bytes']}",
+            "# TYPE gyre_tito_kv_reroute_first_token_seconds summary",
+            f"gyre_tito_kv_reroute_first_token_seconds_sum {proxy.pool.kv_stats['first_token_s']:.6f}",
+            f"gyre_tito_kv_reroute_first_token_seconds_count {proxy.pool.kv_stats['first_tokens']}",
             "# TYPE gyre_tito_executions gauge",
             f'gyre_tito_executions{{state="active"}} {sum(not e.ended for e in proxy.executions.values())}',
             f'gyre_tito_executions{{state="ended"}} '
