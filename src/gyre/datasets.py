@@ -20,7 +20,8 @@ Fields of a task (unknown fields are refused):
                        ``{"git": REPO, "commit": SHA}`` (a clone checked out at that commit), or ``{"empty": true}``
 ``scoring``            ``{"kind": "exec", "command": [...], "files": PATH, "score_from": "score_file"|"exit_code"}``
                        (gyre-eval's executable check; ``files`` is a folder kept **outside** the workspace, passed
-                       to the check as ``$GYRE_CHECK_FILES``) or ``{"kind": "judge", "rubric": TEXT}``
+                       to the check as ``$GYRE_CHECK_FILES`` and substituted for ``{files}`` in ``command``) or
+                       ``{"kind": "judge", "rubric": TEXT}``
 ``harness_timeout_s``  number > 0: the task's deadline (the harness is stopped, its work is still assessed)
 ``overall_budget_s``   number >= ``harness_timeout_s``: execution plus evaluation retries
 ``harness``            optional: a harness name (``builtin``, ``command``, ``claude-code``) or
@@ -321,9 +322,10 @@ def evaluator_config(task: TaskSpec) -> dict[str, Any]:
     if isinstance(sc, JudgeScoring):
         return {"kind": "judge", "rubric": sc.rubric}
     env = {"GYRE_CHECK_FILES": sc.files} if sc.files else {}
+    command = [a.replace("{files}", sc.files) for a in sc.command] if sc.files else list(sc.command)
     return {
         "kind": "exec",
-        "command": list(sc.command),
+        "command": command,
         "score_from": sc.score_from,
         "sandbox": {"timeout_s": sc.timeout_s, "env": env},
     }

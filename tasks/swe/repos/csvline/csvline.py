@@ -1,0 +1,2 @@
+def split_csv(line):
+    return line.split(",")

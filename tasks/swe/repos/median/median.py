@@ -1,0 +1,3 @@
+def median(values):
+    values.sort()
+    return values[len(values) // 2]
