@@ -111,7 +111,7 @@ def test_report_of_a_folder_without_a_run(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_report_of_a_real_interrupted_demo_run(tmp_path):
+def test_report_of_a_real_interrupted_demo_run(tmp_path, capsys):
     from playwright.sync_api import sync_playwright
 
     run_dir = tmp_path / "run"
@@ -137,10 +137,8 @@ def test_report_of_a_real_interrupted_demo_run(tmp_path):
     assert "interrupted by SIGTERM" in stderr and "INFO" not in stderr and " gyre: " not in stderr  # --quiet
     assert not (run_dir / "report.html").exists()  # the run stopped before writing it
 
-    out = subprocess.run([sys.executable, "-m", "gyre.cli", "report", str(run_dir)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == str(run_dir / "report.html")
+    assert main(["report", str(run_dir)]) == 0  # `gyre report RUN`
+    assert capsys.readouterr().out.strip() == str(run_dir / "report.html")
     steps = [json.loads(line) for line in steps_file.read_text().splitlines()]
     trace = [
         json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines() if line.endswith("}")
