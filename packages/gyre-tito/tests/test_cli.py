@@ -1,4 +1,5 @@
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -27,6 +28,12 @@ def test_serve_writes_resolved_config_and_answers(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = tmp_path / "store"
+    key = tmp_path / "engine.key"
+    key.write_text("engine-secret\n")
+    key.chmod(0o600)
+    r, w = os.pipe()  # the admin token travels over an inherited pipe: never argv, environment or a file
+    os.write(w, b"secret\n")
+    os.close(w)
     p = subprocess.Popen(
         [
             sys.executable,
@@ -41,12 +48,16 @@ def test_serve_writes_resolved_config_and_answers(tmp_path):
             str(store),
             "--port",
             str(port),
-            "--admin-token",
-            "secret",
+            "--admin-token-fd",
+            str(r),
+            "--engine-api-key-file",
+            str(key),
             "--export-dir",
             str(tmp_path / "traj"),
         ],
+        pass_fds=(r,),
     )
+    os.close(r)
     try:
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -57,6 +68,9 @@ def test_serve_writes_resolved_config_and_answers(tmp_path):
                 time.sleep(0.2)
         cfg = json.loads((store / "config.json").read_text())
         assert cfg["engines"] == ["http://127.0.0.1:9"] and cfg["port"] == port and "admin_token" not in cfg
+        assert "engine_api_key" not in cfg and "secret" not in (store / "config.json").read_text()
+        with open(f"/proc/{p.pid}/cmdline", "rb") as f:
+            assert b"secret" not in f.read()
         assert cfg["export_dirs"] == [str((tmp_path / "traj").resolve())]
         r = httpx.post(
             f"http://127.0.0.1:{port}/admin/executions", json={}, headers={"Authorization": "Bearer secret"}
@@ -65,3 +79,25 @@ def test_serve_writes_resolved_config_and_answers(tmp_path):
     finally:
         p.terminate()
         p.wait(timeout=20)
+
+
+def test_token_sources_refuse_world_readable_files_and_mixed_sources(tmp_path, capsys):
+    from gyre_tito.cli import read_token
+
+    tok = build_tiny_tokenizer(tmp_path / "tok")
+    f = tmp_path / "t"
+    f.write_text("x\n")
+    f.chmod(0o644)
+    args = ["serve", "--tokenizer", str(tok), "--store", str(tmp_path / "s"), "--admin-token-file", str(f)]
+    assert main(args) == 2 and "readable by others" in capsys.readouterr().err
+    f.chmod(0o600)
+    assert read_token(str(f), None) == "x" and read_token(None, None) is None
+    r, w = os.pipe()
+    os.close(w)
+    try:
+        read_token(str(f), r)
+        raise AssertionError("both sources accepted")
+    except ValueError as e:
+        assert "not both" in str(e)
+    finally:
+        os.close(r)

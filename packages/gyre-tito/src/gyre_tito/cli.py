@@ -1,8 +1,9 @@
 """`gyre-tito` command line.
 
-- `gyre-tito serve --engine URL [--engine URL ...] --tokenizer PATH --store DIR --port N [--admin-token T]`: run the
-  proxy; writes its resolved config to `DIR/config.json` first. The admin token comes from `--admin-token` or the
-  `GYRE_TITO_ADMIN_TOKEN` environment variable (it is not written to config.json). Admin export writes only under
+- `gyre-tito serve --engine URL [--engine URL ...] --tokenizer PATH --store DIR --port N [--admin-token-file F]`: run
+  the proxy; writes its resolved config to `DIR/config.json` first. Tokens (admin, engines) come from a mode-600 file or
+  an inherited fd, never from the environment or argv (the deprecated `--admin-token` / `GYRE_TITO_ADMIN_TOKEN` still
+  work, with a warning); none is written to config.json. Admin export writes only under
   the store or a `--export-dir DIR` (repeatable).
 - `gyre-tito tiny-tokenizer DIR`: write the tiny offline Qwen3-style tokenizer (tests, demos).
 - `gyre-tito scripted-engine --tokenizer DIR --script FILE --port N`: serve a scripted `/generate` engine.
@@ -18,6 +19,41 @@ from pathlib import Path
 __all__ = ["main"]
 
 
+def read_token(file: str | None, fd: int | None) -> str | None:
+    """A token from a file (mode 600 or stricter) or an inherited file descriptor (read to its end, then closed),
+    never from the environment or argv, which every process of the same user can read through /proc."""
+    import stat
+
+    if file is not None and fd is not None:
+        raise ValueError("give a token file or a token fd, not both")
+    if fd is not None:
+        chunks = []
+        try:
+            while chunk := os.read(fd, 4096):
+                chunks.append(chunk)
+        except OSError as e:
+            raise ValueError(f"token fd {fd}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+        raw = b"".join(chunks)
+    elif file is not None:
+        try:
+            mode = os.stat(file).st_mode
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise ValueError(
+                    f"token file {file}: readable by others (mode {oct(mode & 0o777)}); chmod 600 it"
+                )
+            raw = Path(file).read_bytes()[:4096]
+        except OSError as e:
+            raise ValueError(f"token file {file}: {e.strerror}") from None
+    else:
+        return None
+    token = raw.decode("utf-8", "replace").strip()
+    if not token or "\n" in token:
+        raise ValueError("a token must be one non-empty line")
+    return token
+
+
 def _serve(a: argparse.Namespace) -> int:
     import uvicorn
 
@@ -31,12 +67,29 @@ def _serve(a: argparse.Namespace) -> int:
         if not url.startswith(("http://", "https://")):
             print(f"gyre-tito serve: --engine {url!r}: must be an http(s) URL", file=sys.stderr)
             return 2
+    try:
+        admin_token = read_token(a.admin_token_file, a.admin_token_fd)
+        engine_key = read_token(a.engine_api_key_file, a.engine_api_key_fd)
+    except ValueError as e:
+        print(f"gyre-tito serve: {e}", file=sys.stderr)
+        return 2
+    legacy = a.admin_token or os.environ.get("GYRE_TITO_ADMIN_TOKEN")
+    if admin_token is None and legacy:
+        print(
+            "gyre-tito serve: warning: --admin-token / GYRE_TITO_ADMIN_TOKEN put the token where every process of "
+            "this user can read it (/proc/PID/cmdline, /proc/PID/environ); use --admin-token-file or --admin-token-fd",
+            file=sys.stderr,
+        )
+        admin_token = legacy
     cfg = ProxyConfig(
         engines=a.engine,
         tokenizer=str(Path(a.tokenizer).resolve()),
         store=str(Path(a.store).resolve()),
         model_name=a.model_name,
-        admin_token=a.admin_token or os.environ.get("GYRE_TITO_ADMIN_TOKEN"),
+        admin_token=admin_token,
+        engine_api_key=engine_key,
+        context_from_engines=not a.no_engine_context,
+        max_request_bytes=a.max_request_bytes,
         max_context_tokens=a.max_context,
         fsync=not a.no_fsync,
         export_dirs=[str(Path(d).resolve()) for d in a.export_dir],
@@ -45,11 +98,15 @@ def _serve(a: argparse.Namespace) -> int:
         temperature=a.temperature,
     )
     Path(cfg.store).mkdir(parents=True, exist_ok=True)
-    resolved = cfg.model_dump(exclude={"admin_token"}) | {"host": a.host, "port": a.port}
+    resolved = cfg.model_dump(exclude={"admin_token", "engine_api_key"}) | {"host": a.host, "port": a.port}
     import json
 
     (Path(cfg.store) / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
-    proxy = Proxy(cfg)
+    try:
+        proxy = Proxy(cfg)
+    except ValueError as e:  # e.g. an --export-dir overlapping the store
+        print(f"gyre-tito serve: {e}", file=sys.stderr)
+        return 2
     # harnesses keep connections open between calls that can be minutes apart (tool runs): long keep-alive
     uvicorn.run(create_app(proxy), host=a.host, port=a.port, log_level=a.log_level, timeout_keep_alive=75)
     return 0
@@ -83,7 +140,28 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8787)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--model-name", default="gyre-policy", help="model name reported to harnesses")
-    s.add_argument("--admin-token", default=None, help="admin API token (or env GYRE_TITO_ADMIN_TOKEN)")
+    s.add_argument("--admin-token-file", default=None, help="file (mode 600) holding the admin API token")
+    s.add_argument(
+        "--admin-token-fd", type=int, default=None, help="read the admin token from this inherited fd"
+    )
+    s.add_argument(
+        "--admin-token",
+        default=None,
+        help="deprecated (visible to every local process): use --admin-token-file",
+    )
+    s.add_argument(
+        "--engine-api-key-file", default=None, help="file (mode 600): bearer token sent to engines"
+    )
+    s.add_argument("--engine-api-key-fd", type=int, default=None, help="read the engines' token from this fd")
+    s.add_argument(
+        "--no-engine-context", action="store_true", help="keep --max-context even if engines report less"
+    )
+    s.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="largest request body (default: from --max-context)",
+    )
     s.add_argument("--max-context", type=int, default=131072, help="model context limit in tokens")
     s.add_argument(
         "--export-dir", action="append", default=[], help="admin export may also write under DIR (repeatable)"
