@@ -62,6 +62,9 @@ class RolloutEngine:
     """Async client of one rollout engine at `base_url` (SGLang protocol subset)."""
 
     kind = "generic"
+    supports_kv_migration = False
+    """Whether the engine serves Gyre's KV-migration endpoints (`/kv/pin`, `/kv/takeover`, `/kv/ack`, `/kv/release`;
+    gyre_cell.engine.kv_migration). Without them a rerouted request is recomputed at its destination."""
 
     def __init__(
         self,
@@ -208,6 +211,41 @@ class RolloutEngine:
         body = AbortBody(abort_all=True) if abort_all else AbortBody(rid=rid or "")
         await self._post("/abort_request", body.body())
 
+    # ---- KV-cache migration (engines with supports_kv_migration) ----------------------------
+    def _check_kv(self) -> None:
+        if not self.supports_kv_migration:
+            raise EngineError(501, f"{self.kind} engine has no KV migration: the request is recomputed")
+
+    async def kv_pin(
+        self, *, rid: str | None = None, token_ids: list[int] | None = None, ttl_s: float | None = None
+    ) -> dict[str, Any]:
+        """Pin a running request's KV (ending it) or a cached prefix; the `KVExport` as a dict."""
+        self._check_kv()
+        body: dict[str, Any] = {"rid": rid, "token_ids": token_ids}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        export = await self._post("/kv/pin", body)
+        return dict(export, source_url=self.base_url)
+
+    async def kv_takeover(
+        self, export: dict[str, Any], *, token_ids: list[int] | None = None, timeout_s: float = 30.0
+    ) -> dict[str, Any]:
+        """Ask this (destination) engine to read and install `export`; the `KVTakeoverResult` as a dict, whatever
+        its status (installed | refused | failed: recompute)."""
+        self._check_kv()
+        resp = await self._http.post(
+            "/kv/takeover",
+            content=orjson.dumps({"export": export, "token_ids": token_ids, "timeout_s": timeout_s}),
+            headers={"content-type": "application/json"},
+        )
+        if resp.status_code in (200, 409, 502):
+            return resp.json()
+        raise EngineError(resp.status_code, _error_message(resp))
+
+    async def kv_release(self, migration_id: str) -> None:
+        self._check_kv()
+        await self._post("/kv/release", {"migration_id": migration_id})
+
     async def pause(self, mode: str = "abort") -> None:
         await self._post("/pause_generation", PauseBody(mode=mode).body())
 
@@ -338,6 +376,7 @@ class TorchEngineClient(RolloutEngine):
     """Client of the Gyre torch engine (`gyre-cell engine serve`)."""
 
     kind = "torch"
+    supports_kv_migration = True
 
     def tensor_update_body(
         self, named: Iterable[tuple[str, torch.Tensor]], *, weight_version: str | None

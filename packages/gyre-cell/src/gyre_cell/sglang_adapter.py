@@ -137,6 +137,10 @@ class SGLangEngine(RolloutEngine):
     (CUDA IPC handles: the caller must be on the same node and keep the tensors alive until it returns)."""
 
     kind = "sglang"
+    supports_kv_migration = False
+    """SGLang 0.5.23 has no endpoint that pins one request's KV for another engine to read: a request moved off an
+    SGLang engine is recomputed at its destination (see the README, "KV-cache migration", for what an integration
+    through HiCache and the Mooncake store would need)."""
 
     def __init__(
         self,
