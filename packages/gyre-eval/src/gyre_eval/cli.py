@@ -25,6 +25,10 @@ def _parser() -> argparse.ArgumentParser:
         "--config", type=Path, help="service config (JSON or TOML): evaluators, retries, advantages"
     )
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--token-file", help="file (mode 600) with the bearer token every endpoint but /healthz needs"
+    )
+    serve.add_argument("--token-fd", type=int, help="read that token from this inherited fd instead")
     check = sub.add_parser(
         "check", help="run one configured evaluator once on a workspace and print the verdict"
     )
@@ -57,16 +61,46 @@ def _serve(args: argparse.Namespace, config) -> int:
 
     from gyre_eval.server import create_app
 
+    try:
+        token = _read_token(args.token_file, args.token_fd)
+    except ValueError as e:
+        print(f"gyre-eval: {e}", file=sys.stderr)
+        return 2
     args.store.mkdir(parents=True, exist_ok=True)
     # The resolved config comes first, secrets masked (the run's own config.json belongs to the run).
     (args.store / CONFIG_FILE).write_text(json.dumps(config.redacted(), indent=2) + "\n")
     try:
-        app = create_app(args.store, config)
+        app = create_app(args.store, config, token=token)
     except ValueError as e:
         print(f"gyre-eval: cannot build evaluators: {e}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _read_token(file: str | None, fd: int | None) -> str | None:
+    """A token from a mode-600 file or an inherited fd, never argv or the environment (readable through /proc)."""
+    import os
+    import stat
+
+    if file is not None and fd is not None:
+        raise ValueError("give --token-file or --token-fd, not both")
+    if fd is not None:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(4096)
+    elif file is not None:
+        try:
+            if os.stat(file).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise ValueError(f"token file {file}: readable by others; chmod 600 it")
+            raw = Path(file).read_bytes()[:4096]
+        except OSError as e:
+            raise ValueError(f"token file {file}: {e.strerror}") from None
+    else:
+        return None
+    token = raw.decode("utf-8", "replace").strip()
+    if not token or "\n" in token:
+        raise ValueError("a token must be one non-empty line")
+    return token
 
 
 async def _check(args: argparse.Namespace, config) -> int:

@@ -33,8 +33,19 @@ class EvalServiceError(Exception):
 class EvalClient:
     """``async with EvalClient("http://127.0.0.1:8700") as c: a = await c.submit(sub)``."""
 
-    def __init__(self, base_url: str, timeout: float = 30.0, client: httpx.AsyncClient | None = None) -> None:
-        self._http = client or httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout)
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float = 30.0,
+        client: httpx.AsyncClient | None = None,
+        token: str | None = None,
+    ) -> None:
+        headers = (
+            {"authorization": f"Bearer {token}"} if token else None
+        )  # the service's token, if it has one
+        self._http = client or httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), timeout=timeout, headers=headers
+        )
 
     async def __aenter__(self) -> EvalClient:
         return self

@@ -43,6 +43,10 @@ class ServiceConfig(BaseModel):
     """Longest wait between attempts; attempts never start after the execution's budget expires."""
     advantage_mode: AdvantageMode = "grpo"
     """Default advantage: GRPO (r - mean) / (std + 1e-6) with population std, or mean-only r - mean."""
+    artifact_roots: list[str] | None = None
+    """Directories a submission's ``artifact_ref`` must resolve under (after ``..`` and symlinks), else 422: the
+    service copies what it assesses, so an unchecked path would let a caller have any folder the service can read
+    (a root-only one) copied into a check. None: any path (only for a service no untrusted process can reach)."""
 
     def redacted(self) -> dict[str, Any]:
         """The resolved config as JSON data, secrets masked (what is written to the run directory)."""

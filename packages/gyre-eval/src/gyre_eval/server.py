@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gyre_eval.config import ServiceConfig, build_evaluator
 from gyre_eval.evaluator import Evaluator
-from gyre_eval.service import AssessmentService, UnknownEvaluatorError
+from gyre_eval.service import ArtifactOutsideRootsError, AssessmentService, UnknownEvaluatorError
 from gyre_eval.store import AssessmentStore, ConflictError
 from gyre_eval.types import (
     AdvantageMode,
@@ -47,11 +48,17 @@ def _validation_message(errors: list) -> str:
 
 
 def create_app(
-    run_dir: Path | str, config: ServiceConfig, evaluators: dict[str, Evaluator] | None = None
+    run_dir: Path | str,
+    config: ServiceConfig,
+    evaluators: dict[str, Evaluator] | None = None,
+    *,
+    token: str | None = None,
 ) -> FastAPI:
     """The service app; the store opens and unfinished assessments resume when the app starts.
 
-    Evaluators are built here, so a bad plug-in reference fails before the server listens."""
+    Evaluators are built here, so a bad plug-in reference fails before the server listens. With ``token`` every
+    endpoint but ``GET /healthz`` needs ``Authorization: Bearer <token>`` (401 otherwise): without it any local process
+    could submit (or block) another execution's reward first."""
     if evaluators is None:
         evaluators = {name: build_evaluator(spec) for name, spec in config.evaluators.items()}
 
@@ -71,6 +78,28 @@ def create_app(
 
     def svc(request: Request) -> AssessmentService:
         return request.app.state.service
+
+    if token:
+        expected = token.encode()
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if (request.method, request.url.path) != ("GET", "/healthz"):
+                auth = request.headers.get("authorization", "")
+                given = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+                if not hmac.compare_digest(given, expected):
+                    return _error(
+                        401, "unauthorized", "missing or wrong service token (Authorization: Bearer ...)"
+                    )
+            return await call_next(request)
+
+    @app.exception_handler(ArtifactOutsideRootsError)
+    async def _outside(_: Request, exc: ArtifactOutsideRootsError) -> JSONResponse:
+        return _error(422, "artifact_outside_roots", str(exc))
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
+        return _error(422, "invalid_request", "request nested too deeply")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

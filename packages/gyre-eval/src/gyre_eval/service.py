@@ -40,6 +40,10 @@ from gyre_eval.types import (
 log = logging.getLogger(__name__)
 
 
+class ArtifactOutsideRootsError(ValueError):
+    """A submission's artifact_ref resolves outside ``ServiceConfig.artifact_roots`` (HTTP 422)."""
+
+
 class UnknownEvaluatorError(ValueError):
     """A submission names an evaluator the service does not have (HTTP 422)."""
 
@@ -100,12 +104,26 @@ class AssessmentService:
 
     # -- submissions --------------------------------------------------------------------------------------------
 
+    def _check_artifact_root(self, ref: str | None) -> None:
+        roots = self.config.artifact_roots
+        if ref is None or roots is None:
+            return
+        try:
+            target = Path(ref).resolve()
+        except (OSError, RuntimeError) as e:
+            raise ArtifactOutsideRootsError(f"artifact_ref: {e}") from None
+        if not any(target.is_relative_to(Path(r).resolve()) for r in roots):
+            raise ArtifactOutsideRootsError(
+                f"artifact_ref {ref[:300]!r} resolves outside the service's artifact roots {roots}"
+            )
+
     def submit(self, sub: Submission) -> tuple[Assessment, bool]:
         """Record ``sub`` (idempotent) and start evaluating it; returns the assessment and whether it is new."""
         now = self.clock()
         if self.store.get(assessment_id(sub.execution_id, sub.branch, sub.artifact_version, sub.evaluator)):
             # Known key: the store returns it unchanged or reports a conflict; nothing is re-decided.
             return self.store.submit(sub, "unresolved", None, False, Provenance(evaluator="", kind=""), now)
+        self._check_artifact_root(sub.artifact_ref)
         describe: dict[str, Any] = {}
         no_work = sub.no_work_reason
         if no_work is None and sub.artifact_ref is None:

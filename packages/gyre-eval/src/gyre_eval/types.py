@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AssessmentStatus = Literal["valid", "unresolved", "no_work"]
 # How the execution ended (DESIGN §2). Recorded for provenance only: the score never depends on it.
@@ -24,6 +24,22 @@ _ID = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/+
 class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     schema_version: Literal[1] = 1
+
+
+MAX_TASK_DEPTH = 32
+MAX_UNIX_TIME = 1e11  # year 5138: anything later is a mistake, and keeps launched_at + budget_s finite
+MAX_BUDGET_S = 10 * 365 * 86400.0
+
+
+def check_depth(value: Any, limit: int, where: str) -> None:
+    """Raise ValueError when `value` nests lists/dicts deeper than `limit` (iteratively: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > limit:
+                raise ValueError(f"{where}: nested deeper than {limit} levels")
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
 
 
 class Submission(_Wire):
@@ -53,7 +69,13 @@ class Submission(_Wire):
     no_work_reason: str | None = Field(default=None, max_length=2000)
     """Set when the execution failed completely (e.g. image pull): a zero-reward placeholder stands in."""
     task: dict[str, Any] = Field(default_factory=dict)
-    """Task data the evaluator may use (e.g. the prompt a judge sees). Never credentials."""
+    """Task data the evaluator may use (e.g. the prompt a judge sees). Never credentials. At most 32 levels deep."""
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _shallow(cls, v: Any) -> Any:
+        check_depth(v, MAX_TASK_DEPTH, "task")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> Submission:
@@ -64,6 +86,10 @@ class Submission(_Wire):
             raise ValueError(f"dispatch_index {self.dispatch_index} out of range for {dispatched} dispatched")
         if not math.isfinite(self.launched_at) or not math.isfinite(self.budget_s):
             raise ValueError("launched_at and budget_s must be finite")
+        if self.launched_at > MAX_UNIX_TIME or self.budget_s > MAX_BUDGET_S:
+            raise ValueError(
+                f"launched_at must be a unix time before {MAX_UNIX_TIME:.0f} and budget_s at most {MAX_BUDGET_S:.0f} s"
+            )
         if self.no_work_reason is not None and self.artifact_ref is not None:
             raise ValueError("a no_work submission has no artifact_ref")
         return self
