@@ -1,0 +1,226 @@
+"""The ray launcher for real (slow): a run on a one-machine Ray instance, and on two "hosts" made of network
+namespaces joined by a veth pair (root only), with a Ray head in one and a Ray worker in the other.
+
+Same step losses as the local launcher: the engines sample from one generator per engine shared by concurrent
+requests, whose order depends on when each agent process calls; two runs of the *local* launcher with the same seed
+already draw different trajectories, so their step losses differ. What holds for every launcher, and is asserted: the
+step the cells compute on a batch equals the single-process reference on that batch (`replay_batch`, the check
+`tests/test_run.py` makes of the local launcher), to 1e-6 in float64; the trainer's log-probs equal the engines'
+behaviour log-probs; and the run's trace recomputes its counters. (With the tiny random model the demo's rewards are
+often all 0 in two steps: advantages, loss and gradient are then 0 for every launcher, and the log-prob check is the
+one that still compares numbers computed on different hosts.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre_sched.trace import iter_trace, read_trace
+from gyre_train.loss import LossConfig
+from gyre_train.replay import replay_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+# Token authentication off: the test cluster lives inside two private namespaces (no route out of them).
+RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1",
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}  # fmt: skip
+
+
+def _gyre(run_dir: Path, *args: str, prefix: list[str] | None = None, timeout: float = 600) -> dict:
+    argv = [*(prefix or []), sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "demo.toml"),
+            "--run-dir", str(run_dir), "--quiet", *args]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **RAY_ENV})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()]
+
+
+def _check(run_dir: Path, steps: int) -> list[dict]:
+    """Counters from the trace, final weights, every dumped batch's loss and gradient equal to the reference."""
+    state = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
+    trace = read_trace(run_dir / "trace.jsonl")
+    assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
+    assert trace.steps == state["version"] >= steps
+    assert (run_dir / "checkpoints" / f"policy-v{state['version']}" / "config.json").exists()
+    rows = _steps(run_dir)
+    checked = 0
+    for batch, row in enumerate(rows):
+        dump = run_dir / "metrics" / "batches" / f"batch-{batch}"
+        if not dump.exists():
+            continue
+        loss, grads = replay_batch(
+            dump, str(run_dir / "model"), dtype="float64", loss=LossConfig(), temperature=1.0
+        )
+        assert loss == pytest.approx(row["loss"], abs=1e-6)
+        assert torch.allclose(grads, torch.load(dump / "summed_grads.pt"), atol=1e-6, rtol=0)
+        checked += 1
+    assert checked >= 1
+    # The trainer's log-probs (computed in the cells' actors) equal the behaviour log-probs the engines returned
+    # through the proxy: non-zero and checked even when every reward of the tiny model is 0 (advantages 0, loss 0).
+    assert all(r["metrics"]["ratio_dev_max"] < 1e-4 for r in rows if max(r["staleness"]) == 0), rows
+    placement = json.loads((run_dir / "logs" / "placement.json").read_text())
+    assert [p["worker"] for p in placement] == [f"cell-{i}" for i in range(len(placement))]
+    assert len({p["placement_group"] for p in placement}) == len(placement)  # one placement group per cell
+    for p in placement:  # each actor's output in the run's logs, its resolved config first
+        first = (run_dir / "logs" / f"{p['worker']}.log").read_text().splitlines()[0]
+        assert json.loads(first)["host"] == p["ip"]
+    return placement
+
+
+def test_local_ray_run_matches_the_reference_step_for_step(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = _gyre(run_dir, "--ray", "local", "--steps", "2", "--set", "launcher.num_cpus=4",
+                    "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
+                    "--set", "dashboard.enabled=false")  # fmt: skip
+    assert summary["steps"] == 2
+    placement = _check(run_dir, 2)
+    assert len(placement) == 2 and all(p["pid"] != os.getpid() for p in placement)
+    # The actors are gone with the run.
+    for p in placement:
+        assert (
+            not Path(f"/proc/{p['pid']}").exists()
+            or b"ray::" not in Path(f"/proc/{p['pid']}/cmdline").read_bytes()
+        )
+
+
+# ---- two hosts in network namespaces -----------------------------------------------------------------------------
+
+NS = ("gyre-host-a", "gyre-host-b")
+IPS = ("10.77.0.1", "10.77.0.2")
+
+
+def _sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+def _netns_available() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (ip netns)"
+    if shutil.which("ip") is None:
+        return "needs iproute2"
+    return None
+
+
+@pytest.fixture
+def two_hosts():
+    """Two namespaces with loopback and one veth pair 10.77.0.1 <-> 10.77.0.2; nothing routes outside them."""
+    if (why := _netns_available()) is not None:
+        pytest.skip(why)
+    for ns in NS:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    try:
+        for ns in NS:
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        _sh(
+            "ip",
+            "link",
+            "add",
+            "gyre-va",
+            "netns",
+            NS[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "gyre-vb",
+            "netns",
+            NS[1],
+        )
+        for ns, dev, ip in zip(NS, ("gyre-va", "gyre-vb"), IPS, strict=True):
+            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+    except subprocess.CalledProcessError as exc:
+        for ns in NS:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"ip netns unavailable here: {exc.stderr.decode().strip()}")
+    yield
+    for ns in NS:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _ray_node(ns: str, ip: str, tmp: Path, head: bool, resource: str) -> subprocess.Popen:
+    ray = str(Path(sys.executable).with_name("ray"))
+    argv = ["ip", "netns", "exec", ns, ray, "start", "--block", "--node-ip-address", ip, "--num-cpus", "3",
+            "--resources", json.dumps({resource: 4}), "--disable-usage-stats"]  # fmt: skip
+    argv += (
+        ["--head", "--port", "6379", "--include-dashboard", "false"]
+        if head
+        else ["--address", f"{IPS[0]}:6379"]
+    )
+    log = (tmp / f"ray-{ns}.log").open("wb")
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **RAY_ENV})  # fmt: skip
+
+
+def _wait_nodes(n: int, timeout: float = 300) -> None:
+    """Until the head's GCS lists `n` alive nodes (asked from inside host A; the head may still be starting)."""
+    code = (
+        "import ray, time\n"
+        f"d = time.time() + {timeout}\n"
+        "while True:\n"
+        "    try:\n"
+        f"        ray.init(address='{IPS[0]}:6379')\n"
+        "        break\n"
+        "    except Exception:\n"
+        "        assert time.time() < d\n"
+        "        time.sleep(1)\n"
+        f"while sum(x['Alive'] for x in ray.nodes()) < {n}:\n"
+        "    assert time.time() < d, ray.nodes()\n"
+        "    time.sleep(0.5)\n"
+    )
+    proc = subprocess.run(["ip", "netns", "exec", NS[0], sys.executable, "-c", code], timeout=timeout + 60,
+                          env={**os.environ, **RAY_ENV}, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_two_hosts_elastic_run_crosses_hosts(two_hosts, tmp_path):
+    nodes = [_ray_node(NS[0], IPS[0], tmp_path, True, "host_a")]
+    try:
+        nodes.append(_ray_node(NS[1], IPS[1], tmp_path, False, "host_b"))
+        _wait_nodes(2)
+        run_dir = tmp_path / "run"
+        summary = _gyre(run_dir, "--ray", f"{IPS[0]}:6379", "--steps", "2",
+                        "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
+                        "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
+                        "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false",
+                        prefix=["ip", "netns", "exec", NS[0]])  # fmt: skip
+        assert summary["steps"] == 2
+        placement = _check(run_dir, 2)
+        # One cell per host, each bound to its host's address (never loopback).
+        assert [(p["worker"], p["ip"]) for p in placement] == [("cell-0", IPS[0]), ("cell-1", IPS[1])]
+        cell1 = json.loads((run_dir / "cells" / "cell-1.json").read_text())
+        assert (cell1["host"], cell1["mooncake"]["local_hostname"]) == (IPS[1], IPS[1])
+        assert cell1["training"]["master_host"] == IPS[0]
+        # Gradients crossed hosts over gloo: a step with micro-steps of both cells (the remote one joined).
+        rows = _steps(run_dir)
+        assert any(
+            r["microsteps_by_cell"].get("1", 0) > 0 and r["microsteps_by_cell"].get("0", 0) > 0 for r in rows
+        )
+        # Weights crossed hosts over Mooncake TCP: the remote cell went back to rollout with a published version.
+        ends = [
+            e for e in iter_trace(run_dir / "trace.jsonl") if e["ev"] == "transition_end" and e["cell"] == 1
+        ]
+        assert any(e.get("to") == "rollout" for e in ends), ends
+    finally:
+        for proc in reversed(nodes):
+            proc.terminate()
+        for proc in reversed(nodes):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
