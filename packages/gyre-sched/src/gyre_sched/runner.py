@@ -26,11 +26,14 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
 from gyre_sched.harness import CommandHarness, Harness, HarnessContext, make_harness
+from gyre_sched.sandbox import LaunchSandbox, ProxyRelay
 
 __all__ = ["DEFAULT_ENV_ALLOW", "ExecutionRunner", "Finished", "harness_argv", "harness_env"]
 
@@ -62,6 +65,14 @@ def harness_env(
     return env
 
 
+def _check_budget(harness_timeout_s: float, overall_budget_s: float | None) -> None:
+    if overall_budget_s is not None and harness_timeout_s > overall_budget_s:
+        raise ValueError(
+            f"harness_timeout_s ({harness_timeout_s:g}) > overall_budget_s ({overall_budget_s:g}): the overall "
+            "budget must cover the harness and its evaluation"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Finished:
     execution_id: str
@@ -89,6 +100,8 @@ class ExecutionRunner:
         extra_env: Mapping[str, str] | None = None,
         admin_timeout_s: float = 60.0,
         model: str = "gyre-policy",
+        overall_budget_s: float | None = None,
+        sandbox: LaunchSandbox | None = None,
     ) -> None:
         if isinstance(harness_argv, Harness | Mapping):
             self.harness = make_harness(harness_argv)
@@ -102,6 +115,11 @@ class ExecutionRunner:
             self.harness = CommandHarness(list(harness_argv))
         if not harness_timeout_s > 0:
             raise ValueError(f"harness_timeout_s must be > 0, got {harness_timeout_s}")
+        _check_budget(harness_timeout_s, overall_budget_s)
+        if sandbox is not None:
+            sandbox.check()
+        self.overall_budget_s = overall_budget_s
+        self.sandbox = sandbox
         self.run_dir = Path(run_dir)
         self.proxy_url = proxy_url.rstrip("/")
         self.model = model
@@ -147,11 +165,14 @@ class ExecutionRunner:
         harness: Harness | str | Mapping[str, object] | None = None,
         setup: Callable[[Path], object] | None = None,
         harness_timeout_s: float | None = None,
+        overall_budget_s: float | None = None,
     ) -> Finished:
         """Register the execution at the proxy, run its harness (the run's, or `harness` for this execution; in a
         workspace `setup` filled), end it; returns its single outcome."""
         chosen = self.harness if harness is None else make_harness(harness)
         timeout_s = self.harness_timeout_s if harness_timeout_s is None else harness_timeout_s
+        budget_s = self.overall_budget_s if overall_budget_s is None else overall_budget_s
+        _check_budget(timeout_s, budget_s)  # refused before anything is registered
         async with self._lock(execution_id):
             self._state[execution_id] = "registering"
             route = self._routes.setdefault(execution_id, engine_url)  # a reroute that came first wins
@@ -172,20 +193,46 @@ class ExecutionRunner:
         returncode: int | None = None
         outcome = "cancelled"
         if execution_id not in self._cancelled:  # cancelled while registering: never started
+            base_url = self.proxy_url
+            relay: ProxyRelay | None = None
+            cgroups: list[Path] = []
+            if self.sandbox is not None:
+                parts = urlsplit(self.proxy_url)
+                port = parts.port or (443 if parts.scheme == "https" else 80)
+                base_url = (
+                    f"http://127.0.0.1:{port}"  # the relay inside listens on loopback at the proxy's port
+                )
+                relay = ProxyRelay(parts.hostname or "127.0.0.1", port)
+                await relay.start()
             ctx = HarnessContext(
-                execution_id, workspace, task, self.proxy_url, registered["credential"], self.model
+                execution_id, workspace, task, base_url, registered["credential"], self.model
             )
+            argv, env, preexec = chosen.argv(ctx), self._env(chosen, ctx), None
+            if self.sandbox is not None and relay is not None:
+                if "HOME" not in chosen.env(ctx):  # the host's home is not in the sandbox: a private one
+                    env["HOME"] = str(workspace.with_name(workspace.name + ".home"))
+                Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
+                env["TMPDIR"] = "/tmp"
+                env.pop("TEMP", None)
+                env.pop("TMP", None)
+                argv = self.sandbox.wrap(argv, workspace, Path(env["HOME"]), env, port, relay.dir)
+                env = {"PATH": "/usr/bin:/bin"}
+                cgroups = self.sandbox.make_cgroup(execution_id)
+                preexec = partial(LaunchSandbox.enter, cgroups)
             with log.open("wb") as out:
                 proc = await asyncio.create_subprocess_exec(
-                    *chosen.argv(ctx),
+                    *argv,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=out,
                     stderr=asyncio.subprocess.STDOUT,
-                    env=self._env(chosen, ctx),
+                    env=env,
                     cwd=workspace,
                     start_new_session=True,
+                    preexec_fn=preexec,
                 )
             self._procs[execution_id] = proc
+            if budget_s is not None:
+                timeout_s = min(timeout_s, max(0.0, launched_at + budget_s - time.time()))
             try:
                 if execution_id in self._cancelled:  # cancelled while the process was being created
                     self._kill(proc)
@@ -198,6 +245,9 @@ class ExecutionRunner:
             finally:
                 self._procs.pop(execution_id, None)
                 self._kill(proc)  # whatever the harness left running in its group goes with it
+                if relay is not None:
+                    await relay.close()
+                LaunchSandbox.remove_cgroups(cgroups)
         if execution_id in self._cancelled:
             outcome = "cancelled"
         async with self._lock(execution_id):

@@ -1,0 +1,270 @@
+"""The execution sandbox at launch: each harness runs under bubblewrap in its own namespaces.
+
+``LaunchSandbox.wrap`` turns a harness argv into a ``bwrap`` command line:
+
+- **own namespaces**: user (the harness runs as uid/gid 65534), pid (a fresh ``/proc``; when the sandbox's init dies
+  every process in it dies), network, ipc, uts, cgroup;
+- **filesystem**: a fresh root with ``/usr`` (and its ``/bin``, ``/lib`` links), a few files of ``/etc`` (certificates,
+  passwd, hosts, ...), the execution's own workspace and private home (read-write, at their host paths), the
+  interpreter / CLI paths the harness needs (read-only), a private ``/tmp``; nothing else of the host: not the host's
+  home, not the proxy's store, not the run directory, not another execution's workspace;
+- **no host environment**: ``--clearenv``, then only the variables the runner passes (the allow-list and the
+  execution's own key);
+- **network only to the proxy**: the network namespace has a loopback and nothing else; a forwarder inside listens
+  on the proxy's own ``127.0.0.1:PORT`` and relays each connection over a Unix socket (bound into the sandbox) to
+  the proxy, so the harness's base URL is unchanged and no other address is reachable;
+- **limits**: a cgroup per execution (v1 or v2 where writable: ``pids``, ``memory``, ``cpu`` quota), else the
+  rlimits that apply; ``limits_applied`` says which held.
+
+Requires ``bwrap`` (Debian package ``bubblewrap``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["FORWARDER", "LaunchSandbox", "ProxyRelay", "default_ro_paths"]
+
+ETC_FILES = (
+    "/etc/ssl", "/etc/ca-certificates", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/localtime",
+    "/etc/mime.types",
+)  # fmt: skip
+
+INNER_SOCKET = "/run/gyre/proxy.sock"
+
+# Inside the sandbox: listen on the proxy's loopback port, relay to the Unix socket, run the harness, exit with it.
+FORWARDER = r"""
+import socket, subprocess, sys, threading
+path, port, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", port))
+srv.listen(128)
+def pipe(a, b):
+    try:
+        while True:
+            data = a.recv(65536)
+            if not data:
+                break
+            b.sendall(data)
+    except OSError:
+        pass
+    for s in (a, b):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+def serve():
+    while True:
+        c, _ = srv.accept()
+        u = socket.socket(socket.AF_UNIX)
+        try:
+            u.connect(path)
+        except OSError:
+            c.close()
+            continue
+        threading.Thread(target=pipe, args=(c, u), daemon=True).start()
+        threading.Thread(target=pipe, args=(u, c), daemon=True).start()
+threading.Thread(target=serve, daemon=True).start()
+try:
+    code = subprocess.call(argv)
+except OSError as e:
+    print(f"sandbox: cannot start {argv[0]}: {e}", file=sys.stderr)
+    code = 127
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+def default_ro_paths() -> list[str]:
+    """What a Python or Claude Code harness needs read-only: this interpreter's prefixes, the import paths of the
+    installed packages (site-packages, editable ``src`` folders), and the repository's ``node_modules``."""
+    paths = {sys.prefix, sys.base_prefix, os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+    for entry in sys.path:
+        name = os.path.basename(entry.rstrip("/"))
+        if os.path.isdir(entry) and (
+            name in ("site-packages", "src", "lib-dynload") or entry.startswith(sys.base_prefix)
+        ):
+            paths.add(entry)
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "node_modules").is_dir():
+            paths.add(str(parent / "node_modules"))
+            break
+    return sorted(p for p in paths if p and os.path.exists(p))
+
+
+class ProxyRelay:
+    """Host side of the proxy link: a Unix socket whose connections are relayed to the proxy's TCP address."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.dir = Path(
+            tempfile.mkdtemp(prefix="gyre-relay-")
+        )  # short path: Unix socket names are <= 107 bytes
+        self.path = self.dir / "proxy.sock"
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._handle, path=str(self.path))
+        os.chmod(self.dir, 0o755)
+        os.chmod(self.path, 0o777)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(self.host, self.port)
+        except OSError:
+            writer.close()
+            return
+
+        async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            except (OSError, asyncio.CancelledError):
+                pass
+            finally:
+                with contextlib.suppress(OSError, RuntimeError):
+                    w.close()
+
+        await asyncio.gather(pump(reader, up_w), pump(up_r, writer))
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _cgroup_roots() -> dict[str, Path]:
+    """Writable cgroup controllers: v1 hierarchies (pids, memory, cpu) or the v2 unified tree."""
+    base = Path("/sys/fs/cgroup")
+    roots = {c: base / c for c in ("pids", "memory", "cpu") if (base / c / "cgroup.procs").exists()}
+    if not roots and (base / "cgroup.controllers").exists():
+        roots = {"v2": base}
+    return {c: p for c, p in roots.items() if os.access(p, os.W_OK)}
+
+
+@dataclass
+class LaunchSandbox:
+    """bubblewrap around each harness; limits per execution."""
+
+    cpu_cores: float | None = 2.0
+    """CPU quota in cores (cgroup cpu.cfs_quota_us / cpu.max)."""
+    memory_bytes: int | None = 8 << 30
+    max_processes: int | None = 512
+    ro_paths: Sequence[str] = field(default_factory=default_ro_paths)
+    uid: int = 65534
+    bwrap: str = "bwrap"
+    limits_applied: dict[str, str] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if shutil.which(self.bwrap) is None:
+            raise RuntimeError(
+                f"the execution sandbox needs bubblewrap ({self.bwrap!r} not found): apt-get install bubblewrap"
+            )
+
+    def wrap(self, argv: Sequence[str], workspace: Path, home: Path, env: dict[str, str], proxy_port: int,
+             relay_dir: Path) -> list[str]:  # fmt: skip
+        """The bwrap command line running `argv` in the sandbox (env given as --setenv, nothing inherited)."""
+        cmd = [
+            self.bwrap,
+            "--unshare-all",
+            "--die-with-parent",
+            "--uid",
+            str(self.uid),
+            "--gid",
+            str(self.uid),
+        ]
+        cmd += ["--ro-bind", "/usr", "/usr"]
+        for link in ("bin", "lib", "lib64", "sbin"):
+            target = os.readlink(f"/{link}") if os.path.islink(f"/{link}") else None
+            if target is not None:
+                cmd += ["--symlink", target, f"/{link}"]
+            elif os.path.isdir(f"/{link}"):
+                cmd += ["--ro-bind", f"/{link}", f"/{link}"]
+        for p in ETC_FILES:
+            cmd += ["--ro-bind-try", p, p]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+        for p in self.ro_paths:
+            if p not in ("/usr", "/") and not p.startswith("/usr/"):
+                cmd += ["--ro-bind-try", p, p]
+        cmd += ["--bind", str(workspace), str(workspace), "--bind", str(home), str(home)]
+        cmd += [
+            "--bind",
+            str(relay_dir),
+            str(Path(INNER_SOCKET).parent),
+            "--chdir",
+            str(workspace),
+            "--clearenv",
+        ]
+        for k, v in env.items():
+            cmd += ["--setenv", k, v]
+        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+        return [*cmd, "--", python, "-I", "-S", "-c", FORWARDER, INNER_SOCKET, str(proxy_port), *argv]
+
+    # ---- limits -------------------------------------------------------------------------------------------------
+    def make_cgroup(self, name: str) -> list[Path]:
+        """One cgroup per execution under each writable controller (empty when none is writable)."""
+        made: list[Path] = []
+        self.limits_applied = {}
+        for ctrl, root in _cgroup_roots().items():
+            cg = root / "gyre" / name
+            try:
+                cg.mkdir(parents=True, exist_ok=True)
+                if ctrl in ("pids", "v2") and self.max_processes:
+                    (cg / "pids.max").write_text(str(self.max_processes))
+                    self.limits_applied["pids"] = f"cgroup pids.max={self.max_processes}"
+                if ctrl == "memory" and self.memory_bytes:
+                    (cg / "memory.limit_in_bytes").write_text(str(self.memory_bytes))
+                    self.limits_applied["memory"] = f"cgroup memory.limit_in_bytes={self.memory_bytes}"
+                if ctrl == "v2" and self.memory_bytes:
+                    (cg / "memory.max").write_text(str(self.memory_bytes))
+                    self.limits_applied["memory"] = f"cgroup memory.max={self.memory_bytes}"
+                if ctrl == "cpu" and self.cpu_cores:
+                    (cg / "cpu.cfs_period_us").write_text("100000")
+                    (cg / "cpu.cfs_quota_us").write_text(str(int(self.cpu_cores * 100000)))
+                    self.limits_applied["cpu"] = f"cgroup cpu quota {self.cpu_cores} cores"
+                if ctrl == "v2" and self.cpu_cores:
+                    (cg / "cpu.max").write_text(f"{int(self.cpu_cores * 100000)} 100000")
+                    self.limits_applied["cpu"] = f"cgroup cpu.max {self.cpu_cores} cores"
+                made.append(cg)
+            except OSError:
+                continue
+        return made
+
+    @staticmethod
+    def enter(cgroups: Sequence[Path]) -> None:
+        """In the child before exec: join the execution's cgroups."""
+        for cg in cgroups:
+            with contextlib.suppress(OSError):
+                (cg / "cgroup.procs").write_text(str(os.getpid()))
+
+    @staticmethod
+    def remove_cgroups(cgroups: Sequence[Path]) -> None:
+        """Kill whatever is left in the execution's cgroups and remove them (waits up to 2 s for the exits)."""
+        import time
+
+        for cg in cgroups:
+            for _ in range(100):
+                try:
+                    pids = (cg / "cgroup.procs").read_text().split()
+                except OSError:
+                    break
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(OSError, ValueError):
+                        os.kill(int(pid), 9)
+                time.sleep(0.02)
+            with contextlib.suppress(OSError):
+                cg.rmdir()
