@@ -170,3 +170,123 @@ def test_required_isolation_refuses_when_disabled_platform(workspace):
     sb = Sandbox(SandboxConfig(isolation="off"))
     assert sb.isolated() is False
     assert sb.guarantees()["no_network"] is False
+
+
+@needs_isolation
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-run uids are taken as root")
+def test_a_fork_bomb_never_touches_a_concurrent_checks_process_limit(workspace):
+    """Before: every check ran as uid 65534 and RLIMIT_NPROC counts per uid: a fork bomb in one artifact turned an
+    innocent concurrent check into a valid 0.0. Each run now has its own uid."""
+    import asyncio
+
+    bomb = _sandbox(max_processes=12, timeout_s=30)
+    innocent = _sandbox(max_processes=12, timeout_s=30)
+    # the bomb fills its process limit and holds it while the innocent check runs (cancelled afterwards)
+    bomb_cmd = ["bash", "-c", "for i in $(seq 40); do sleep 60 & done 2>/dev/null; echo full; wait"]
+    ok_cmd = ["bash", "-c", "for i in 1 2 3 4 5 6; do (true) & done; wait && echo innocent-ok"]
+
+    async def scenario():
+        bomb_task = asyncio.ensure_future(bomb.run(bomb_cmd, workspace, deadline=None))
+        # gate: wait until the bomb's processes hold its limit (count `sleep 60` processes of a non-root uid)
+        for _ in range(3000):
+            if _count_sleepers() >= 8:
+                break
+            await asyncio.sleep(0.01)
+        assert _count_sleepers() >= 8, "the bomb never filled its limit"
+        result = await innocent.run(ok_cmd, workspace)
+        bomb_task.cancel()
+        return result
+
+    result = run(scenario())
+    assert result.returncode == 0 and "innocent-ok" in result.stdout_tail, result.stderr_tail
+
+
+def _count_sleepers() -> int:
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read() == b"sleep\x0060\x00" and os.stat(f"/proc/{pid}").st_uid != 0:
+                    n += 1
+        except OSError:
+            pass
+    return n
+
+
+@needs_isolation
+def test_setuid_binaries_do_not_gain_privileges(workspace):
+    """Before: setuid binaries still ran with their owner's privileges inside the sandbox."""
+    script = "grep NoNewPrivs /proc/self/status; id -u"
+    result = run(_sandbox().run(["bash", "-c", script], workspace))
+    assert result.returncode == 0, result.stderr_tail
+    assert "NoNewPrivs:\t1" in result.stdout_tail
+    assert result.guarantees["no_new_privileges"] is True
+
+
+def test_stale_sandbox_copies_of_a_dead_service_are_swept(tmp_path):
+    """A crashed service leaves its private copies behind; the next run removes those whose owner lock is free."""
+    import fcntl
+
+    from gyre_eval.sandbox import _new_root, sweep_stale_sandboxes
+
+    live_root, live_fd = _new_root(str(tmp_path))
+    dead_root, dead_fd = _new_root(str(tmp_path))
+    (dead_root / "copy.txt").write_text("leaked")
+    os.close(dead_fd)  # its owner is gone (a crash releases the flock the same way)
+    try:
+        removed = sweep_stale_sandboxes(str(tmp_path))
+        assert removed == [dead_root.name] and not dead_root.exists() and live_root.exists()
+        fcntl.flock(live_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # still ours
+    finally:
+        os.close(live_fd)
+
+
+@needs_isolation
+def test_checks_die_when_the_service_dies(workspace, tmp_path):
+    """Before: a gyre-eval crash orphaned running checks (and leaked their copies)."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    prog = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        from pathlib import Path
+        from gyre_eval.sandbox import Sandbox, SandboxConfig
+        sb = Sandbox(SandboxConfig(timeout_s=120, scratch_dir={str(tmp_path)!r}))
+        async def main():
+            task = asyncio.ensure_future(sb.run(["bash", "-c", "echo started; sleep 77"], Path({str(workspace)!r})))
+            await asyncio.sleep(3600)
+        asyncio.run(main())
+        """
+    )
+    service = subprocess.Popen([sys.executable, "-c", prog])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _sleeping(b"77"):  # gate: the check is running
+            time.sleep(0.05)
+        assert _sleeping(b"77"), "the check never started"
+        service.kill()
+        service.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _sleeping(b"77"):
+            time.sleep(0.05)
+        assert not _sleeping(b"77"), "the check outlived the service"
+    finally:
+        if service.poll() is None:
+            service.kill()
+
+
+def _sleeping(arg: bytes) -> bool:
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if f.read() == b"sleep\x00" + arg + b"\x00":
+                        return True
+            except OSError:
+                pass
+    return False

@@ -82,7 +82,7 @@ def _isolate(spec: dict) -> None:
         if point == root or point.startswith(root.rstrip("/") + "/"):
             continue
         try:
-            _mount(libc, None, point, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
+            _mount(libc, None, point, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | flags)
         except OSError as e:
             if not os.path.exists(point):
                 continue  # covered by a later mount on a parent; unreachable from inside
@@ -113,8 +113,27 @@ def _limits(spec: dict) -> None:
         resource.setrlimit(resource.RLIMIT_NPROC, (lim["nproc"], lim["nproc"]))
 
 
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+
+
+def _prctl(option: int, arg: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies (the service, or the outer process for the namespace's init): a
+    crashed service leaves no check running. Checked after setting, in case the parent is already gone."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(137)
+
+
 def _exec(spec: dict, status_fd: int) -> None:
     os.chdir(spec["cwd"])
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid/setgid bits and file capabilities are ignored from here on
     os.set_inheritable(status_fd, False)
     os.write(status_fd, b"ok")  # exec closes the fd; if exec fails, main() appends the error
     os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
@@ -147,6 +166,8 @@ def _init(pid: int, status_fd: int) -> None:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     status_fd = int(sys.argv[2])
+    service = int(spec.get("parent", os.getppid()))
+    _die_with_parent(service)
     resource.setrlimit(
         resource.RLIMIT_CORE, (0, 0)
     )  # mirroring a fatal signal must not dump this process's core
@@ -164,11 +185,18 @@ def main() -> None:
             if pid:
                 os.close(status_fd)
                 _forward_exit(pid)
+            outer = os.getppid()
+            _die_with_parent(
+                outer
+            )  # the namespace's init (PID 1) dies with the outer process: so does the namespace
             _isolate(spec)
             _drop_privileges(spec, in_userns)
+            _die_with_parent(outer)  # a uid change clears the parent-death signal: set it again
+            init = os.getpid()
             pid = os.fork()
             if pid:
                 _init(pid, status_fd)
+            _die_with_parent(init)
         _limits(spec)
         _exec(spec, status_fd)
     except Exception as e:  # report, never run the check half-isolated

@@ -49,8 +49,12 @@ class SandboxConfig(BaseModel):
     """RLIMIT_NPROC, applied only when dropping to ``run_as`` (it counts every process of that uid)."""
     isolation: Literal["auto", "required", "off"] = "auto"
     """Namespace isolation: use when available, insist on it, or never."""
-    run_as: int | None = 65534
-    """uid/gid a root-run check drops to (default: nobody); None keeps uid 0 without capabilities."""
+    run_as: int | Literal["per-run"] | None = "per-run"
+    """uid/gid a root-run check drops to. ``"per-run"`` (default): a uid of its own for every run, leased from
+    ``uid_range`` (so ``max_processes``, which counts per uid, and file permissions never mix two checks); an int: that
+    fixed uid for every run; None keeps uid 0 without capabilities."""
+    uid_range: tuple[int, int] = (200_000, 4096)
+    """(first uid, count) of the per-run uid pool; leases are flock'ed files, so several services share it safely."""
     scratch_dir: str | None = None
     """Where private copies are made (default: the system temp directory)."""
     env: dict[str, str] = Field(default_factory=dict)
@@ -98,6 +102,7 @@ class Sandbox:
     def guarantees(self) -> dict[str, bool | str]:
         iso = self.isolated()
         dropped = iso and os.geteuid() == 0 and self.config.run_as is not None
+        per_run = self.config.run_as == "per-run"
         return {
             "private_copy": True,
             "process_group_kill": True,
@@ -106,9 +111,11 @@ class Sandbox:
             "no_network": iso,
             "read_only_outside_copy": iso,
             "pid_namespace": iso,
-            "privileges": ("uid " + str(self.config.run_as))
+            "privileges": ("uid per run" if per_run else "uid " + str(self.config.run_as))
             if dropped
             else ("no capabilities" if iso else "as service"),
+            "no_new_privileges": True,
+            "dies_with_service": True,
             **({"isolation_unavailable": self._probe_error} if not iso and self._probe_error else {}),
         }
 
@@ -124,21 +131,37 @@ class Sandbox:
             timeout = min(timeout, deadline - time.time())
         if timeout <= 0:
             raise SandboxError("no time left before the deadline")
-        root = Path(tempfile.mkdtemp(prefix="gyre-sbx-", dir=self.config.scratch_dir)).resolve()
+        await asyncio.to_thread(sweep_stale_sandboxes, self.config.scratch_dir)
+        root, owner = await asyncio.to_thread(_new_root, self.config.scratch_dir)
+        lease = None
         try:
             work = root / "work"
             await asyncio.to_thread(_private_copy, workspace, work)
             for sub in ("tmp", "home", "out"):
                 (root / sub).mkdir()
             drop = isolate and os.geteuid() == 0 and self.config.run_as is not None
+            uid = self.config.run_as
+            if drop and uid == "per-run":
+                lease = await asyncio.to_thread(_lease_uid, *self.config.uid_range, self.config.scratch_dir)
+                uid = lease[0]
             if drop:
-                await asyncio.to_thread(_chown_tree, root, self.config.run_as)
-            return await self._spawn(argv, root, work, timeout, isolate, drop)
+                await asyncio.to_thread(_chown_tree, root, uid)
+            return await self._spawn(argv, root, work, timeout, isolate, drop, uid if drop else None)
         finally:
             await asyncio.to_thread(shutil.rmtree, root, True)
+            os.close(owner)  # after the copy is gone: a sweep never removes a live sandbox
+            if lease is not None:
+                os.close(lease[1])
 
     async def _spawn(
-        self, argv: list[str], root: Path, work: Path, timeout: float, isolate: bool, drop: bool
+        self,
+        argv: list[str],
+        root: Path,
+        work: Path,
+        timeout: float,
+        isolate: bool,
+        drop: bool,
+        uid: int | None,
     ) -> SandboxResult:
         cfg = self.config
         score_path = root / "out" / "score"
@@ -157,7 +180,7 @@ class Sandbox:
             "env": env,
             "root": str(root),
             "isolate": isolate,
-            "run_as": cfg.run_as,
+            "run_as": uid if drop else (None if cfg.run_as == "per-run" else cfg.run_as),
             "limits": {
                 "cpu_s": cfg.cpu_s,
                 "memory_bytes": cfg.memory_bytes,
@@ -222,6 +245,57 @@ class Sandbox:
         )
 
 
+_LOCKS = "gyre-sbx-locks"
+
+
+def _lock_dir(scratch_dir: str | None) -> Path:
+    d = Path(scratch_dir or tempfile.gettempdir()) / _LOCKS
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def _new_root(scratch_dir: str | None) -> tuple[Path, int]:
+    """A fresh sandbox root and the fd of its owner lock (flock'ed until the root is removed)."""
+    root = Path(tempfile.mkdtemp(prefix="gyre-sbx-", dir=scratch_dir)).resolve()
+    fd = os.open(_lock_dir(scratch_dir) / (root.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return root, fd
+
+
+def sweep_stale_sandboxes(scratch_dir: str | None) -> list[str]:
+    """Remove sandbox roots whose owner died (its lock is free): a crashed service leaks no private copies."""
+    removed = []
+    locks = _lock_dir(scratch_dir)
+    for lock in locks.glob("gyre-sbx-*.lock"):
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live sandbox
+            root = lock.parent.parent / lock.name[: -len(".lock")]
+            shutil.rmtree(root, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+            removed.append(root.name)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _lease_uid(first: int, count: int, scratch_dir: str | None) -> tuple[int, int]:
+    """A uid of the pool no other run holds (an flock per uid, released when the fd closes, even on a crash)."""
+    locks = _lock_dir(scratch_dir)
+    for uid in range(first, first + count):
+        fd = os.open(locks / f"uid-{uid}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return uid, fd
+    raise SandboxError(f"all {count} uids of the sandbox pool from {first} are in use")
+
+
 def _child_command() -> list[str]:
     """The child is a stdlib-only script: isolated mode (-I) and no site (-S) keep its start fast and clean."""
     return [sys.executable, "-I", "-S", str(Path(__file__).with_name("_sandbox_child.py"))]
@@ -273,7 +347,7 @@ def _probe(config: SandboxConfig) -> tuple[bool, str | None]:
             "env": {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
             "root": str(root),
             "isolate": True,
-            "run_as": config.run_as,
+            "run_as": 65534 if config.run_as == "per-run" else config.run_as,
             "limits": {},
         }
         r, w = os.pipe()
