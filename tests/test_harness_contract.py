@@ -18,6 +18,7 @@ from gyre_sched.harness import (
     make_harness,
 )
 from gyre_sched.runner import ExecutionRunner
+from gyre_sched.sandbox import LaunchSandbox
 from gyre_tito.proxy import ProxyConfig
 from gyre_tito.records import log_path, read_log
 from gyre_tito.scripted_engine import ScriptedEngine, ScriptedEngineConfig, ScriptRule
@@ -65,8 +66,8 @@ def stack(tmp_path, monkeypatch):
     eng.stop()
 
 
-async def _run(srv, run_dir, default, eid, task, **kw):
-    runner = ExecutionRunner(run_dir, srv.url, "adm-secret", default, 120.0)
+async def _run(srv, run_dir, default, eid, task, sandbox=None, **kw):
+    runner = ExecutionRunner(run_dir, srv.url, "adm-secret", default, 120.0, sandbox=sandbox)
     try:
         return await runner.run(eid, "g", srv.proxy.config.engines[0], task, **kw)
     finally:
@@ -144,12 +145,14 @@ def test_builtin_harness_contract_and_per_execution_choice(stack):
 
 
 @pytest.mark.slow
-def test_claude_code_harness_contract(stack):
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["plain", "sandboxed"])
+def test_claude_code_harness_contract(stack, sandboxed):
     if not CLAUDE.exists():
         pytest.fail(f"Claude Code CLI not installed at {CLAUDE}: run `npm ci` at the repo root")
     srv, _, run_dir = stack
     h = ClaudeCodeHarness(binary=str(CLAUDE), allowed_tools=("Bash",), max_turns=5, max_output_tokens=2048)
-    done = asyncio.run(_run(srv, run_dir, h, "cc-1", "ENVDUMP: write your environment to env.txt."))
+    sandbox = LaunchSandbox() if sandboxed else None  # bubblewrap: own namespaces, network only to the proxy
+    done = asyncio.run(_run(srv, run_dir, h, "cc-1", "ENVDUMP: write your environment to env.txt.", sandbox))
     log = (run_dir / "logs" / "agents" / "cc-1.log").read_text()
     assert json.loads(log)["result"] == "Env written.", log[-2000:]
     lines = (done.workspace / "env.txt").read_text().splitlines()
