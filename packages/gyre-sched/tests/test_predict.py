@@ -40,8 +40,11 @@ def test_predicting_a_simulated_trace_reproduces_the_simulator(small, tmp_path, 
     pred = predict(path)
     assert pred.assumed_params == []  # the simulator's header carries every policy parameter
     assert pred.steps == res.steps and pred.recorded_total_s == pytest.approx(res.end_time_s, abs=1e-5)
-    # measured: 0.00-0.04% on these; what remains is rounding of trace times and broadcast folded into the tail
-    assert pred.relative_error <= 0.005, pred.relative_error
+    # measured: 0.00-0.04% on these, 0.71% with cancelled spares (their durations are censored: the replay gives them
+    # their group's longest observed one); the rest is rounding of trace times and broadcast folded into the tail
+    assert pred.relative_error <= (0.01 if over.get("policy", {}).get("k_spare") else 0.005), (
+        pred.relative_error
+    )
     assert pred.step_s == pytest.approx(pred.recorded_step_s, rel=0.05, abs=1.0)
     c, m = cfg.cost, pred.measured
     assert m["train_s_per_microstep"].value == pytest.approx(

@@ -1,5 +1,6 @@
-"""`gyre-sched simulate CONFIG`, `gyre-sched compare CONFIG` (TOML or JSON; `preset = "nl2repo"` as a base) and
-`gyre-sched predict TRACE` (the simulator's prediction of a recorded run, calibrated from its own trace)."""
+"""`gyre-sched simulate CONFIG`, `gyre-sched compare CONFIG` (TOML or JSON; `preset = "nl2repo"` as a base),
+`gyre-sched predict TRACE` (the simulator's prediction of a recorded run, calibrated from its own trace) and
+`gyre-sched workload --preset X` (the workload's statistics beside the paper's)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,44 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_workload(args: argparse.Namespace) -> int:
+    from gyre_sched.workfit import PRESET_FITS, TARGETS_122B, Fit, fit_workload, format_rows, workload_stats
+
+    raw = resolve(_load(args))
+    raw.pop("compare", None)
+    cfg = SimConfig.model_validate(raw)
+    targets, free = PRESET_FITS.get(args.preset or "", (TARGETS_122B, []))
+    N = cfg.policy.N
+    if args.fit:
+        if not free:
+            raise ValueError("--fit needs --preset with a known fit (" + ", ".join(PRESET_FITS) + ")")
+        fit = fit_workload(cfg.workload, targets, free, N=N, queries=args.queries)
+        wl = fit.workload
+        print(
+            "fitted: "
+            + ", ".join(f"{k} = {getattr(wl, k):.6g}" for k in free)
+            + f" ({fit.evaluations} evaluations)"
+        )
+    else:
+        wl = cfg.workload
+    stats = workload_stats(wl, N=N, queries=args.queries, seed=args.seed)
+    fit = Fit(wl, stats, targets, 0.0, 0)
+    rows = fit.rows()
+    worst = max(abs(r["miss"]) / r["tolerance"] for r in rows)
+    w = wl
+    print(f"workload of {cfg.name}: {args.queries} queries x N={N} executions, seed {args.seed}")
+    print(f"exclusion: {w.exclusion}" + (f" (hang-prone queries {w.hang_query_rate:.3%})" if w.exclusion == "per_query" else "")
+          + f", overall timeouts {w.overall_timeout_rate:.3%} of executions, known at the "
+          + ("overall budget" if w.exclusion_known == "budget" else f"stall + {w.stall_detect_s:.0f} s"))  # fmt: skip
+    for line in format_rows(rows):
+        print(line)
+    others = {k: round(v, 5) for k, v in stats.items() if k not in targets}
+    print("not targeted: " + ", ".join(f"{k} {v}" for k, v in others.items()))
+    print(json.dumps({"workload": cfg.name, "stats": stats, "targets": targets, "worst_in_tolerances": worst,
+                      "parameters": wl.model_dump(exclude={"trace"})}))  # fmt: skip
+    return 0 if worst <= 1.0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gyre-sched", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -152,6 +191,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--full", action="store_true", help="include the simulator config it ran")
     p.set_defaults(fn=cmd_predict)
+    p = sub.add_parser(
+        "workload",
+        help="the workload's statistics beside the paper's targets (DESIGN §9); --fit refits the preset's parameters",
+    )
+    p.add_argument(
+        "config", nargs="?", default="-", help="TOML or JSON config file ('-' or none: --preset/--set)"
+    )
+    p.add_argument("--preset", help="e.g. nl2repo, nl2repo-2.4t")
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override, e.g. workload.exclusion=per_execution"
+    )
+    p.add_argument("--queries", type=int, default=100_000, help="queries sampled (default 100000)")
+    p.add_argument("--seed", type=int, default=1, help="sampling seed (default 1; the fit used 0)")
+    p.add_argument("--fit", action="store_true", help="refit the preset's free parameters first")
+    p.set_defaults(fn=cmd_workload)
     return ap
 
 

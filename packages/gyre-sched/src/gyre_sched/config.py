@@ -8,6 +8,7 @@ cluster shape (cell size regroups the same nodes: C_e and training speed scale w
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PolicyKind = Literal["elastic", "async", "colocate"]
+ExclusionModel = Literal["per_execution", "per_query"]
+ExclusionKnown = Literal["budget", "stall"]
 DispatchMode = Literal["boundary", "continuous"]
 
 
@@ -225,7 +228,19 @@ class WorkloadConfig(_Cfg):
     failed_at_s: float = Field(300.0, ge=0)
     """When a complete failure terminates (e.g. an image pull error)."""
     overall_timeout_rate: float = Field(0.0, ge=0, le=1)
-    """Executions that hang until the overall budget (excluded)."""
+    """Share of executions that hang (excluded), over all queries."""
+    exclusion: ExclusionModel = "per_execution"
+    """How hangs spread over queries: ``per_execution`` (each execution hangs independently with
+    ``overall_timeout_rate``) or ``per_query`` (only a share ``hang_query_rate`` of queries can hang; their executions
+    hang with ``overall_timeout_rate / hang_query_rate`` each, so hangs cluster in few groups)."""
+    hang_query_rate: float = Field(1.0, gt=0, le=1)
+    """per_query: share of queries whose executions can hang."""
+    exclusion_known: ExclusionKnown = "budget"
+    """When a hang becomes known: ``budget`` (it runs to the overall budget, then terminates as overall_timeout; the
+    paper's setting) or ``stall`` (it stops making model calls at a uniform point of the run it would have had; the
+    run's stall watchdog ends it ``stall_detect_s`` later as ``stalled``, excluded without assessment)."""
+    stall_detect_s: float = Field(1800.0, gt=0)
+    """exclusion_known = stall: seconds without a model call before the watchdog ends an execution."""
     eval_latency_s: float = Field(120.0, ge=0)
     """Mean evaluator latency per attempt (exponential)."""
     eval_failure_rate: float = Field(0.0, ge=0, lt=1)
@@ -235,34 +250,153 @@ class WorkloadConfig(_Cfg):
     trace: str | None = None
     """Replay the execution durations/outcomes of a recorded trace.jsonl instead of sampling."""
 
+    @model_validator(mode="after")
+    def _hangs(self) -> WorkloadConfig:
+        if self.exclusion == "per_query" and self.overall_timeout_rate > self.hang_query_rate:
+            raise ValueError(
+                f"per_query hangs: overall_timeout_rate ({self.overall_timeout_rate}) cannot exceed "
+                f"hang_query_rate ({self.hang_query_rate})"
+            )
+        return self
+
+    def hang_rate_in_query(self, prone: bool = True) -> float:
+        """Probability that one execution of a (hang-prone) query hangs."""
+        if self.exclusion == "per_execution":
+            return self.overall_timeout_rate
+        return self.overall_timeout_rate / self.hang_query_rate if prone else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """Every cost in seconds, as the simulator uses it (``CostConfig.resolve``)."""
+
+    train_node_s_per_group: float
+    """Node-seconds to train one group."""
+    cell_train_s_per_group: float
+    """Seconds one cell of ``nodes_per_cell`` nodes trains one group (compute only)."""
+    microsteps_per_group: int
+    microstep_s: float
+    """One cell's micro-step: its compute share plus the fixed per-micro-step overhead."""
+    pipeline_startup_s: float
+    pipeline_drain_s: float
+    optimizer_s: float
+    broadcast_s: float
+    switch_to_training_s: float
+    switch_to_rollout_s: float
+    satellite_join_s: float
+    publish_s: float
+    reroute_penalty_s: float
+
 
 class CostConfig(_Cfg):
-    """Training, switching and publication costs (TOML table [cost]); see README for each assumption."""
+    """Training, switching and publication costs (TOML table [cost]), each a function of the model's size, the tokens
+    trained and the hardware; an explicit ``*_s`` value (a measurement, e.g. from ``predict``) overrides its formula.
 
-    train_node_s_per_group: float = Field(3600.0, gt=0)
-    """Node-seconds to train one group (forward+backward of its selected trajectories)."""
+    - training: a group's trained tokens (N * tokens_per_execution) cost 6 * active parameters FLOPs per token at
+      ``node_train_tflops`` per node; a cell of n nodes runs n**train_scaling nodes' worth; the group is packed into
+      ceil(tokens / microstep_tokens) micro-steps, each plus ``microstep_overhead_s``; 1F1B start-up and drain cost
+      ``pipeline_*_microsteps`` of that cell's micro-step;
+    - weight moves (bytes = model_params_b * weight_bytes GB, sharded over the cell's nodes): switches restore or
+      reshard them over host links (``host_gbps`` per node) plus a fixed part; a satellite joining pulls the core's
+      weights, the broadcast after a non-final step pushes them, the optimizer step reduces gradients of the same size,
+      a publication sends them to every rollout engine, all over RDMA (``network_gbps`` per node) plus fixed parts;
+    - a rerouted execution re-prefills ``reroute_context_tokens`` of context at its destination (2 * active FLOPs per
+      token on one cell)."""
+
+    model_params_b: float = Field(122.0, gt=0)
+    """Model parameters, billions: what switches, joins, broadcasts and publications move."""
+    active_params_b: float | None = Field(None, gt=0)
+    """Parameters active per token (MoE), billions; None: model_params_b (dense)."""
+    weight_bytes: float = Field(2.0, gt=0)
+    """Bytes per parameter moved (bf16: 2)."""
+    tokens_per_execution: float = Field(200_000.0, gt=0)
+    """Trained tokens of one execution's selected trajectories (J_max of them; shared prefixes counted once)."""
+    microstep_tokens: float = Field(800_000.0, gt=0)
+    """Tokens per micro-step (one claim: a cell's data-parallel ranks' share)."""
+    node_train_tflops: float = Field(1600.0, gt=0)
+    """Effective training throughput of one node, TFLOP/s (MFU included; 8 GPUs at ~200 TFLOP/s)."""
     train_scaling: float = Field(1.0, gt=0, le=1)
-    """A cell of n nodes trains a group in train_node_s_per_group / n**train_scaling seconds."""
-    microsteps_per_group: int = Field(4, ge=1)
-    """Micro-steps a group is packed into (claims are per micro-step)."""
-    pipeline_startup_s: float = Field(30.0, ge=0)
-    """1F1B start-up per cell per batch."""
-    pipeline_drain_s: float = Field(30.0, ge=0)
-    """1F1B drain per cell per batch."""
-    optimizer_s: float = Field(20.0, ge=0)
-    """Gradient aggregation + clip + optimizer update on the core."""
-    broadcast_s: float = Field(10.0, ge=0)
-    """Core -> satellites parameter broadcast after a non-final update."""
-    switch_to_training_s: float = Field(8.52, ge=0)
-    """Rollout -> training switch (paper: 8.52 s at 122B on 4-node cells)."""
-    switch_to_rollout_s: float = Field(3.46, ge=0)
-    """Training -> rollout switch (paper: 3.46 s)."""
-    satellite_join_s: float = Field(20.0, ge=0)
-    """A satellite pulling the core's weights when joining (added to its switch)."""
-    publish_s: float = Field(60.0, ge=0)
-    """Publishing weights to all rollout engines (engines serve nothing new meanwhile)."""
-    reroute_penalty_s: float = Field(5.0, ge=0)
-    """Delay added to a rerouted execution (prefix recomputation at the destination)."""
+    """A cell of n nodes trains as n**train_scaling nodes."""
+    microstep_overhead_s: float = Field(0.0, ge=0)
+    """Fixed cost per micro-step (claim, data load, launch)."""
+    pipeline_startup_microsteps: float = Field(0.67, ge=0)
+    """1F1B start-up per cell per batch, in that cell's micro-steps ((p-1)/p of one for p stages, roughly)."""
+    pipeline_drain_microsteps: float = Field(0.67, ge=0)
+    """1F1B drain per cell per batch, in that cell's micro-steps."""
+    optimizer_fixed_s: float = Field(20.0, ge=0)
+    """Optimizer update on the core, besides the gradient reduction."""
+    host_gbps: float = Field(25.0, gt=0)
+    """Host <-> GPU weight bandwidth per node, GB/s (switches)."""
+    network_gbps: float = Field(25.0, gt=0)
+    """Effective RDMA bandwidth per node, GB/s (join, broadcast, gradient reduction, publication)."""
+    switch_to_training_fixed_s: float = Field(6.08, ge=0)
+    """Rollout -> training besides moving weights (pause, flush, release KV); 8.52 s in all at 122B on 4 nodes."""
+    switch_to_rollout_fixed_s: float = Field(1.02, ge=0)
+    """Training -> rollout besides moving weights; 3.46 s in all at 122B on 4 nodes (paper)."""
+    publish_fixed_s: float = Field(10.0, ge=0)
+    """Publication besides moving weights (engines pause, load, resume)."""
+    reroute_context_tokens: float = Field(100_000.0, ge=0)
+    """Context a rerouted execution re-prefills at its destination."""
+
+    train_node_s_per_group: float | None = Field(None, gt=0)
+    """Override: node-seconds to train one group."""
+    microsteps_per_group: int | None = Field(None, ge=1)
+    """Override: micro-steps per group."""
+    pipeline_startup_s: float | None = Field(None, ge=0)
+    pipeline_drain_s: float | None = Field(None, ge=0)
+    optimizer_s: float | None = Field(None, ge=0)
+    broadcast_s: float | None = Field(None, ge=0)
+    switch_to_training_s: float | None = Field(None, ge=0)
+    switch_to_rollout_s: float | None = Field(None, ge=0)
+    satellite_join_s: float | None = Field(None, ge=0)
+    """Override: a satellite pulling the core's weights (added to its switch)."""
+    publish_s: float | None = Field(None, ge=0)
+    reroute_penalty_s: float | None = Field(None, ge=0)
+    """Override: delay added to a rerouted execution."""
+
+    @property
+    def weights_gb(self) -> float:
+        return self.model_params_b * self.weight_bytes
+
+    def resolve(self, *, nodes_per_cell: int, N: int) -> Costs:
+        """Every cost in seconds for cells of ``nodes_per_cell`` nodes and groups of N trained executions."""
+        active = self.active_params_b or self.model_params_b
+        tokens = N * self.tokens_per_execution
+        node_s = self.train_node_s_per_group
+        if node_s is None:
+            node_s = 6 * active * 1e9 * tokens / (self.node_train_tflops * 1e12)
+        ms = self.microsteps_per_group or max(1, math.ceil(tokens / self.microstep_tokens - 1e-9))
+        cell_s = node_s / nodes_per_cell**self.train_scaling
+        compute_ms = cell_s / ms
+        per_node_gb = self.weights_gb / nodes_per_cell
+        net = per_node_gb / self.network_gbps
+        host = per_node_gb / self.host_gbps
+        prefill = (
+            2
+            * active
+            * 1e9
+            * self.reroute_context_tokens
+            / (nodes_per_cell**self.train_scaling * self.node_train_tflops * 1e12)
+        )
+
+        def pick(override: float | None, derived: float) -> float:
+            return derived if override is None else override
+
+        return Costs(
+            train_node_s_per_group=node_s,
+            cell_train_s_per_group=cell_s,
+            microsteps_per_group=ms,
+            microstep_s=compute_ms + self.microstep_overhead_s,
+            pipeline_startup_s=pick(self.pipeline_startup_s, self.pipeline_startup_microsteps * compute_ms),
+            pipeline_drain_s=pick(self.pipeline_drain_s, self.pipeline_drain_microsteps * compute_ms),
+            optimizer_s=pick(self.optimizer_s, self.optimizer_fixed_s + net),
+            broadcast_s=pick(self.broadcast_s, net),
+            switch_to_training_s=pick(self.switch_to_training_s, self.switch_to_training_fixed_s + host),
+            switch_to_rollout_s=pick(self.switch_to_rollout_s, self.switch_to_rollout_fixed_s + host),
+            satellite_join_s=pick(self.satellite_join_s, net),
+            publish_s=pick(self.publish_s, self.publish_fixed_s + net),
+            reroute_penalty_s=pick(self.reroute_penalty_s, prefill),
+        )
 
 
 class SimConfig(_Cfg):
@@ -296,9 +430,13 @@ class SimConfig(_Cfg):
             overall_budget_s=w.overall_budget_s,
         )
 
+    def costs(self) -> Costs:
+        """Every cost in seconds at this cell size and group size."""
+        return self.cost.resolve(nodes_per_cell=self.cluster.nodes_per_cell, N=self.policy.N)
+
     def cell_train_s_per_group(self) -> float:
         """Seconds one cell needs per group at this cell size."""
-        return self.cost.train_node_s_per_group / self.cluster.nodes_per_cell**self.cost.train_scaling
+        return self.costs().cell_train_s_per_group
 
 
 def load_config_dict(path: str | Path) -> dict:

@@ -144,9 +144,7 @@ class Ledger:
         self.f += 1
         g = self.groups[e.group]
         g.outstanding -= 1
-        if (
-            outcome == "overall_timeout"
-        ):  # budget exhausted without a valid score: excluded, no assessment comes
+        if outcome in ("overall_timeout", "stalled"):  # no valid score can come: excluded, no assessment
             e.status = "excluded"
             return self._settle(g) if g.state is GroupState.OPEN else []
         return []

@@ -10,8 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from gyre_sched.config import PolicyKind, SimConfig
 
 # DESIGN §9, NL2RepoBench on Qwen 3.6 122B: 32 nodes = 8 cells x 4 nodes, 144 executions per cell, N=16, B=32,
-# Gyre mu=3 phi=0.5 at E[d]=1.5. Workload parameters were fitted (README) to: mean 1.93 h per execution, 2.96 h per
-# query (its longest execution), 9.51% of queries >= 4 h, 6.25% harness timeouts, 0.87% overall timeouts.
+# Gyre mu=3 phi=0.5 at E[d]=1.5. The workload was fitted (gyre_sched.workfit, `gyre-sched workload --preset nl2repo`)
+# to every §9 statistic at once, counting hangs in the query statistics: mean 1.93 h per execution, 2.96 h per query,
+# 9.51% of queries >= 4 h, 6.25% harness timeouts, 0.87% overall timeouts. Independent hangs cannot meet these (0.87%
+# per execution puts a hang in 13% of queries, above the 9.51% of long ones), so hangs are per query: a share of
+# queries (0.87%) hangs in every execution (a broken task environment), the others never. Costs: the model is taken
+# to be an MoE with 10B active parameters (like Qwen3.5-122B-A10B; the paper does not say), 200k trained tokens per
+# execution, 1600 TFLOP/s per 8-GPU node; switches reproduce the paper's 8.52 s / 3.46 s.
 NL2REPO: dict[str, Any] = {
     "name": "nl2repo-122b",
     "steps": 48,
@@ -23,21 +28,44 @@ NL2REPO: dict[str, Any] = {
     },
     "cluster": {"nodes": 32, "nodes_per_cell": 4, "slots_per_node": 36, "standalone_nodes": 0},
     "workload": {
-        "query_median_s": 6000.0, "query_sigma": 0.1, "exec_sigma": 0.3,
-        "hard_query_rate": 0.06, "hard_query_factor": 4.0,
+        "query_median_s": 6090.0, "query_sigma": 0.015, "exec_sigma": 0.294,
+        "hard_query_rate": 0.064, "hard_query_factor": 4.0,
         "harness_timeout_s": 4 * 3600.0, "overall_budget_s": 5 * 3600.0,
-        "failed_rate": 0.002, "overall_timeout_rate": 0.0087,
+        "failed_rate": 0.002, "overall_timeout_rate": 0.00872,
+        "exclusion": "per_query", "hang_query_rate": 0.00872, "exclusion_known": "budget",
         "eval_latency_s": 300.0, "eval_failure_rate": 0.05,
     },
     "cost": {
-        "train_node_s_per_group": 1440.0, "train_scaling": 1.0, "microsteps_per_group": 4,
-        "pipeline_startup_s": 60.0, "pipeline_drain_s": 60.0, "optimizer_s": 30.0, "broadcast_s": 20.0,
-        "switch_to_training_s": 8.52, "switch_to_rollout_s": 3.46, "satellite_join_s": 30.0,
-        "publish_s": 60.0, "reroute_penalty_s": 20.0,
+        "model_params_b": 122.0, "active_params_b": 10.0, "weight_bytes": 2.0, "tokens_per_execution": 200_000.0,
+        "microstep_tokens": 800_000.0, "node_train_tflops": 1600.0, "train_scaling": 1.0,
+        "pipeline_startup_microsteps": 0.67, "pipeline_drain_microsteps": 0.67, "optimizer_fixed_s": 20.0,
+        "host_gbps": 25.0, "network_gbps": 25.0, "switch_to_training_fixed_s": 6.08,
+        "switch_to_rollout_fixed_s": 1.02, "publish_fixed_s": 10.0, "reroute_context_tokens": 100_000.0,
     },
 }  # fmt: skip
 
-PRESETS: dict[str, dict[str, Any]] = {"nl2repo": NL2REPO}
+# DESIGN §9, the 2.4T setting: 4 cells x 48 nodes, 384 concurrent executions in all, 61.1% of queries >= 4 h, and in
+# 38.2% of those the longest execution hits the overall timeout. Fitted (two parameters, two targets) on the 122B
+# workload's shape: executions 1.4x slower (median 8530 s) and independent hangs of 1.66% per execution (a hang in
+# 23% of queries; per_query broken tasks would need 23% of all queries broken). Assumed (not in the paper): B = 8
+# (384 slots cannot roll out 32 groups of 17 executions of 2.6 h per step in the paper's 1.6 h per step), the same N,
+# budgets, evaluator and trained tokens as at 122B, an MoE with 100B active parameters, the same hardware per node,
+# Async with 1 training cell of 4.
+NL2REPO_2_4T: dict[str, Any] = {
+    "name": "nl2repo-2.4t",
+    "steps": 48,
+    "seed": 0,
+    "warmup_bursts": 1,
+    "policy": NL2REPO["policy"] | {"B": 8, "async_train_cells": 1},
+    "cluster": {"nodes": 192, "nodes_per_cell": 48, "slots_per_node": 2, "standalone_nodes": 0},
+    "workload": NL2REPO["workload"] | {
+        "query_median_s": 8530.0, "overall_timeout_rate": 0.0166, "exclusion": "per_execution",
+        "hang_query_rate": 1.0,
+    },
+    "cost": NL2REPO["cost"] | {"model_params_b": 2400.0, "active_params_b": 100.0},
+}  # fmt: skip
+
+PRESETS: dict[str, dict[str, Any]] = {"nl2repo": NL2REPO, "nl2repo-2.4t": NL2REPO_2_4T}
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -113,7 +113,8 @@ class Simulator:
         self._events = 0
         self._role_since = [0.0] * self.params.K
         self._role_time = {r.value: 0.0 for r in CellRole}
-        self._ms_s = cfg.cell_train_s_per_group() / cfg.cost.microsteps_per_group
+        self.costs = cfg.costs()
+        self._ms_s = self.costs.microstep_s
 
     def header(self) -> dict[str, Any]:
         return {
@@ -139,7 +140,7 @@ class Simulator:
     def _execute(self, out: list[Decision]) -> None:
         if self.trace:
             self.trace.decisions(self.now, out)
-        c = self.cfg.cost
+        c = self.costs
         for d in out:
             match d:
                 case Dispatch(gid, _, _, _, _):
@@ -206,7 +207,7 @@ class Simulator:
                 for g in take:
                     self._deliver(GroupAssigned(g.id))
                     b.assigned += 1
-                    b.todo[:0] = [g.id] * self.cfg.cost.microsteps_per_group
+                    b.todo[:0] = [g.id] * self.costs.microsteps_per_group
             if not b.todo:
                 break
             gid = b.todo.pop()
@@ -214,7 +215,7 @@ class Simulator:
             dur = self._ms_s
             if self._started_batch.get(cell) != b.version:
                 self._started_batch[cell] = b.version
-                dur += self.cfg.cost.pipeline_startup_s
+                dur += self.costs.pipeline_startup_s
             b.participants.add(cell)
             self._busy.add(cell)
             self._at(self.now + dur, ("ms", cell, b.version))
@@ -225,9 +226,9 @@ class Simulator:
         if b is None or b.version != version:
             return
         b.done += 1
-        if b.assigned == self.params.B and b.done == self.params.B * self.cfg.cost.microsteps_per_group:
+        if b.assigned == self.params.B and b.done == self.params.B * self.costs.microsteps_per_group:
             b.finishing = True
-            c = self.cfg.cost
+            c = self.costs
             extra = c.broadcast_s if (not b.final and len(b.participants) > 1) else 0.0
             self._at(self.now + c.pipeline_drain_s + c.optimizer_s + extra, StepDone(version + 1))
 
@@ -254,7 +255,7 @@ class Simulator:
                     self._token[eid] = -1
                     plan = self._plans[eid]
                     self._deliver(Terminated(eid, plan.outcome))
-                    if plan.outcome != "overall_timeout":
+                    if plan.outcome not in ("overall_timeout", "stalled"):
                         self._at(self.now + plan.assess_delay_s, Assessed(eid, plan.status))
                 elif kind == "cancelled":
                     self._deliver(Terminated(item[1], "cancelled"))

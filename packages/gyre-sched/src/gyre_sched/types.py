@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 _ID = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]*$")
 
 # How an execution ended (DESIGN §2, §6). harness_timeout: the task's own deadline (work is assessed and trained on);
-# overall_timeout: the overall budget ran out (excluded); cancelled: surplus spare or a member of a dropped group.
-Outcome = Literal["completed", "failed", "harness_timeout", "overall_timeout", "cancelled"]
+# overall_timeout: the overall budget ran out (excluded); stalled: the run's stall watchdog ended an execution that
+# made no model call for its detection window (excluded, like an overall timeout, only known earlier); cancelled:
+# surplus spare or a member of a dropped group.
+Outcome = Literal["completed", "failed", "harness_timeout", "overall_timeout", "stalled", "cancelled"]
 # What the controller learns from the evaluator: valid score, no_work placeholder (a valid zero), or excluded
 # (unresolved when the overall budget expired: never a zero).
 AssessedStatus = Literal["valid", "no_work", "excluded"]

@@ -7,7 +7,6 @@ seed see exactly the same executions.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +37,60 @@ class ExecPlan:
             )
 
 
+# Outcome codes of the vectorized model (``terminations``).
+COMPLETED, FAILED, HARNESS_TIMEOUT, HANG = 0, 1, 2, 3
+_OUTCOME = {COMPLETED: "completed", FAILED: "failed", HARNESS_TIMEOUT: "harness_timeout"}
+
+
+def terminations(
+    c: WorkloadConfig,
+    *,
+    z_query: np.ndarray,
+    u_hard: np.ndarray,
+    u_prone: np.ndarray,
+    z_exec: np.ndarray,
+    u_exec: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The workload model on given random numbers: ``(termination_s, outcome_code, stall_s)``, each shaped like
+    ``z_exec`` (queries x executions). ``z_query``/``u_hard``/``u_prone`` hold one value per query (shape (Q, 1)),
+    ``u_exec`` three uniforms per execution (shape (Q, n, 3): failure, hang, stall point).
+
+    Per query: difficulty ``query_median_s * exp(query_sigma * Z)``, times ``hard_query_factor`` for a share
+    ``hard_query_rate``; per_query hangs: the query is hang-prone with ``hang_query_rate``. Per execution: a complete
+    failure with ``failed_rate`` (ends at ``failed_at_s``); else a hang with ``hang_rate_in_query`` (per_execution: every
+    query; per_query: prone queries only) that ends at the overall budget, or at its stall point plus
+    ``stall_detect_s`` when ``exclusion_known = "stall"``; else ``difficulty * exp(exec_sigma * Z)``, cut at the
+    harness timeout. A hang stalls at a uniform point of the run it would otherwise have had. Simulator and statistics
+    share this function, so the fitted statistics are those of the executions the simulator runs."""
+    difficulty = c.query_median_s * np.exp(c.query_sigma * z_query)
+    difficulty = np.where(u_hard < c.hard_query_rate, difficulty * c.hard_query_factor, difficulty)
+    natural = difficulty * np.exp(c.exec_sigma * z_exec)
+    run = np.minimum(natural, c.harness_timeout_s)
+    if c.exclusion == "per_execution":
+        p_hang = np.full(u_prone.shape, c.hang_rate_in_query())
+    else:
+        p_hang = np.where(u_prone < c.hang_query_rate, c.hang_rate_in_query(), 0.0)
+    failed = u_exec[..., 0] < c.failed_rate
+    hang = ~failed & (u_exec[..., 1] < p_hang)
+    stall = u_exec[..., 2] * run
+    hang_end = (
+        np.minimum(stall + c.stall_detect_s, c.overall_budget_s)
+        if c.exclusion_known == "stall"
+        else np.full(run.shape, c.overall_budget_s)
+    )
+    code = np.where(
+        failed,
+        FAILED,
+        np.where(hang, HANG, np.where(natural >= c.harness_timeout_s, HARNESS_TIMEOUT, COMPLETED)),
+    )
+    end = np.where(failed, c.failed_at_s, np.where(hang, hang_end, run))
+    return end, code, stall
+
+
 class StatisticalWorkload:
-    """Per-query lognormal difficulty x per-execution lognormal spread, a common harness timeout that clusters
-    terminations, rare complete failures (no_work) and hangs to the overall budget (excluded), evaluator latency
-    (exponential per attempt) and failures retried within the overall budget."""
+    """The seeded workload model (``terminations``) plus evaluator latency (exponential per attempt) and failures
+    retried within the overall budget. Random numbers come from streams keyed by (seed, group, stream) and are drawn
+    row by row, so an execution's plan never depends on how many executions of its group were drawn."""
 
     def __init__(self, cfg: WorkloadConfig, seed: int) -> None:
         self.cfg, self.seed = cfg, seed
@@ -55,26 +104,32 @@ class StatisticalWorkload:
 
     def _group(self, group_seq: int, n: int) -> list[ExecPlan]:
         c = self.cfg
-        rng = np.random.default_rng([self.seed, group_seq])
-        difficulty = c.query_median_s * math.exp(c.query_sigma * rng.standard_normal())
-        if rng.random() < c.hard_query_rate:
-            difficulty *= c.hard_query_factor
-        spread = np.exp(c.exec_sigma * rng.standard_normal(n))
-        kind = rng.random(n)
-        eval_u = rng.random((n, 16))
-        eval_lat = rng.exponential(c.eval_latency_s, (n, 16)) if c.eval_latency_s > 0 else np.zeros((n, 16))
+
+        def rng(stream: int) -> np.random.Generator:
+            return np.random.default_rng([self.seed, group_seq, stream])
+
+        q = rng(0).random(3)
+        z_query = np.array([[rng(1).standard_normal()]])
+        end, code, _ = terminations(
+            c,
+            z_query=z_query,
+            u_hard=q[None, 0:1],
+            u_prone=q[None, 1:2],
+            z_exec=rng(2).standard_normal(n)[None, :],
+            u_exec=rng(3).random((n, 3))[None, :, :],
+        )
+        eval_u = rng(4).random((n, 16))
+        eval_lat = (
+            rng(5).exponential(c.eval_latency_s, (n, 16)) if c.eval_latency_s > 0 else np.zeros((n, 16))
+        )
+        hang_outcome: Outcome = "stalled" if c.exclusion_known == "stall" else "overall_timeout"
         out = []
         for i in range(n):
-            if kind[i] < c.failed_rate:
-                duration, outcome = c.failed_at_s, "failed"
-            elif kind[i] < c.failed_rate + c.overall_timeout_rate:
-                out.append(ExecPlan(c.overall_budget_s, "overall_timeout", 0.0, "excluded"))
+            duration, k = float(end[0, i]), int(code[0, i])
+            if k == HANG:
+                out.append(ExecPlan(duration, hang_outcome, 0.0, "excluded"))
                 continue
-            else:
-                duration = difficulty * float(spread[i])
-                outcome = "completed"
-                if duration >= c.harness_timeout_s:
-                    duration, outcome = c.harness_timeout_s, "harness_timeout"
+            outcome: Outcome = _OUTCOME[k]  # type: ignore[assignment]
             t, status = duration, None
             for a in range(16):  # retries against the same preserved state, within the overall budget
                 t += float(eval_lat[i, a])
@@ -128,8 +183,8 @@ class TraceWorkload:
                     continue
                 t_end, outcome = term[i]
                 n = reroutes.get(i, 0)
-                if outcome == "overall_timeout":
-                    plans.append(ExecPlan(t_end - launch[i], "overall_timeout", 0.0, "excluded", n))
+                if outcome in ("overall_timeout", "stalled"):
+                    plans.append(ExecPlan(t_end - launch[i], outcome, 0.0, "excluded", n))
                     continue
                 t_as, status = assessed.get(i, (t_end, "valid"))
                 plans.append(ExecPlan(t_end - launch[i], outcome, t_as - t_end, status, n))  # type: ignore[arg-type]
