@@ -64,18 +64,51 @@ class AsyncPolicy(PolicyCore):
 
 
 class ColocatePolicy(PolicyCore):
-    """The whole pool switches as one unit once its admitted executions finished (all but what the standalone pool
-    can serve) and mu*B groups are ready; after the burst every cell returns to rollout."""
+    """The whole pool switches as one unit; after the burst every cell returns to rollout.
+
+    Without streaming it switches once its admitted executions finished (all but what the standalone pool can serve)
+    and mu*B groups are ready. With streaming it switches as soon as no execution needs the pool (running <= C_s: the
+    stragglers move to the standalone pool, or none is left) and the supply check holds (min(ready, groups the burst
+    still needs) >= rho_min*B, no timer): it trains ready groups while evaluations and stragglers finish. It never trains
+    while an execution runs on a colocated cell. A batch that can no longer fill while the pool trains (a group dropped
+    during training, its refill queued with no rollout capacity left) sends the pool back to rollout with the batch
+    kept open; the pool switches again once the refill is done."""
 
     kind = "colocate"
 
+    def burst_need(self) -> int:
+        """Groups the current burst still has to consume (assigned groups of the open batch count as consumed)."""
+        p = self.params
+        return (p.mu - self.step_in_burst) * p.B - (len(self.batch) if self.batch is not None else 0)
+
     def _maybe_transition(self, out: list[Decision]) -> None:
         p = self.params
-        if self.burst_ending or self.publishing or any(r is not CellRole.ROLLOUT for r in self.roles):
+        if self.burst_ending or self.publishing:
             return
-        if len(self.ledger.ready) < p.mu * p.B or self.ledger.running > p.C_s:
+        if all(r is CellRole.TRAINING for r in self.roles):
+            if self._starved():
+                self._begin(list(range(p.K)), out)
+            return
+        if any(r is not CellRole.ROLLOUT for r in self.roles):
+            return
+        led = self.ledger
+        if led.running > p.C_s or led.queued:
+            return
+        if p.streaming:
+            if min(len(led.ready), self.burst_need()) < min(p.rho_min * p.B, self.burst_need()) - 1e-9:
+                return
+            if not led.ready:
+                return
+        elif len(led.ready) < self.burst_need():
             return
         self._begin(list(range(p.K)), out)
+
+    def _starved(self) -> bool:
+        """Training waits for a group whose executions cannot launch: nothing ready, work queued, no capacity."""
+        led = self.ledger
+        return (
+            self.batch is not None and not led.ready and led.queued > 0 and self.capacity() - led.running <= 0
+        )
 
     def _pool_switching(self) -> bool:
         return all(r in (CellRole.TO_TRAINING, CellRole.TRAINING) for r in self.roles)
