@@ -105,3 +105,38 @@ def test_clients_report_the_capability_and_drive_a_prefix_migration(pair: tuple[
             assert err.value.status == 501
 
     asyncio.run(sglang())
+
+
+def test_drain_moves_an_idle_executions_prefix_and_its_next_call_uses_it(pair: tuple[Any, Any]) -> None:
+    src, dst = pair
+    turn2 = [(5 * i + 2) % 480 + 9 for i in range(12)]
+
+    async def run() -> tuple[Any, Any, EnginePool]:
+        pool = EnginePool(EnginePoolConfig(engines=[src.url, dst.url], retry_backoff_s=0.0))
+        route = [src.url]
+        first = await pool.generate(PROMPT, dict(SP), route=lambda: route, key="exec-7")
+        route[:] = [dst.url]  # role switch: the execution moves, then the source drains (nothing in flight)
+        await pool.drain(src.url, timeout_s=30)
+        context = PROMPT + first.output_ids + turn2  # the next call: previous context + output + a new turn
+        second = await pool.generate(context, dict(SP), route=lambda: route, key="exec-7")
+        await pool.aclose()
+        return first, second, pool
+
+    m0 = dst.http.get("/kv/migrations").json()
+    first, second, pool = asyncio.run(run())
+    m1 = dst.http.get("/kv/migrations").json()
+    (rec,) = pool.reroutes
+    assert rec.kind == "prefix" and rec.status == "installed", rec.reason
+    full = (
+        (len(PROMPT) + N_NEW) // 16 * 16
+    )  # whole blocks of the first call's context were cached at the source
+    assert rec.migrated_tokens == full and rec.source == src.url and rec.destination == dst.url
+    assert m1["stats"]["migrated_tokens_used"] - m0["stats"]["migrated_tokens_used"] == full
+    computed = len(PROMPT) + N_NEW + len(turn2) - full
+    assert m1["prefill_tokens_total"] - m0["prefill_tokens_total"] == computed
+    assert src.http.get("/kv/migrations").json()["pins"] == []
+    # the same call served by the source (its own cache) gives the same tokens
+    ref = src.http.post(
+        "/generate", json={"input_ids": PROMPT + first.output_ids + turn2, "sampling_params": SP}
+    ).json()
+    assert second.output_ids == ref["output_ids"]

@@ -10,6 +10,9 @@
   take the blocks over (`POST /kv/takeover`: it reads them over Mooncake, checks layout and identity, installs them
   and acknowledges to the source) and then sends the request there as usual, so the destination skips the prefill.
   An engine without `/kv/pin` (SGLang), a refusal or any failure falls back to a plain abort and a recompute.
+  Calls made with a `key` (the proxy passes the execution id) also leave their context behind: `drain` moves the
+  reusable prefix of every execution last served by the drained engine to an engine of its current route right away
+  (pin by token ids, takeover), so the execution's next call starts from migrated blocks too.
 - Routing: least in-flight requests among the route's engines that are not draining and not cooling down after a
   failure. Routes are global (`set_engines`) or per execution (the caller passes `route`).
 """
@@ -21,7 +24,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +128,8 @@ class Reroute:
     first_token_s: float | None = None
     """From the reroute (the source's abort seen here) to the first token from the destination."""
     reason: str | None = None
+    kind: str = "inflight"
+    """inflight (a call cut mid-generation) | prefix (an execution's context moved between its calls)."""
 
 
 def _apply(att: _Attempt, obj: dict[str, Any]) -> None:
@@ -188,6 +193,11 @@ class EnginePool:
         self.retries = 0  # attempts beyond the first, over the pool's life (for /metrics)
         self._pins: dict[str, asyncio.Future[dict[str, Any] | None]] = {}  # attempt rid -> KV export (drain)
         self.reroutes: deque[Reroute] = deque(maxlen=1024)
+        # key (execution) -> (engine that served its last call, its full context, its route): for prefix migration
+        self._contexts: OrderedDict[str, tuple[str, list[int], Any]] = OrderedDict()
+        self.max_contexts = 4096
+        self.max_context_tokens = 8_000_000  # bounds the token lists kept (LRU by execution)
+        self._context_tokens = 0
         self.kv_stats: dict[str, float] = dict.fromkeys(
             (
                 "reroutes",
@@ -234,6 +244,8 @@ class EnginePool:
         if abort_inflight:
             for rid in list(st.inflight):
                 await self._pin_or_abort(url, rid)
+        if self.config.kv_migration:
+            await self._migrate_prefixes(url)
         deadline = time.time() + timeout_s
         while st.inflight and time.time() < deadline:
             await asyncio.sleep(0.02)
@@ -260,6 +272,30 @@ class EnginePool:
                     f"{url}/abort_request", json={"rid": rid, "abort_all": False}, timeout=5.0
                 )
 
+    async def _migrate_prefixes(self, url: str) -> None:
+        """Move the reusable prefix of each execution whose last call `url` served to an engine of its route."""
+        for key, (served, tokens, route) in list(self._contexts.items()):
+            if served != url:
+                continue
+            dest = self._pick(route() if callable(route) else route)
+            if dest is None or dest.url == url:
+                continue
+            try:
+                r = await self._client.post(
+                    f"{url}/kv/pin", json={"token_ids": tokens, "abort": False}, timeout=5.0
+                )
+            except httpx.HTTPError:
+                break  # the engine is gone: nothing more to move from it
+            if r.status_code != 200:
+                if r.status_code == 404:
+                    break  # no KV migration on this engine
+                continue  # nothing cached for this execution
+            rec = await self._takeover(dest, dict(r.json(), source_url=url), None, key)
+            rec.context_tokens, rec.kind = len(tokens), "prefix"
+            self._record(rec)
+            if rec.status == "installed":
+                self._contexts[key] = (dest.url, tokens, route)
+
     async def _export_for(self, rid: str) -> dict[str, Any] | None:
         fut = self._pins.pop(rid, None)
         if fut is None:
@@ -269,10 +305,12 @@ class EnginePool:
         except TimeoutError:
             return None
 
-    async def _takeover(self, st: _EngineState, export: dict[str, Any], ids: list[int], rid: str) -> Reroute:
+    async def _takeover(
+        self, st: _EngineState, export: dict[str, Any], ids: list[int] | None, rid: str
+    ) -> Reroute:
         """Ask `st` to take over the source's pinned KV; any failure releases the pin (the retry recomputes)."""
         src = str(export.get("source_url"))
-        rec = Reroute(rid, src, st.url, len(ids), "failed")
+        rec = Reroute(rid, src, st.url, len(ids or ()), "failed")
         t0 = time.perf_counter()
         if st.url == src:
             rec.status, rec.reason = "refused", "same engine"
@@ -300,6 +338,24 @@ class EnginePool:
                     f"{src}/kv/release", json={"migration_id": export.get("migration_id")}, timeout=5.0
                 )
         return rec
+
+    def _remember(self, key: str | None, url: str, tokens: list[int], route: Any) -> None:
+        if key is None:
+            return
+        old = self._contexts.pop(key, None)
+        self._context_tokens += len(tokens) - (len(old[1]) if old else 0)
+        self._contexts[key] = (url, tokens, route)
+        while len(self._contexts) > 1 and (
+            len(self._contexts) > self.max_contexts or self._context_tokens > self.max_context_tokens
+        ):
+            _, (_, dropped, _) = self._contexts.popitem(last=False)
+            self._context_tokens -= len(dropped)
+
+    def forget(self, key: str) -> None:
+        """Drop what the pool remembers of an execution (it ended)."""
+        old = self._contexts.pop(key, None)
+        if old is not None:
+            self._context_tokens -= len(old[1])
 
     def _record(self, rec: Reroute) -> None:
         self.reroutes.append(rec)
@@ -336,12 +392,14 @@ class EnginePool:
         route: list[str] | Callable[[], list[str] | None] | None = None,
         rid: str | None = None,
         on_accept: Callable[[], None] | None = None,
+        key: str | None = None,
     ) -> GenerateResult:
         """Generate up to `sampling["max_new_tokens"]` tokens after `input_ids`, retrying across engines.
 
         `route` may be a callable: it is read again before every attempt, so a call interrupted because its engine
         left rollout continues on the execution's *new* route, never back on the engine being drained.
         `on_accept` is called once, when an engine first answers the request with a success status (it accepted it).
+        `key` (an execution id) remembers where the call's context lives, for prefix migration when that engine drains.
         """
         if not isinstance(input_ids, list):
             input_ids = list(input_ids)
@@ -403,6 +461,7 @@ class EnginePool:
                         res.segments.append(Segment(st.url, v, start + i, start + i + 1))
             if not failed and att.finish in ("stop", "length"):
                 res.finish, res.matched = att.finish, att.matched
+                self._remember(key, st.url, input_ids + res.output_ids, route)
                 return res
             if len(res.output_ids) >= budget:
                 res.finish = "length"

@@ -519,8 +519,8 @@ class Proxy:
         t_engine = time.time()
         try:
             res = await self.pool.generate(  # the route is re-read on every retry
-                ids, sp, route=lambda: ex.route, on_accept=call.accepted.set
-            )
+                ids, sp, route=lambda: ex.route, on_accept=call.accepted.set, key=ex.id
+            )  # key: where the execution's context lives (its prefix moves with it when that engine drains)
         except EngineError as e:
             raise ProtocolError(529, "overloaded_error", f"no engine available: {e}") from e
         except EngineRejected as e:

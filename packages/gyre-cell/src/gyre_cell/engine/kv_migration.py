@@ -572,7 +572,7 @@ class KVMigrator:
         with self.engine._lock:
             entry = self.adopted.pop(mid, None)
             if entry is not None and self.engine.kv.allocated:
-                self.engine.kv.unpin_blocks(entry.blocks)
+                self._retire(entry)
                 self.stats.adopted_expired += 1
         if entry is not None:
             self._notify(mid, "adopted_expired")
@@ -624,12 +624,21 @@ class KVMigrator:
             self._unregister()
 
     def drop_adopted(self) -> None:
-        """Forget adopted sequences (flush_cache). Engine lock held."""
+        """Forget adopted sequences (flush_cache, weight update: their KV may be stale). Engine lock held."""
         for entry in list(self.adopted.values()):
             self.adopted.pop(entry.mid, None)
             if entry.timer is not None:
                 entry.timer.cancel()
             self.engine.kv.unpin_blocks(entry.blocks)
+
+    def _retire(self, entry: _Adopted) -> None:
+        """An adopted sequence nobody claimed in time: its full blocks join the prefix cache (LRU, evictable), the
+        rest is freed; either way it stops counting as used. Engine lock held."""
+        kv = self.engine.kv
+        if entry.weight_version == self.engine.weight_version and self.engine.config.enable_prefix_cache:
+            kv.free_sequence(kv.adopt_sequence(entry.blocks, len(entry.tokens)), entry.tokens)
+        else:
+            kv.unpin_blocks(entry.blocks)
 
     def snapshot(self) -> dict[str, Any]:
         with self.engine._lock:
