@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import logging
+import zlib
 
 import pytest
 
-from gyre_tito.records import ExecutionRecords, RecordLog, RecordLogCorrupt, RecordStore, log_path, read_log
+from gyre_tito.records import (
+    ExecutionRecords,
+    RecordLog,
+    RecordLogCorrupt,
+    RecordStore,
+    encode_line,
+    log_path,
+    read_log,
+)
 from gyre_tito.synthetic import SessionDriver, make_record
+from gyre_tito.types import CallRecord
 
 
 def _fill(records: ExecutionRecords) -> None:
@@ -82,15 +92,43 @@ def test_damaged_last_line_with_newline_is_torn_but_damage_in_the_middle_raises(
         RecordLog(path)
 
 
-def test_log_lines_are_plain_json_after_the_checksum(tmp_path):
+def test_log_lines_are_plain_json_lines(tmp_path):
+    """Before: `<crc32> <json>` per line, so pandas.read_json(lines=True) failed on a record log."""
     import orjson
+    import pandas
 
     rec = ExecutionRecords(tmp_path, "ex")
     _fill(rec)
+    n = len(rec.tree)
     rec.close()
-    for line in log_path(tmp_path, "ex").read_bytes().splitlines():
-        obj = orjson.loads(line[9:])
-        assert obj["execution_id"] == "ex" and obj["schema_version"] == 1
+    path = log_path(tmp_path, "ex")
+    frame = pandas.read_json(path, lines=True)
+    assert len(frame) == n and set(frame["execution_id"]) == {"ex"} and list(frame["seq"]) == list(range(n))
+    for line in path.read_bytes().splitlines():
+        obj = orjson.loads(line)
+        crc = obj.pop("crc32")
+        assert int(crc, 16) == zlib.crc32(CallRecord.model_validate(obj).model_dump_json().encode())
+
+
+def test_logs_in_the_old_format_are_still_read_and_appended_in_it(tmp_path):
+    rec = ExecutionRecords(tmp_path, "ex")
+    _fill(rec)
+    records = list(rec.tree.records())
+    rec.close()
+    path = log_path(tmp_path, "ex")
+    path.write_bytes(b"".join(encode_line(r, legacy=True) for r in records[:-1]))
+    assert path.read_bytes()[8:9] == b" "  # "<crc32 hex> <json>"
+    again = ExecutionRecords(tmp_path, "ex")
+    assert list(again.tree.records()) == records[:-1]
+    again.append(records[-1].model_copy(update={"seq": 0}))
+    again.close()
+    lines = path.read_bytes().splitlines()
+    assert len(lines) == len(records) and all(line[8:9] == b" " for line in lines)
+    assert [r.call_id for r in read_log(path).records] == [r.call_id for r in records]
+    bad = lines[0][:20] + b"X" + lines[0][21:]  # old-format damage is still detected
+    path.write_bytes(bad + b"\n" + b"\n".join(lines[1:]) + b"\n")
+    with pytest.raises(RecordLogCorrupt):
+        read_log(path)
 
 
 def test_failed_append_leaves_no_partial_line(tmp_path, monkeypatch):

@@ -7,6 +7,8 @@
   the store or a `--export-dir DIR` (repeatable).
 - `gyre-tito tiny-tokenizer DIR`: write the tiny offline Qwen3-style tokenizer (tests, demos).
 - `gyre-tito scripted-engine --tokenizer DIR --script FILE --port N`: serve a scripted `/generate` engine.
+- `gyre-tito export SOURCE --out PATH [--format parquet|dataset] [--rewards DB]`: selected trajectories of a run or
+  store with their rewards joined (`gyre_tito.dataset_export`).
 """
 
 from __future__ import annotations
@@ -128,6 +130,23 @@ def _scripted(a: argparse.Namespace) -> int:
     return scripted_engine.main(argv)
 
 
+def _export(a: argparse.Namespace) -> int:
+    import json
+
+    from gyre_tito.dataset_export import export_dataset
+
+    try:
+        summary = export_dataset(
+            a.source, a.out, fmt=a.format, rewards=a.rewards, executions=a.execution or None,
+            j_max=a.j_max, seed=a.seed, include_unrewarded=a.include_unrewarded,
+        )  # fmt: skip
+    except (FileNotFoundError, ValueError) as e:
+        print(f"gyre-tito export: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="gyre-tito", description="Token-in-token-out proxy for agent harnesses."
@@ -187,6 +206,20 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--port", type=int, default=0)
     e.add_argument("--token-delay", type=float, default=0.0)
     e.set_defaults(fn=_scripted)
+    x = sub.add_parser(
+        "export", help="selected trajectories of a run or store, rewards joined (Parquet / dataset)"
+    )
+    x.add_argument("source", help="run directory, proxy store, or folder of record logs")
+    x.add_argument("--out", required=True, help="output file (parquet) or folder (dataset)")
+    x.add_argument("--format", choices=["parquet", "dataset"], default="parquet")
+    x.add_argument(
+        "--rewards", default=None, help="gyre-eval's assessments.sqlite (default: SOURCE's, if any)"
+    )
+    x.add_argument("--execution", action="append", default=[], help="only this execution (repeatable)")
+    x.add_argument("--j-max", type=int, default=5)
+    x.add_argument("--seed", type=int, default=0)
+    x.add_argument("--include-unrewarded", action="store_true", help="also executions without a final reward")
+    x.set_defaults(fn=_export)
     a = ap.parse_args(argv)
     return a.fn(a)
 

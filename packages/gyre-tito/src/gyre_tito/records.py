@@ -15,9 +15,11 @@ API summary
 - ``RecordStore(directory, config)``: one ``ExecutionRecords`` per execution id under a directory (``open(id)``,
   ``release(id)`` (close it and forget it), ``execution_ids()``, ``close()``).
 
-File format (one file per execution, ``<quoted execution id>.tito.jsonl``): UTF-8 lines
-``<crc32 of the JSON bytes, 8 lowercase hex digits> <CallRecord JSON>\\n``. Readable with any JSON library: strip the
-first 9 characters of each line.
+File format (one file per execution, ``<quoted execution id>.tito.jsonl``): plain JSON Lines, readable by any JSONL
+tool (``pandas.read_json(path, lines=True)``, ``jq``): each line is the CallRecord JSON with one more last key,
+``"crc32": "<8 lowercase hex digits>"``, the CRC-32 of the line without that key (the record JSON as written, i.e.
+the line with ``,"crc32":"........"`` removed). Logs written before (``<crc32 hex> <CallRecord JSON>`` per line) are
+still read; an old log keeps its format when appended to.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "RecordLogCorrupt",
     "RecordStore",
     "encode_line",
+    "is_legacy_line",
     "log_path",
     "read_log",
 ]
@@ -73,18 +76,36 @@ class LogContents:
     """bytes after the intact prefix that belong to a torn last record (0 if none)"""
 
 
-def encode_line(record: CallRecord) -> bytes:
+_CRC_KEY = b',"crc32":"'
+_CRC_TAIL = len(_CRC_KEY) + 8 + 2  # ,"crc32":"xxxxxxxx"}
+
+
+def encode_line(record: CallRecord, legacy: bool = False) -> bytes:
+    """One log line: the record's JSON with its CRC-32 as a last ``crc32`` key (``legacy``: the old
+    ``<crc32 hex> <JSON>`` form, for appending to a log written that way)."""
     body = record.model_dump_json().encode()
-    return b"%08x " % zlib.crc32(body) + body + b"\n"
+    if legacy:
+        return b"%08x " % zlib.crc32(body) + body + b"\n"
+    return body[:-1] + _CRC_KEY + b"%08x" % zlib.crc32(body) + b'"}\n'
+
+
+def is_legacy_line(line: bytes) -> bool:
+    return len(line) >= 10 and line[8:9] == b" " and not line.startswith(b"{")
 
 
 def _decode_line(line: bytes) -> CallRecord | None:
     """The record of one complete line (without newline), or None if its checksum/JSON is bad."""
-    if len(line) < 10 or line[8:9] != b" ":
+    if line.startswith(b"{"):
+        if len(line) < _CRC_TAIL + 2 or line[-_CRC_TAIL : -_CRC_TAIL + len(_CRC_KEY)] != _CRC_KEY:
+            return None
+        body = line[:-_CRC_TAIL] + b"}"
+        crc_hex = line[-10:-2]
+    elif is_legacy_line(line):
+        body, crc_hex = line[9:], line[:8]
+    else:
         return None
-    body = line[9:]
     try:
-        crc = int(line[:8], 16)
+        crc = int(crc_hex, 16)
     except ValueError:
         return None
     if zlib.crc32(body) != crc:
@@ -136,6 +157,10 @@ class RecordLog:
         self.records: list[CallRecord] = contents.records
         self.dropped_bytes = contents.torn_bytes
         self._size = contents.valid_bytes  # end of the intact prefix
+        self._legacy = False  # a log written in the old "<crc> <json>" form keeps that form
+        if contents.valid_bytes:
+            with open(self.path, "rb") as f:
+                self._legacy = is_legacy_line(f.readline())
         if contents.torn_bytes:
             log.warning(
                 "%s: dropped a torn last record (%d bytes after %d intact records)",
@@ -150,7 +175,7 @@ class RecordLog:
         """Write ``record``; when this returns (with fsync on) the record survives a crash."""
         if self._fd < 0:
             raise ValueError(f"{self.path}: log is closed")
-        data = encode_line(record)
+        data = encode_line(record, legacy=self._legacy)
         line = memoryview(data)
         try:
             while line:
