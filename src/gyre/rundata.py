@@ -81,7 +81,8 @@ def _json_lines(lines: list[bytes], strip: int = 0) -> list[dict]:
     out = []
     for line in lines:
         try:
-            out.append(orjson.loads(line[strip:]))
+            # plain JSON lines, or an older "<prefix> <json>" form
+            out.append(orjson.loads(line if line.startswith(b"{") else line[strip:]))
         except orjson.JSONDecodeError:
             continue  # a damaged line: what the run could not finish writing is not data
     return out
@@ -212,7 +213,7 @@ class RunView:
         for tail in self._records.values():
             for rec in _json_lines(
                 tail.read(), strip=9
-            ):  # "<crc32 hex> <CallRecord JSON>" (gyre_tito.records)
+            ):  # CallRecord JSON lines (older logs: "<crc32 hex> <CallRecord JSON>", gyre_tito.records)
                 timings = rec.get("timings") or {}
                 call = Call(
                     execution_id=rec["execution_id"],
