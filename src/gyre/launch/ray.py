@@ -168,8 +168,10 @@ class RayLauncher(Launcher):
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
             if lc.address:
                 kwargs["address"] = lc.address
-            elif lc.num_cpus is not None:
-                kwargs["num_cpus"] = lc.num_cpus
+            else:  # a new instance on this machine, never one a previous `ray start` left in /tmp/ray
+                kwargs["address"] = "local"
+                if lc.num_cpus is not None:
+                    kwargs["num_cpus"] = lc.num_cpus
             ray.init(**kwargs)
             self._started_ray = True
         return ray
