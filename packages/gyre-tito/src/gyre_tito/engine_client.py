@@ -60,6 +60,10 @@ class EnginePoolConfig(BaseModel):
     kv_takeover_timeout_s: float = Field(
         30.0, description="how long a destination may take to read pinned KV"
     )
+    kv_prefix_budget_s: float = Field(
+        10.0,
+        description="at drain, how long moving idle executions' cached contexts may take (the rest recompute)",
+    )
 
 
 class EngineError(Exception):
@@ -273,10 +277,14 @@ class EnginePool:
                 )
 
     async def _migrate_prefixes(self, url: str) -> None:
-        """Move the reusable prefix of each execution whose last call `url` served to an engine of its route."""
-        for key, (served, tokens, route) in list(self._contexts.items()):
+        """Move the reusable prefix of each execution whose last call `url` served to an engine of its route (most
+        recently active first, within `kv_prefix_budget_s`)."""
+        deadline = time.monotonic() + self.config.kv_prefix_budget_s
+        for key, (served, tokens, route) in reversed(list(self._contexts.items())):
             if served != url:
                 continue
+            if time.monotonic() > deadline:
+                break
             dest = self._pick(route() if callable(route) else route)
             if dest is None or dest.url == url:
                 continue

@@ -223,6 +223,7 @@ class Proxy:
 
     def _unload(self, ex: Execution) -> None:
         """Replace an ended execution (no call in flight) by its summary: tree, log handle and caches go."""
+        self.pool.forget(ex.id)  # its context no longer moves with KV migration
         summary = EndedExecution(ex.id, ex.group_id, ex.records.log.path, ex.route, len(ex.records.tree))
         self.ended[ex.id] = summary
         del self.executions[ex.id]
