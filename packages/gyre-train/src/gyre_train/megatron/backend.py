@@ -15,6 +15,19 @@ TP > 1), then ``loss_fn(l_T)`` from gyre_train.loss makes the pre-scaled scalar,
 (``calculate_per_token_loss=True``: no 1/num_microbatches) and gradients sum into the fp32 ``.grad`` of each
 parameter across calls. The optimizer (core cell only) is Adam over those parameters, with the global grad norm
 reduced over the model-parallel group (TP-replicated parameters counted once).
+
+Mixed precision (``params_dtype="bfloat16"``): the model is wrapped in megatron's ``DistributedDataParallel`` with
+fp32 main-grad buffers (``grad_reduce_in_fp32``; every backward adds the bf16 ``.grad`` into the fp32
+``.main_grad``), and the optimizer is megatron's (``get_megatron_optimizer``: fp32 main parameters, Adam, and with
+``distributed_optimizer`` the optimizer state sharded over the cell's data-parallel ranks). Because the model
+config has ``calculate_per_token_loss=True`` the data-parallel reduction is a plain SUM (DDP's gradient scaling
+factor is 1): the per-token coefficients stay exact (DESIGN §7.2). Partial gradients (QK-layernorm under TP, tied
+embeddings under PP) and the data-parallel reduce-scatter are finalized once, by ``finalize_model_grads`` in the
+core's ``optimizer_step``; ``flat_grads`` / ``set_flat_grads`` move this rank's raw fp32 main grads (sums are linear,
+so satellites' raw gradients added before the finalization give the same total).
+
+Streaming several micro-steps through one 1F1B pipeline (PP > 1) is :mod:`gyre_train.megatron.pipeline`; this
+module's ``forward_backward`` runs one micro-step per schedule call.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gyre_train.backends.base import LossFn, PackedTensors
+from gyre_train.megatron import compat
 from gyre_train.megatron.model import (
     ParallelConfig,
     build_gpt_model,
@@ -44,6 +58,7 @@ from megatron.core.packed_seq_params import PackedSeqParams  # isort: skip
 from megatron.core.pipeline_parallel import get_forward_backward_func  # isort: skip
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DDP_HINT = "the bf16 path keeps gradients in megatron's fp32 main-grad buffers"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,8 +69,11 @@ class MegatronBackendConfig:
     """Local Hugging Face Qwen3 checkpoint directory (config.json + safetensors)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """TP/PP/CP/EP layout inside the cell and the layer spec."""
-    params_dtype: Literal["float32"] = "float32"
-    """Parameter dtype; gradients accumulate in the parameters' dtype, so fp32 (bf16 needs megatron's DDP main_grad)."""
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype. float32: gradients in ``.grad``, ``torch.optim.Adam`` (exact comparisons). bfloat16: megatron
+    DDP with fp32 main grads and megatron's optimizer with fp32 main parameters (module docstring)."""
+    distributed_optimizer: bool = True
+    """bfloat16 only: shard the optimizer state (fp32 main params, Adam moments) over the data-parallel ranks."""
     seed: int = 0
     """Seed of megatron's RNG tracker."""
     optimizer: bool = True
@@ -86,15 +104,52 @@ class MegatronBackend:
         self.thd = cfg.parallel.resolved_spec() == "te"
         self.device = next(self.model.parameters()).device
         self._params = [p for _, p in self.model.named_parameters()]
-        self._partial_grads = self._partial_grad_groups()
-        # Same optimizer as the torch backend (torch.optim.Adam), so both backends take identical steps.
-        self.optimizer = (
-            torch.optim.Adam(
-                self._params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-            )
-            if cfg.optimizer
-            else None
+        self.mixed = cfg.params_dtype != "float32"
+        self.ddp: Any = None
+        """megatron's DistributedDataParallel around ``model`` (bf16 path; None for fp32)."""
+        self.optimizer: Any = None
+        if self.mixed:
+            self.ddp = self._wrap_ddp()
+            if cfg.optimizer:
+                self.optimizer = self._megatron_optimizer()
+            self._partial_grads: list = []  # finalize_model_grads does it at the optimizer step
+        else:
+            self._partial_grads = self._partial_grad_groups()
+            # Same optimizer as the torch backend (torch.optim.Adam), so both backends take identical steps.
+            if cfg.optimizer:
+                self.optimizer = torch.optim.Adam(
+                    self._params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+                )
+
+    @property
+    def chunk(self) -> torch.nn.Module:
+        """The module the schedules run: the DDP wrapper on the bf16 path, else the GPTModel."""
+        return self.ddp if self.ddp is not None else self.model
+
+    def _wrap_ddp(self) -> Any:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,  # fp32 main grads: micro-step gradients sum in fp32
+            overlap_grad_reduce=False,  # one reduction per batch, at the core's optimizer step
+            use_distributed_optimizer=self.cfg.distributed_optimizer,
+            average_in_collective=False,  # plain SUM over data-parallel ranks (DESIGN §7.3)
         )
+        # DDP re-homes parameter data into its contiguous buffers (copying the loaded values).
+        return DistributedDataParallel(self.model.config, ddp_cfg, self.model)
+
+    def _megatron_optimizer(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.cfg
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
+            bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=cfg.distributed_optimizer,
+            clip_grad=1.0,  # replaced by optimizer_step's max_grad_norm
+        )  # fmt: skip
+        with compat.cuda_tensor_types():
+            return get_megatron_optimizer(opt_cfg, [self.ddp])
 
     @property
     def dp_rank(self) -> int:
@@ -172,7 +227,7 @@ class MegatronBackend:
         get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter([None]),
-            model=[self.model],
+            model=[self.chunk],
             num_microbatches=1,
             seq_length=batch.num_tokens,
             micro_batch_size=1,
@@ -184,20 +239,28 @@ class MegatronBackend:
 
     def logprobs(self, batch: PackedTensors, temperature: float) -> torch.Tensor:
         """Forward only: l_T [T] fp32 on CPU (on the last pipeline stage; empty tensor on the others)."""
-        self.model.eval()
+        self.chunk.eval()
         with torch.no_grad():
             out = self._run(batch, temperature, None)
         return out["logprobs"].cpu() if "logprobs" in out else torch.empty(0)
 
     def forward_backward(self, batch: PackedTensors, temperature: float, loss_fn: LossFn) -> TokenStats:
-        self.model.train()
-        before = [
-            [p.grad.clone() if p.grad is not None else None for p in ps] for ps, _ in self._partial_grads
-        ]
+        self.chunk.train()
+        before = self.partial_grads_before()
         out = self._run(batch, temperature, loss_fn)
+        self.sum_partial_grads(before)
+        return out.get("stats", TokenStats())
+
+    def partial_grads_before(self) -> list:
+        """fp32 path: the current gradients of the parameters whose gradient is partial per rank (see
+        ``_partial_grad_groups``), to be summed by :meth:`sum_partial_grads` after more backward passes."""
+        return [[p.grad.clone() if p.grad is not None else None for p in ps] for ps, _ in self._partial_grads]
+
+    def sum_partial_grads(self, before: list) -> None:
+        """Sum the increments since ``before`` of the partial gradients over their groups (a collective over the
+        TP group / the embedding group: every rank of those groups calls it at the same point)."""
         for (params, group), prev in zip(self._partial_grads, before, strict=True):
             self._sum_increments(params, prev, group)
-        return out.get("stats", TokenStats())
 
     def _partial_grad_groups(self) -> list[tuple[list[torch.nn.Parameter], Any]]:
         """Parameters whose gradient each rank of a group only sees part of, with that group (megatron's
@@ -243,21 +306,33 @@ class MegatronBackend:
         for p, b, d in zip(params, before, torch.split(flat, [x.numel() for x in deltas]), strict=True):
             p.grad = (b if b is not None else torch.zeros_like(p)) + d.view_as(p)
 
+    def _grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """The accumulated gradient of ``p``: ``.main_grad`` (fp32 buffer) on the bf16 path, else ``.grad``."""
+        return p.main_grad if self.mixed else p.grad
+
     def zero_grad(self) -> None:
+        if self.mixed:
+            self.ddp.zero_grad_buffer()
+            return
         for p in self._params:
             p.grad = None
 
     def flat_grads(self) -> torch.Tensor:
+        """This rank's accumulated gradients (fp32; on the bf16 path the raw main grads, before the
+        data-parallel reduction of ``optimizer_step``)."""
         return torch.cat(
             [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                (g if (g := self._grad(p)) is not None else torch.zeros_like(p)).reshape(-1).float()
                 for p in self._params
             ]
         )
 
     def set_flat_grads(self, flat: torch.Tensor) -> None:
         for p, g in zip(self._params, self._split(flat), strict=True):
-            p.grad = g.to(device=p.device, dtype=p.dtype).view_as(p).clone()
+            if self.mixed:
+                p.main_grad.copy_(g.view_as(p))
+            else:
+                p.grad = g.to(device=p.device, dtype=p.dtype).view_as(p).clone()
 
     def flat_params(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self._params])
@@ -266,6 +341,8 @@ class MegatronBackend:
         with torch.no_grad():
             for p, v in zip(self._params, self._split(flat), strict=True):
                 p.copy_(v.view_as(p))
+        if self.mixed and self.optimizer is not None:
+            self.optimizer.reload_model_params()  # the fp32 main parameters follow the loaded ones
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         sizes = [p.numel() for p in self._params]
@@ -280,18 +357,33 @@ class MegatronBackend:
         for p in self._params:
             # TP-replicated tensors (norms) are identical on every TP rank: count them on rank 0 only.
             # The last stage's copy of a tied embedding (``shared``) is counted on the first stage.
-            if p.grad is None or getattr(p, "shared", False):
+            g = self._grad(p)
+            if g is None or getattr(p, "shared", False):
                 continue
             if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-                sq += p.grad.double().pow(2).sum()
+                sq += g.double().pow(2).sum()
         group = parallel_state.get_model_parallel_group()  # TP x PP ranks of this model replica
         if dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
         return float(sq.sqrt())
 
+    def finalize_grads(self) -> None:
+        """bf16 path: megatron's ``finalize_model_grads`` -- the data-parallel SUM (reduce-scatter with the
+        distributed optimizer: afterwards each rank's main grads are complete only on its own shard), QK-layernorm
+        grads over TP, tied embeddings over PP. ``optimizer_step`` calls it; exposed for comparisons."""
+        if not self.mixed:
+            raise RuntimeError(
+                "finalize_grads is the bf16 path's; fp32 gradients are summed as they accumulate"
+            )
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp], num_tokens=None)  # None: never divide by token counts (DESIGN §7.2)
+
     def optimizer_step(self, max_grad_norm: float) -> float:
         if self.optimizer is None:
             raise RuntimeError("this backend has no optimizer (only the core updates weights)")
+        if self.mixed:
+            return self._megatron_step(max_grad_norm)
         for p in self._params:  # params that saw no target still take a (zero-gradient) Adam step
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -304,13 +396,45 @@ class MegatronBackend:
         self.zero_grad()
         return norm
 
+    def _megatron_step(self, max_grad_norm: float) -> float:
+        """Finalize (DP sum, partial grads), clip the global norm once, Adam on the fp32 main parameters (this
+        rank's shard with the distributed optimizer, then the bf16 parameters are all-gathered), zero grads."""
+        self.finalize_grads()
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            opt.config.clip_grad = max_grad_norm
+        with compat.cuda_tensor_types():
+            ok, norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron's optimizer skipped the update (non-finite gradients)")
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return float(norm)
+
+    def optimizer_state_numel(self) -> int:
+        """Elements of optimizer state this rank holds: the main parameters the optimizer updates (fp32 shards on
+        the bf16 path) and every per-parameter state tensor (Adam's two moments)."""
+        total = 0
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", opt)
+            for group in inner.param_groups:
+                total += sum(p.numel() for p in group["params"])
+            for state in inner.state.values():
+                total += sum(v.numel() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return total
+
     def state_dict(self) -> dict[str, Any]:
+        if self.mixed:
+            raise NotImplementedError(
+                "checkpoints of the bf16 path (megatron's sharded optimizer state) are not implemented"
+            )
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.mixed:
+            raise NotImplementedError("checkpoints of the bf16 path are not implemented")
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -322,8 +446,9 @@ class MegatronBackend:
         return export_hf_weights(self.model, self.shape)
 
     def export_hf_grads(self) -> dict[str, torch.Tensor]:
-        """Accumulated gradients under HF Qwen3 names (for comparisons with the torch backend)."""
-        return export_hf_weights(self.model, self.shape, grads=True)
+        """Accumulated gradients under HF Qwen3 names (for comparisons with the torch backend; on the bf16 path
+        the fp32 main grads, raw unless :meth:`finalize_grads` ran)."""
+        return export_hf_weights(self.model, self.shape, grads="main_grad" if self.mixed else True)
 
     def save_hf_pretrained(self, out_dir: str | Path) -> None:
         """Write model.safetensors + config.json loadable by transformers / SGLang (copies the source config)."""

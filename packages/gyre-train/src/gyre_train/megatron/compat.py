@@ -27,7 +27,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["PATCHED_MODULES", "apply", "building_model", "is_applied", "needed", "revert"]
+__all__ = [
+    "PATCHED_MODULES",
+    "apply",
+    "building_model",
+    "cuda_tensor_types",
+    "is_applied",
+    "needed",
+    "revert",
+]
 
 # The megatron modules whose module-level ``torch`` is replaced (found by running forward/backward on CPU).
 PATCHED_MODULES = (
@@ -36,6 +44,14 @@ PATCHED_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.utils",
+    # bf16 training: DDP's fp32 main-grad buffers and the distributed optimizer (buffers on current_device(),
+    # current_stream() before the grad reduce-scatter, the clip's `device='cuda'` overflow buffer).
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "arange", "tensor")
 _RNG_HELPERS = ("_get_cuda_rng_state", "_set_cuda_rng_state")
@@ -78,6 +94,32 @@ class _CpuCuda(types.ModuleType):
     @staticmethod
     def synchronize(device: Any = None) -> None:
         """CPU work is synchronous (the pipeline's p2p code synchronizes the CUDA stream)."""
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        return _CpuStream()
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _CpuStream:  # the name of torch.cuda.Stream
+        return _CpuStream()
+
+    @staticmethod
+    def stream(stream: Any = None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def empty_cache() -> None:
+        """No CUDA caching allocator on CPU."""
+
+
+class _CpuStream:
+    """A stream on CPU: work is synchronous, so waiting is a no-op."""
+
+    def wait_stream(self, other: Any) -> None: ...
+
+    def wait_event(self, event: Any) -> None: ...
+
+    def synchronize(self) -> None: ...
 
 
 class _CpuTorch(types.ModuleType):
@@ -164,6 +206,29 @@ def building_model() -> Iterator[None]:
         yield
     finally:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def cuda_tensor_types() -> Iterator[None]:
+    """Wrap the construction and the steps of megatron's optimizers: they check parameter types with the Tensor
+    method ``type()`` against ``'torch.cuda.BFloat16Tensor'`` / ``'torch.cuda.FloatTensor'`` (not reachable
+    through a module's ``torch``). While the layer is applied, a CPU tensor's no-argument ``type()`` answers with
+    the CUDA name for the duration of the block only; ``type(dtype)`` conversions are untouched."""
+    if not is_applied():
+        yield
+        return
+    original = torch.Tensor.type
+
+    def cuda_named_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or self.device.type != "cpu":
+            return original(self, *args, **kwargs)
+        return original(self).replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_named_type  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
 
 
 def revert() -> None:

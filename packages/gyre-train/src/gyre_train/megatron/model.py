@@ -257,9 +257,11 @@ def load_hf_weights(model: GPTModel, shape: Qwen3Shape, hf_state: dict[str, torc
             param.copy_(part.to(param.dtype))
 
 
-def export_hf_weights(model: GPTModel, shape: Qwen3Shape, *, grads: bool = False) -> dict[str, torch.Tensor]:
-    """This PP stage's weights (or, with ``grads``, accumulated gradients) as full (TP-gathered) tensors under HF
-    Qwen3 names, on CPU.
+def export_hf_weights(
+    model: GPTModel, shape: Qwen3Shape, *, grads: bool | str = False
+) -> dict[str, torch.Tensor]:
+    """This PP stage's weights (or, with ``grads``, accumulated gradients: ``.grad``, or the attribute named by a
+    string such as ``"main_grad"``) as full (TP-gathered) tensors under HF Qwen3 names, on CPU.
 
     Every TP rank returns the same dict. With PP > 1 each stage returns its own layers (plus the embedding on the
     first stage, final norm and untied lm_head on the last); the caller merges stages.
@@ -273,7 +275,8 @@ def export_hf_weights(model: GPTModel, shape: Qwen3Shape, *, grads: bool = False
         if name == "output_layer.weight" and shape.tie_word_embeddings:
             continue
         if grads:
-            t = param.grad if param.grad is not None else torch.zeros_like(param)
+            g = getattr(param, grads if isinstance(grads, str) else "grad", None)
+            t = g if g is not None else torch.zeros_like(param)
         else:
             t = param.detach()
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
