@@ -9,7 +9,7 @@
 | `POST /admin/executions/{id}/export` | `{j_max?, seed?, include_other?, path?}` | `{trajectories: [...]}` (and JSONL/Parquet at `path`, which must resolve under STORE/exports or an `--export-dir`) |
 | `GET /admin/quarantine` | | `{quarantined: [{execution_id, group_id, log, reason}]}` |
 | `GET /admin/engines` / `PUT /admin/routes` | `{engines: [url]}` | engine list |
-| `POST /admin/engines/drain` | `{engine, abort_inflight?: true, timeout_s?}` | `{engine, inflight_at_drain}` |
+| `POST /admin/engines/drain` | `{engine, abort_inflight?: true, timeout_s?}` | `{engine, inflight_at_drain, kv_migration}` |
 """
 
 from __future__ import annotations
@@ -297,7 +297,12 @@ def admin_router(proxy) -> APIRouter:
                 n = await proxy.pool.drain(url, abort, float(timeout_s))
             except KeyError:
                 raise ProtocolError(404, "not_found_error", f"no engine {url!r}") from None
-            return {"engine": url.rstrip("/"), "inflight_at_drain": n}
+            # kv_migration: the pool's KV-migration totals after this drain (reroutes, migrated, tokens, bytes)
+            return {
+                "engine": url.rstrip("/"),
+                "inflight_at_drain": n,
+                "kv_migration": dict(proxy.pool.kv_stats),
+            }
         except ProtocolError as e:
             return _err(e)
 
