@@ -154,6 +154,47 @@ DEMO_SCHEDULER = PolicyConfig(
 """The demo's scheduler: small groups and batches so a CPU machine finishes steps in seconds."""
 
 
+class TasksConfig(_Section):
+    file: str | None = None
+    """A task file (JSONL, Parquet or dataset folder; `gyre tasks validate FILE`, format in gyre.datasets). None: the
+    demo's task family."""
+    limit: int | None = Field(None, ge=1)
+    """Use the first `limit` tasks of the file (groups take them in order, cycling)."""
+
+
+class HarnessConfig(_Section):
+    kind: Literal["builtin", "command", "claude-code"] = "builtin"
+    """The run's harness (gyre_sched.harness); a task's own `harness` field overrides it for that task."""
+    command: list[str] | None = None
+    """`command`: argv template ({workspace}, {task}, {base_url}, {model}); base URL and key in the environment."""
+    binary: str | None = None
+    """`claude-code`: the CLI (default: the repository's pinned node_modules/.bin/claude)."""
+    allowed_tools: list[str] = ["Bash", "Read", "Write", "Edit", "Glob", "Grep"]
+    """`claude-code`: --allowedTools."""
+    max_turns: int = Field(30, ge=1)
+    """`claude-code`: --max-turns."""
+    max_output_tokens: int | None = Field(None, ge=1)
+    """`claude-code`: CLAUDE_CODE_MAX_OUTPUT_TOKENS."""
+    sandbox: bool = False
+    """Run each harness under bubblewrap (gyre_sched.sandbox: own namespaces, network only to the proxy, limits)."""
+
+    def spec(self) -> dict:
+        """The gyre_sched.harness.make_harness spec of the run's harness (None for the built-in agent's argv)."""
+        if self.kind == "command":
+            return {"kind": "command", "command": list(self.command or [])}
+        if self.kind == "claude-code":
+            out = {"kind": "claude-code", "allowed_tools": tuple(self.allowed_tools), "max_turns": self.max_turns,
+                   "max_output_tokens": self.max_output_tokens}  # fmt: skip
+            return out | ({"binary": self.binary} if self.binary else {})
+        return {"kind": "builtin"}
+
+    @model_validator(mode="after")
+    def _command_given(self) -> HarnessConfig:
+        if self.kind == "command" and not self.command:
+            raise ValueError("[harness] kind = 'command' needs command = [argv...]")
+        return self
+
+
 class RunConfig(_Section):
     run_dir: str | None = None
     """None: runs/<UTC timestamp>. Where config.json, trace.jsonl, records/, assessments.sqlite, trajectories/, checkpoints/, report.html go."""
@@ -167,6 +208,8 @@ class RunConfig(_Section):
     dashboard: DashboardConfig = DashboardConfig()
     metrics: MetricsConfig = MetricsConfig()
     launcher: LauncherConfig = LauncherConfig()
+    tasks: TasksConfig = TasksConfig()
+    harness: HarnessConfig = HarnessConfig()
     """local subprocesses (default) or a Ray cluster (`gyre run --ray ADDRESS`)."""
 
     @model_validator(mode="after")

@@ -217,7 +217,8 @@ class Controller:
     async def _execute(self, eid: str, gid: str, index: int, engine: str) -> None:
         query, _v_d = self.groups[gid]
         self.events.put_nowait(ev.Launched(eid))
-        done = await self.runner.run(eid, gid, self._url(engine), query.prompt)
+        launch = query.launch_options() if hasattr(query, "launch_options") else {}  # a task file's task
+        done = await self.runner.run(eid, gid, self._url(engine), query.prompt, **launch)
         self.events.put_nowait(ev.Terminated(eid, done.outcome))
         if done.outcome == "cancelled":
             return  # a cancelled execution (surplus or dropped group) is not assessed
@@ -227,7 +228,8 @@ class Controller:
             execution_id=eid, group_id=gid, group_size=self.policy.params.N, dispatch_index=index,
             group_dispatched=self.policy.params.N_d,
             artifact_ref=str(done.workspace), evaluator=f"task-{query.query_id}", launched_at=done.launched_at,
-            budget_s=agent.overall_budget_s, outcome=done.outcome, task={"prompt": query.prompt},
+            budget_s=launch.get("overall_budget_s") or agent.overall_budget_s, outcome=done.outcome,
+            task={"prompt": query.prompt},
         )  # fmt: skip
         assessment, _ = self.assessments.submit(submission)
         assessment = await self.assessments.wait(assessment.id)

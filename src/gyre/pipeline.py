@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gyre.config import RunConfig
 from gyre.controller import Controller
+from gyre.datasets import task_queries
 from gyre.launch import Launcher, make_launcher
 from gyre.launch.base import cell_configs
 from gyre.monitor import RunMonitor
@@ -32,6 +33,7 @@ from gyre_eval.service import AssessmentService
 from gyre_eval.store import AssessmentStore
 from gyre_sched.policies import make_policy
 from gyre_sched.runner import ExecutionRunner
+from gyre_sched.sandbox import LaunchSandbox
 from gyre_sched.trace import TraceWriter, policy_header
 
 log = logging.getLogger("gyre")
@@ -45,12 +47,19 @@ class RunDirError(ValueError):
 
 def _assessment_service(run_dir: Path, queries) -> AssessmentService:
     sandbox = SandboxConfig(timeout_s=30.0, cpu_s=30, memory_bytes=1 << 30)
-    evaluators = {
-        f"task-{q.query_id}": ExecCheckConfig(
+    evaluators = {}
+    for q in queries:
+        if hasattr(q, "evaluator"):  # a task file's scoring rule (gyre.datasets)
+            spec = q.evaluator()
+            if spec["kind"] != "exec":
+                raise ValueError(
+                    f"task {q.query_id}: judge scoring is not wired into gyre run yet (exec only)"
+                )
+            evaluators[f"task-{q.query_id}"] = ExecCheckConfig.model_validate(spec)
+            continue
+        evaluators[f"task-{q.query_id}"] = ExecCheckConfig(
             command=scoring_command(q), score_from="score_file", sandbox=sandbox
         )
-        for q in queries
-    }
     config = ServiceConfig(evaluators=evaluators, retry_wait_min_s=0.2, retry_wait_max_s=2.0)
     return AssessmentService(AssessmentStore(run_dir), config)
 
@@ -78,7 +87,7 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
 
     params = cfg.policy_params()
     policy = make_policy(params)
-    queries = demo_queries()
+    queries = task_queries(cfg.tasks.file, cfg.tasks.limit) if cfg.tasks.file else demo_queries()
     services = services or make_launcher(cfg, run_dir)
     services.run_dir = run_dir
     start = policy.start(0.0)  # Async assigns its training cells here: the header records the initial roles
@@ -94,8 +103,10 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
         agent_argv = [sys.executable, "-m", "gyre.agent", "--workspace", "{workspace}", "--task", "{task}",
                       "--max-turns", str(cfg.agent.max_turns), "--max-tokens", str(cfg.agent.max_tokens),
                       "--temperature", str(cfg.model.temperature)]  # fmt: skip
-        runner = ExecutionRunner(run_dir, services.proxy_url, services.admin_token, agent_argv,
-                                 cfg.agent.harness_timeout_s)  # fmt: skip
+        harness = agent_argv if cfg.harness.kind == "builtin" else cfg.harness.spec()
+        runner = ExecutionRunner(run_dir, services.proxy_url, services.admin_token, harness,
+                                 cfg.agent.harness_timeout_s, overall_budget_s=cfg.agent.overall_budget_s,
+                                 sandbox=LaunchSandbox() if cfg.harness.sandbox else None)  # fmt: skip
         assessments = _assessment_service(run_dir, queries)
         published = (await services.cells[0].status()).published
         controller = Controller(cfg, run_dir, policy, trace, runner, services.cells, services.standalone,
