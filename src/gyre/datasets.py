@@ -52,9 +52,12 @@ __all__ = [
     "JudgeScoring",
     "TarWorkspace",
     "TaskFileError",
+    "TaskQuery",
     "TaskSpec",
+    "evaluator_config",
     "load_tasks",
     "setup_workspace",
+    "task_queries",
 ]
 
 
@@ -342,3 +345,34 @@ def validate_main(path: str) -> int:
         return 1
     print(f"{path}: {len(tasks)} tasks OK")
     return 0
+
+
+class TaskQuery:
+    """A dataset task as the controller uses a query: `query_id`, `prompt`, and how to launch it (workspace setup,
+    harness override, deadline, budget) and score it (a gyre-eval evaluator config)."""
+
+    def __init__(self, task: TaskSpec) -> None:
+        self.task = task
+        self.query_id = task.query_id
+        self.prompt = task.prompt
+
+    def launch_options(self) -> dict[str, Any]:
+        """Keyword arguments for `ExecutionRunner.run`."""
+        from functools import partial
+
+        harness = self.task.harness.model_dump() if self.task.harness is not None else None
+        return {
+            "setup": partial(setup_workspace, self.task),
+            "harness": harness,
+            "harness_timeout_s": self.task.harness_timeout_s,
+            "overall_budget_s": self.task.overall_budget_s,
+        }
+
+    def evaluator(self) -> dict[str, Any]:
+        return evaluator_config(self.task)
+
+
+def task_queries(path: str | Path, limit: int | None = None) -> list[TaskQuery]:
+    """The run's queries from a task file (the first `limit`)."""
+    tasks = load_tasks(path)
+    return [TaskQuery(t) for t in tasks[:limit]]

@@ -1,0 +1,56 @@
+"""`gyre run` on a task file: 2 tasks of the SWE suite, each execution in the launch sandbox, workspaces built from
+the task file, scored by each task's own executable check; records, assessments and trajectories are written for
+every execution, and `gyre-tito export` joins the rewards."""
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_gyre_run_on_the_swe_suite_in_the_sandbox(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "gyre.cli", "demo", "--steps", "1", "--run-dir", str(run_dir), "--quiet",
+            "--set", f"tasks.file={ROOT / 'tasks' / 'swe' / 'tasks.jsonl'}", "--set", "tasks.limit=2",
+            "--set", "harness.sandbox=true", "--set", "dashboard.enabled=false"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=420, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 1
+
+    con = sqlite3.connect(run_dir / "assessments.sqlite")
+    rows = con.execute(
+        "SELECT execution_id, evaluator, status, score FROM assessments WHERE designated = 1"
+    ).fetchall()
+    con.close()
+    workspaces = sorted(p.name for p in (run_dir / "workspaces").iterdir() if not p.name.endswith(".home"))
+    assert sorted(r[0] for r in rows) == workspaces and len(workspaces) >= 4
+    # the built-in agent reads but does not edit: each workspace scores what its starting repo scores
+    start = {"task-swe-fizzbuzz": 0.5, "task-swe-slugify": 0.25}
+    assert {(ev, status, score) for _, ev, status, score in rows} <= {
+        (k, "valid", v) for k, v in start.items()
+    }
+    assert {ev for _, ev, _, _ in rows} == set(start)  # both tasks ran
+    for eid in workspaces:
+        ws = run_dir / "workspaces" / eid
+        assert (ws / "tests").is_dir() and any(ws.glob("*.py"))  # built from the task's repository
+        log = run_dir / "records" / "records" / f"{eid}.tito.jsonl"
+        assert log.read_text().count("\n") >= 1
+        assert pq.read_table(run_dir / "trajectories" / f"{eid}.parquet").num_rows >= 1
+
+    out = tmp_path / "export.parquet"
+    r = subprocess.run([sys.executable, "-m", "gyre_tito.cli", "export", str(run_dir), "--out", str(out)],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    table = pq.read_table(out).to_pylist()
+    rewards = {(t["execution_id"], t["reward"]) for t in table}
+    assert {e for e, _ in rewards} == set(workspaces)
+    by_eval = {eid: start[ev] for eid, ev, _, _ in rows}
+    assert all(reward == by_eval[eid] for eid, reward in rewards)
