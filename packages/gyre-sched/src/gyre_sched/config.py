@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PolicyKind = Literal["elastic", "async", "colocate"]
 ExclusionModel = Literal["per_execution", "per_query"]
+SpareLaunch = Literal["eager", "idle"]
+PlannerKind = Literal["fixed", "adaptive"]
 ExclusionKnown = Literal["budget", "stall"]
 DispatchMode = Literal["boundary", "continuous"]
 
@@ -60,6 +62,16 @@ class PolicyParams:
     """Async only: cells 0..async_train_cells-1 train for the whole run."""
     harness_timeout_s: float = 4 * 3600.0
     overall_budget_s: float = 5 * 3600.0
+    spares: SpareLaunch = "eager"
+    """eager: spares launch with their group; idle: only on capacity nothing else wants, or at once when an exclusion
+    makes one count (still replacing excluded executions in dispatch-index order)."""
+    planner: PlannerKind = "fixed"
+    """fixed: every burst uses (phi, mu, k_spare); adaptive: ``gyre_sched.planner`` chooses each burst's mu, dispatch
+    and spares to hold ``target_staleness`` (boundary dispatch only)."""
+    target_staleness: float | None = None
+    """adaptive: the realized mean staleness to hold (default: eq. 2 of phi and mu)."""
+    mu_max: int | None = None
+    """adaptive: the largest mu a burst may use (default floor(2 * target + 1))."""
 
     def __post_init__(self) -> None:
         errs = []
@@ -93,6 +105,14 @@ class PolicyParams:
             )
         if self.dispatch == "continuous" and self.q_c is not None and self.q_c < 1:
             errs.append(f"q_c must be >= 1 (q_c={self.q_c})")
+        if self.planner == "adaptive" and self.dispatch != "boundary":
+            errs.append(
+                "the adaptive planner chooses boundary dispatches (planner=adaptive, dispatch=continuous)"
+            )
+        if self.target_staleness is not None and self.target_staleness < 0:
+            errs.append(f"target_staleness must be >= 0 (target_staleness={self.target_staleness})")
+        if self.mu_max is not None and self.mu_max < 1:
+            errs.append(f"mu_max must be >= 1 (mu_max={self.mu_max})")
         if not self.harness_timeout_s > 0 or self.overall_budget_s < self.harness_timeout_s:
             errs.append(
                 "need 0 < harness_timeout_s <= overall_budget_s (the overall budget covers execution plus "
@@ -113,6 +133,11 @@ class PolicyParams:
     def expected_staleness(self) -> float:
         """Equation 2."""
         return self.phi + (self.mu - 1) / 2
+
+    @property
+    def staleness_target(self) -> float:
+        """What the adaptive planner holds: target_staleness, else eq. 2."""
+        return self.expected_staleness if self.target_staleness is None else self.target_staleness
 
 
 class PolicyConfig(_Cfg):
@@ -143,6 +168,15 @@ class PolicyConfig(_Cfg):
     """Continuous dispatch depth in groups (default (phi + mu) * B)."""
     async_train_cells: int = Field(2, ge=1)
     """Async: the fixed number of training cells."""
+    spares: SpareLaunch = "eager"
+    """eager: spares launch with their group; idle: on spare capacity, or at once when an exclusion needs one."""
+    planner: PlannerKind = "fixed"
+    """fixed (phi, mu, k_spare every burst) or adaptive (each burst's mu, dispatch and spares chosen to hold
+    target_staleness)."""
+    target_staleness: float | None = Field(None, ge=0)
+    """adaptive: the realized mean staleness to hold (default: eq. 2 of phi, mu)."""
+    mu_max: int | None = Field(None, ge=1)
+    """adaptive: the largest mu of a burst (default floor(2 * target + 1))."""
 
     def params(
         self, *, K: int, C_e: int, C_s: int, harness_timeout_s: float, overall_budget_s: float
@@ -166,6 +200,10 @@ class PolicyConfig(_Cfg):
             dispatch=self.dispatch,
             q_c=self.q_c,
             async_train_cells=self.async_train_cells,
+            spares=self.spares,
+            planner=self.planner,
+            target_staleness=self.target_staleness,
+            mu_max=self.mu_max,
             harness_timeout_s=harness_timeout_s,
             overall_budget_s=overall_budget_s,
         )

@@ -167,6 +167,16 @@ class OpenBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class BurstPlanned:
+    """Bookkeeping: what the burst starting at ``version`` uses (the planner's choice; fixed: the config)."""
+
+    version: int
+    mu: int
+    dispatch: int
+    k_spare: int
+
+
+@dataclass(frozen=True, slots=True)
 class GroupReady:
     group_id: str
 
@@ -207,6 +217,7 @@ Decision = (
     | GroupDropped
     | AssessmentRecorded
     | StepRecorded
+    | BurstPlanned
 )
 
 

@@ -5,6 +5,11 @@ launch). Invariant: 0 <= f <= p <= d - x. A group is ready when the first N non-
 order all have valid rewards (spares replace excluded executions in that order, never by completion order); it is
 dropped when it can no longer reach N valid rewards; a dropped group is refilled at once at the current published
 version, with launch priority.
+
+Spares (dispatch index >= N) launch with the group (``spares = "eager"``) or only on capacity nothing else wants
+(``"idle"``): they queue behind every other entry, and one moves to the front of the queue (refill priority) the moment
+an exclusion makes it one of the group's first N non-excluded executions. Which executions count never depends on
+launch or completion order, only on dispatch index.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class Group:
     v_d: int
     seq: int
     refill: bool
+    n_d: int = 0  # executions dispatched (N + its spares)
     execs: list[str] = field(default_factory=list)
     state: GroupState = GroupState.OPEN
     outstanding: int = 0  # executions queued or running
@@ -63,13 +69,15 @@ class Group:
 class Ledger:
     """Groups, executions, counters and the queue. Knows nothing about cells or capacity."""
 
-    def __init__(self, *, N: int, N_d: int, continuous: bool = False) -> None:
-        self.N, self.N_d, self.continuous = N, N_d, continuous
+    def __init__(self, *, N: int, N_d: int, continuous: bool = False, idle_spares: bool = False) -> None:
+        self.N, self.N_d, self.continuous, self.idle_spares = N, N_d, continuous, idle_spares
         self.d = self.p = self.f = self.x = 0
         self.published = 0  # latest published policy version (v_d of new dispatches)
         self.groups: dict[str, Group] = {}
         self.execs: dict[str, Execution] = {}
         self._queue: deque[str] = deque()
+        self._spares: deque[str] = deque()  # idle spares: launched only when nothing else is queued
+        self._promoted: set[str] = set()  # idle spares moved to the front of the queue
         self._group_seq = 0
         self._ready_seq = 0
         self.ready: dict[str, Group] = {}  # READY groups (unassigned)
@@ -95,35 +103,41 @@ class Ledger:
 
     def pending_refill_extra(self) -> int:
         """Executions of unfinished refill groups that already left w (eq. 5/6 count a pending refill as N_d)."""
-        return sum(self.N_d - self.groups[gid].outstanding for gid in self._open_refills)
+        return sum(self.groups[gid].n_d - self.groups[gid].outstanding for gid in self._open_refills)
 
     # ---- dispatch and launch ----------------------------------------------------------------------------------
-    def dispatch(self, *, refill: bool = False) -> Dispatch:
+    def dispatch(self, *, refill: bool = False, k_spare: int | None = None) -> Dispatch:
+        """A new group of N + k_spare executions (default: the ledger's N_d) at the latest published version."""
+        n_d = self.N_d if k_spare is None else self.N + k_spare
         seq = self._group_seq
         self._group_seq += 1
         gid, qid = f"g{seq}", f"q{seq}"
-        g = Group(gid, qid, self.published, seq, refill)
+        g = Group(gid, qid, self.published, seq, refill, n_d)
         self.groups[gid] = g
         self.unsettled += 1
         if refill:
             self._open_refills.add(gid)
-        ids = tuple(f"{gid}.e{i}" for i in range(self.N_d))
+        ids = tuple(f"{gid}.e{i}" for i in range(n_d))
         for i, eid in enumerate(ids):
             self.execs[eid] = Execution(eid, gid, i)
             g.execs.append(eid)
-        g.outstanding = self.N_d
-        self.d += self.N_d
+        g.outstanding = n_d
+        self.d += n_d
+        first = ids[: self.N] if self.idle_spares else ids
         if refill:  # launch priority: ahead of every ordinary entry, in dispatch-index order
-            self._queue.extendleft(reversed(ids))
+            self._queue.extendleft(reversed(first))
         else:
-            self._queue.extend(ids)
+            self._queue.extend(first)
+        if self.idle_spares:
+            self._spares.extend(ids[self.N :])
         return Dispatch(gid, qid, ids, g.v_d, refill)
 
     def pop_queued(self) -> Execution | None:
-        while self._queue:
-            e = self.execs[self._queue.popleft()]
-            if e.state is ExecState.QUEUED:
-                return e
+        for q in (self._queue, self._spares):
+            while q:
+                e = self.execs[q.popleft()]
+                if e.state is ExecState.QUEUED:
+                    return e
         return None
 
     def mark_launched(self, e: Execution, engine: str) -> None:
@@ -163,10 +177,15 @@ class Ledger:
         """Ready when the first N non-excluded executions (index order) are all valid; dropped when impossible."""
         execs = [self.execs[i] for i in g.execs]
         excluded = sum(e.status == "excluded" for e in execs)
-        if excluded > self.N_d - self.N:
+        if excluded > g.n_d - self.N:
             return self._drop(g)
         needed = [e for e in execs if e.status != "excluded"][: self.N]
         if not all(e.status in ("valid", "no_work") for e in needed):
+            if self.idle_spares and excluded:  # a spare now counts: it launches next, like a refill
+                for e in needed:
+                    if e.index >= self.N and e.state is ExecState.QUEUED and e.id not in self._promoted:
+                        self._promoted.add(e.id)
+                        self._queue.appendleft(e.id)
             return []
         g.state = GroupState.READY
         self._open_refills.discard(g.id)

@@ -79,7 +79,7 @@ class ColocatePolicy(PolicyCore):
     def burst_need(self) -> int:
         """Groups the current burst still has to consume (assigned groups of the open batch count as consumed)."""
         p = self.params
-        return (p.mu - self.step_in_burst) * p.B - (len(self.batch) if self.batch is not None else 0)
+        return (self.mu_now - self.step_in_burst) * p.B - (len(self.batch) if self.batch is not None else 0)
 
     def _maybe_transition(self, out: list[Decision]) -> None:
         p = self.params

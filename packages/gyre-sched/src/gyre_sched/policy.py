@@ -13,6 +13,7 @@ from gyre_sched.events import (
     Assessed,
     AssessmentRecorded,
     BeginTransition,
+    BurstPlanned,
     Decision,
     EndTransition,
     Event,
@@ -31,6 +32,7 @@ from gyre_sched.events import (
     TransitionDone,
 )
 from gyre_sched.ledger import ExecState, Group, InvariantError, Ledger
+from gyre_sched.planner import BurstPlan, make_planner
 from gyre_sched.types import CellRole, ExecutionSpec, next_role
 
 STANDALONE = "standalone"
@@ -48,7 +50,15 @@ class PolicyCore:
     def __init__(self, params: PolicyParams, *, deep_checks: bool = False) -> None:
         self.params = params
         self.deep_checks = deep_checks
-        self.ledger = Ledger(N=params.N, N_d=params.N_d, continuous=params.dispatch == "continuous")
+        self.ledger = Ledger(
+            N=params.N,
+            N_d=params.N_d,
+            continuous=params.dispatch == "continuous",
+            idle_spares=params.spares == "idle",
+        )
+        self.planner = make_planner(params)
+        self.mu_now = params.mu  # this burst's steps (the adaptive planner chooses per burst)
+        self.k_now = params.k_spare  # spares of groups dispatched now (refills too)
         self.roles = [CellRole.ROLLOUT] * params.K
         self._k = 0  # cells not in ROLLOUT, recounted on every role change (hot path)
         self._dest: list[str] = []
@@ -76,8 +86,11 @@ class PolicyCore:
             raise InvariantError("policy started twice")
         self.started, self.now = True, now
         p = self.params
-        groups = (p.q_c or p.phi_B + p.mu * p.B) if p.dispatch == "continuous" else p.phi_B + p.mu * p.B
-        out: list[Decision] = [self.ledger.dispatch() for _ in range(groups)]
+        if p.dispatch == "continuous":
+            groups = p.q_c or p.phi_B + p.mu * p.B
+            out: list[Decision] = [self.ledger.dispatch() for _ in range(groups)]
+        else:
+            out = self._dispatch_burst(self.planner.first(self))
         out += self._initial_roles()
         self._roles_changed()
         self._progress(out)
@@ -240,7 +253,7 @@ class PolicyCore:
         out: list[Decision] = [StepRecorded(version, tuple(g.id for g in self.batch), tuple(st))]
         self.version, self.batch = version, None
         self.step_in_burst += 1
-        if self.step_in_burst < self.params.mu:
+        if self.step_in_burst < self.mu_now:
             self._open_batch(out)
         else:
             self._burst_end(out)
@@ -271,15 +284,27 @@ class PolicyCore:
         self.ledger.published = version
         self.step_in_burst = 0
         p, out = self.params, []
-        pending = p.mu * p.N_d * p.B if p.dispatch == "boundary" else 0
+        plan = self.planner.next(self) if p.dispatch == "boundary" else None
+        pending = plan.dispatch * (p.N + plan.k_spare) if plan else 0
         stay = self._core_persists(pending)  # eq. 6 is evaluated before the new dispatch lands
-        if p.dispatch == "boundary":
-            out += [self.ledger.dispatch() for _ in range(p.mu * p.B)]
+        if plan:
+            out += self._dispatch_burst(plan)
         if stay:
             self._open_batch(out)
         else:
             self._begin([0], out)
         return out
+
+    def _dispatch_burst(self, plan: BurstPlan) -> list[Decision]:
+        """The burst's dispatch: ``plan.dispatch`` groups of N + plan.k_spare executions."""
+        self.mu_now, self.k_now = plan.mu, plan.k_spare
+        self.ledger.N_d = self.params.N + plan.k_spare  # refills of this burst get the same spares
+        out: list[Decision] = []
+        if (
+            self.params.planner != "fixed"
+        ):  # a fixed plan is the header's (phi, mu, k_spare): traces stay as they were
+            out.append(BurstPlanned(self.version, plan.mu, plan.dispatch, plan.k_spare))
+        return out + [self.ledger.dispatch() for _ in range(plan.dispatch)]
 
     def _transition_done(self, cell: int) -> list[Decision]:
         src = self.roles[cell]

@@ -175,7 +175,7 @@ class Simulator:
                 case Publish(v):
                     self._at(self.now + c.publish_s, PublishDone(v))
                 case OpenBatch(v):
-                    self._batch = _Batch(v, final=self.policy.step_in_burst == self.params.mu - 1)
+                    self._batch = _Batch(v, final=self.policy.step_in_burst == self.policy.mu_now - 1)
                 case StepRecorded(v, _, _):
                     self._steps = v
                     self._step_ends.append(self.now)

@@ -14,6 +14,7 @@ from gyre_sched.config import PolicyParams
 from gyre_sched.events import (
     AssessmentRecorded,
     BeginTransition,
+    BurstPlanned,
     Decision,
     Dispatch,
     EndTransition,
@@ -42,7 +43,8 @@ def policy_header(params: PolicyParams) -> dict[str, Any]:
         "mu": params.mu, "N_d": params.N_d, "policy": params.kind, "rho_min": params.rho_min, "tau_s": params.tau_s,
         "k_spare": params.k_spare, "streaming": params.streaming, "dispatch": params.dispatch, "q_c": params.q_c,
         "async_train_cells": params.async_train_cells, "harness_timeout_s": params.harness_timeout_s,
-        "overall_budget_s": params.overall_budget_s,
+        "overall_budget_s": params.overall_budget_s, "spares": params.spares, "planner": params.planner,
+        "target_staleness": params.target_staleness, "mu_max": params.mu_max,
     }  # fmt: skip
 
 
@@ -111,6 +113,8 @@ class TraceWriter:
                     self.write(t, "group_dropped", group=gid)
                 case AssessmentRecorded(eid, status):
                     self.write(t, "assessed", execution=eid, status=status)
+                case BurstPlanned(v, mu, n, k):
+                    self.write(t, "burst_plan", version=v, mu=mu, dispatch=n, k_spare=k)
                 case StepRecorded(v, groups, st):
                     self.write(t, "step_end", version=v, groups=list(groups), staleness=list(st))
                 case _:  # Cancel: the runner's terminate(cancelled) line records it

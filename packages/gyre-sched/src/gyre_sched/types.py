@@ -133,6 +133,7 @@ TraceEventName = Literal[
     "publish_begin",
     "publish",
     "route",
+    "burst_plan",
 ]
 
 # Fields each event must carry (more are allowed: a real run may add its own context).
@@ -154,6 +155,7 @@ TRACE_REQUIRED: dict[str, tuple[str, ...]] = {
     "publish_begin": ("version",),
     "publish": ("version",),
     "route": ("execution", "engine"),
+    "burst_plan": ("version", "mu", "dispatch", "k_spare"),
 }
 
 
