@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -172,7 +173,12 @@ class RayLauncher(Launcher):
                 kwargs["address"] = "local"
                 if lc.num_cpus is not None:
                     kwargs["num_cpus"] = lc.num_cpus
+            # ray.init makes SIGTERM exit the driver at once (sys.exit); gyre's own handler stops every process and
+            # prints one line, so it is put back.
+            previous = signal.getsignal(signal.SIGTERM)
             ray.init(**kwargs)
+            if previous is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, previous)
             self._started_ray = True
         return ray
 
