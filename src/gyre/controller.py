@@ -262,7 +262,9 @@ class Controller:
                 batch = await cell.events(after)
             except Exception as exc:  # the process died or hangs: name it and its log, one line
                 log_file = self.run_dir / "logs" / f"cell-{index}.log"
-                raise RunFailed(f"cell {index} stopped answering ({type(exc).__name__}); see {log_file}") from None
+                raise RunFailed(
+                    f"cell {index} stopped answering ({type(exc).__name__}); see {log_file}"
+                ) from None
             after = batch.next
             for e in batch.events:
                 f = e.fields
@@ -301,9 +303,11 @@ class Controller:
 
     async def _transition(self, cell: int, dst: CellRole, reroutes: Awaitable) -> None:
         client = self.cells[cell]
+        kv = None
         if dst is CellRole.TO_TRAINING:
             await reroutes  # the cell's executions have their new routes: now its in-flight calls can move
-            await self.runner.admin_call("POST", "/engines/drain", {"engine": client.base_url})
+            drained = await self.runner.admin_call("POST", "/engines/drain", {"engine": client.base_url})
+            kv = drained.get("kv_migration") if isinstance(drained, dict) else None
             result = await self._retry_switch(client.to_training)
         else:
             result = await client.to_rollout(self.published)
@@ -311,8 +315,11 @@ class Controller:
             await self.runner.admin_call(
                 "PUT", "/routes", {"engines": serving + [s.base_url for s in self.standalone]}
             )
+        row = result.report.model_dump(mode="json")
+        if dst is CellRole.TO_TRAINING and kv is not None:
+            row["kv_migration"] = kv  # the proxy's KV-migration totals right after this drain (issue 17)
         with (self.run_dir / "metrics" / "switches.jsonl").open("ab") as out:
-            out.write(result.report.model_dump_json().encode() + b"\n")
+            out.write(orjson.dumps(row) + b"\n")
         self.events.put_nowait(ev.TransitionDone(cell))
 
     @staticmethod
