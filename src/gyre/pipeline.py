@@ -99,7 +99,7 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
         log.info("starting %d cell worker(s), %d standalone engine(s) and the TITO proxy",
                  cfg.cluster.cells, cfg.cluster.standalone_engines)  # fmt: skip
         await services.start_cells(cell_configs(cfg, run_dir, model_dir))
-        await services.start_proxy(model_dir)
+        await services.start_proxy(model_dir, temperature=cfg.model.temperature)
         agent_argv = [sys.executable, "-m", "gyre.agent", "--workspace", "{workspace}", "--task", "{task}",
                       "--max-turns", str(cfg.agent.max_turns), "--max-tokens", str(cfg.agent.max_tokens),
                       "--temperature", str(cfg.model.temperature)]  # fmt: skip

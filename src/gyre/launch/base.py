@@ -130,7 +130,9 @@ class Launcher:
         self._procs.append((name, proc))
         return proc
 
-    async def start_proxy(self, tokenizer_dir: Path, timeout_s: float = 120.0) -> None:
+    async def start_proxy(
+        self, tokenizer_dir: Path, timeout_s: float = 120.0, temperature: float | None = None
+    ) -> None:
         port = free_port()
         # the proxy writes exports only under its store or an --export-dir: runner.export writes to trajectories/
         argv = [bin_path("gyre-tito"), "serve", "--tokenizer", str(tokenizer_dir), "--store",
@@ -138,6 +140,8 @@ class Launcher:
                 "--export-dir", str(self.run_dir / "trajectories")]  # fmt: skip
         for url in self.engine_urls:
             argv += ["--engine", url]
+        if temperature is not None:  # every call samples at the trainer's temperature (sampling policy: pin)
+            argv += ["--temperature", str(temperature)]
         proc = self._spawn("proxy", argv, env={"GYRE_TITO_ADMIN_TOKEN": self.admin_token})
         self.proxy_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
