@@ -1,6 +1,6 @@
 """`gyre run` on a task file: 2 tasks of the SWE suite, each execution in the launch sandbox, workspaces built from
 the task file, scored by each task's own executable check; records, assessments and trajectories are written for
-every execution, and `gyre-tito export` joins the rewards."""
+every execution (each call sampled at the run's temperature), and `gyre-tito export` joins the rewards."""
 
 import json
 import sqlite3
@@ -19,7 +19,8 @@ def test_gyre_run_on_the_swe_suite_in_the_sandbox(tmp_path):
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "gyre.cli", "demo", "--steps", "1", "--run-dir", str(run_dir), "--quiet",
             "--set", f"tasks.file={ROOT / 'tasks' / 'swe' / 'tasks.jsonl'}", "--set", "tasks.limit=2",
-            "--set", "harness.sandbox=true", "--set", "dashboard.enabled=false"]  # fmt: skip
+            "--set", "harness.sandbox=true", "--set", "dashboard.enabled=false",
+            "--set", "model.temperature=0.8"]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=420, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -42,7 +43,10 @@ def test_gyre_run_on_the_swe_suite_in_the_sandbox(tmp_path):
         ws = run_dir / "workspaces" / eid
         assert (ws / "tests").is_dir() and any(ws.glob("*.py"))  # built from the task's repository
         log = run_dir / "records" / "records" / f"{eid}.tito.jsonl"
-        assert log.read_text().count("\n") >= 1
+        records = [json.loads(line) for line in log.read_text().splitlines()]  # plain JSON lines
+        assert records and all(r["execution_id"] == eid for r in records)
+        # the proxy pins every call to the run's temperature (the trainer's)
+        assert {r["metadata"]["sampling"]["used"]["temperature"] for r in records} == {0.8}
         assert pq.read_table(run_dir / "trajectories" / f"{eid}.parquet").num_rows >= 1
 
     out = tmp_path / "export.parquet"
