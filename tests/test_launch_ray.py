@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,29 @@ def test_local_ray_run_matches_the_reference_step_for_step(tmp_path):
             not Path(f"/proc/{p['pid']}").exists()
             or b"ray::" not in Path(f"/proc/{p['pid']}/cmdline").read_bytes()
         )
+
+
+def test_sigterm_stops_the_ray_run_with_one_line(tmp_path):
+    """Ray's driver would exit on SIGTERM at once: gyre's handler stays, every actor and the instance stop."""
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "gyre.cli", "demo", "--ray", "local", "--run-dir", str(run_dir), "--steps", "50",
+            "--set", "dashboard.enabled=false", "--quiet"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, **RAY_ENV})  # fmt: skip
+    trace, deadline = run_dir / "trace.jsonl", time.monotonic() + 600
+    while not (trace.exists() and b'"ev":"launch"' in trace.read_bytes()):  # gate: executions are running
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+        time.sleep(0.2)
+    placement = json.loads((run_dir / "logs" / "placement.json").read_text())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err
+    assert "interrupted by SIGTERM" in err.strip().splitlines()[-1]
+    stop = time.monotonic() + 30
+    while any(Path(f"/proc/{p['pid']}").exists() for p in placement) and time.monotonic() < stop:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{p['pid']}").exists() for p in placement)
 
 
 # ---- two hosts in network namespaces -----------------------------------------------------------------------------
