@@ -74,6 +74,7 @@ def test_drained_call_continues_on_migrated_blocks(pair: tuple[Any, Any]) -> Non
     (rec,) = pool.reroutes
     assert rec.status == "installed", rec.reason
     assert rec.migrated_tokens == len(PROMPT) + 6 and rec.recomputed_tokens == 0 and rec.nbytes > 0
+    assert rec.served_tokens == len(PROMPT) + 6 and pool.kv_stats["served_tokens"] == len(PROMPT) + 6
     assert rec.first_token_s is not None
     assert m1["context_prefill_tokens_total"] - m0["context_prefill_tokens_total"] == 0
     assert m1["stats"]["migrated_tokens_used"] - m0["stats"]["migrated_tokens_used"] == len(PROMPT) + 6
@@ -131,6 +132,7 @@ def test_drain_moves_an_idle_executions_prefix_and_its_next_call_uses_it(pair: t
         (len(PROMPT) + N_NEW) // 16 * 16
     )  # whole blocks of the first call's context were cached at the source
     assert rec.migrated_tokens == full and rec.source == src.url and rec.destination == dst.url
+    assert rec.served_tokens == full and pool.kv_stats["served_tokens"] == full  # the next call used them
     assert m1["stats"]["migrated_tokens_used"] - m0["stats"]["migrated_tokens_used"] == full
     computed = len(PROMPT) + N_NEW + len(turn2) - full
     assert m1["prefill_tokens_total"] - m0["prefill_tokens_total"] == computed

@@ -133,6 +133,9 @@ class Reroute:
     """From the reroute (the source's abort seen here) to the first token from the destination."""
     reason: str | None = None
     kind: str = "inflight"
+    served_tokens: int | None = None
+    """Migrated tokens the next call at the destination was served from (the engine reported them cached); None
+    until that call ran (a prefix whose execution's next call landed on another engine stays 0)."""
     """inflight (a call cut mid-generation) | prefix (an execution's context moved between its calls)."""
 
 
@@ -200,6 +203,9 @@ class EnginePool:
         # key (execution) -> (engine that served its last call, its full context, its route): for prefix migration
         self._contexts: OrderedDict[str, tuple[str, list[int], Any]] = OrderedDict()
         self.max_contexts = 4096
+        self._prefix_moved: dict[
+            str, Reroute
+        ] = {}  # key -> its installed prefix migration, until its next call
         self.max_context_tokens = 8_000_000  # bounds the token lists kept (LRU by execution)
         self._context_tokens = 0
         self.kv_stats: dict[str, float] = dict.fromkeys(
@@ -207,6 +213,7 @@ class EnginePool:
                 "reroutes",
                 "migrated",
                 "migrated_tokens",
+                "served_tokens",
                 "recomputed_tokens",
                 "bytes",
                 "first_token_s",
@@ -303,6 +310,7 @@ class EnginePool:
             self._record(rec)
             if rec.status == "installed":
                 self._contexts[key] = (dest.url, tokens, route)
+                self._prefix_moved[key] = rec
 
     async def _export_for(self, rid: str) -> dict[str, Any] | None:
         fut = self._pins.pop(rid, None)
@@ -361,6 +369,7 @@ class EnginePool:
 
     def forget(self, key: str) -> None:
         """Drop what the pool remembers of an execution (it ended)."""
+        self._prefix_moved.pop(key, None)
         old = self._contexts.pop(key, None)
         if old is not None:
             self._context_tokens -= len(old[1])
@@ -449,7 +458,17 @@ class EnginePool:
                 st.inflight.pop(att_rid, None)
                 if st.draining and not st.inflight and st.url in self._engines:
                     self._engines.pop(st.url, None)
+            moved_prefix = self._prefix_moved.pop(key, None) if key is not None and not attempt else None
+            if moved_prefix is not None:  # the execution's first call since its context moved
+                here = moved_prefix.destination == st.url
+                moved_prefix.served_tokens = (
+                    min(att.cached_tokens or 0, moved_prefix.migrated_tokens) if here else 0
+                )
+                self.kv_stats["served_tokens"] += moved_prefix.served_tokens
             if reroute is not None:
+                if att.cached_tokens is not None and reroute.status == "installed":
+                    reroute.served_tokens = min(att.cached_tokens, reroute.migrated_tokens)
+                    self.kv_stats["served_tokens"] += reroute.served_tokens
                 if att.cached_tokens is not None:
                     reroute.recomputed_tokens = max(0, reroute.context_tokens - att.cached_tokens - 1)
                 if att.first_at is not None:

@@ -256,6 +256,8 @@ def create_app(proxy: Proxy) -> FastAPI:
             f"gyre_tito_kv_migrated_reroutes_total {proxy.pool.kv_stats['migrated']}",
             "# TYPE gyre_tito_kv_migrated_tokens_total counter",
             f"gyre_tito_kv_migrated_tokens_total {proxy.pool.kv_stats['migrated_tokens']}",
+            "# TYPE gyre_tito_kv_served_tokens_total counter",
+            f"gyre_tito_kv_served_tokens_total {proxy.pool.kv_stats['served_tokens']}",
             "# TYPE gyre_tito_kv_recomputed_tokens_total counter",
             f"gyre_tito_kv_recomputed_tokens_total {proxy.pool.kv_stats['recomputed_tokens']}",
             "# TYPE gyre_tito_kv_migrated_bytes_total counter",
