@@ -90,3 +90,36 @@ def test_importing_gyre_sched_never_imports_torch():
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plan_recommends_within_the_target_and_plots(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(SMALL_TOML)
+    out = tmp_path / "plan"
+    assert main(["plan", str(cfg), "--staleness", "1.0", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    summary = json.loads((out / "plan.json").read_text())
+    runs = summary["runs"]
+    kinds = {(r["kind"], r["planner"]) for r in runs}
+    assert {("elastic", "fixed"), ("elastic", "adaptive"), ("async", "fixed"), ("colocate", "fixed")} <= kinds
+    assert {r["mu"] for r in runs if r["kind"] == "elastic"} == {1, 2, 3}  # phi = 1.0, 0.5, 0.0
+    best = summary["best"]["1.0"]
+    within = [r for r in runs if r["staleness"] <= 1.05]
+    assert best["recommended"]["time_h"] == min(r["time_h"] for r in within)  # the fastest within the target
+    assert best["bound_h"] < best["recommended"]["time_h"]
+    assert (out / "plan.png").stat().st_size > 10_000
+    assert (
+        "recommended at E[d]=1.0" in text
+        and json.loads(text.splitlines()[-1])["1.0"]["label"] == best["label"]
+    )
+
+
+def test_calibrate_prints_costs_runs_and_notes(capsys):
+    from pathlib import Path
+
+    runs = sorted((Path(__file__).parent / "data" / "real_runs").iterdir())
+    assert main(["calibrate", *map(str, runs)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("micro-step:") and any(x.startswith("warmup_s") for x in out)
+    assert sum(x.split()[0] in {r.name for r in runs} for x in out if x.split()) == 4
+    assert json.loads(out[-1])["cost"]["weight_bytes"] == 4.0

@@ -1,6 +1,7 @@
 """`gyre-sched simulate CONFIG`, `gyre-sched compare CONFIG` (TOML or JSON; `preset = "nl2repo"` as a base),
 `gyre-sched predict TRACE` (the simulator's prediction of a recorded run, calibrated from its own trace) and
-`gyre-sched workload --preset X` (the workload's statistics beside the paper's)."""
+`gyre-sched workload --preset X` (the workload's statistics beside the paper's), `gyre-sched plan` (sweep the knobs
+and recommend settings) and `gyre-sched calibrate RUN...` (the cost model fitted to real runs, with its error)."""
 
 from __future__ import annotations
 
@@ -158,6 +159,49 @@ def cmd_workload(args: argparse.Namespace) -> int:
     return 0 if worst <= 1.0 else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from gyre_sched.plan import plan
+
+    raw = resolve(_load(args))
+    raw.pop("compare", None)
+    if args.trace:
+        raw = deep_merge(raw, {"workload": {"trace": args.trace}})
+    if args.steps:
+        raw["steps"] = args.steps
+    cfg = SimConfig.model_validate(raw)
+    out = Path(args.out) if args.out else Path("sched-out") / f"{cfg.name}-plan"
+    summary = plan(cfg, args.staleness, tolerance=args.tolerance, out=out, log=print)
+    for t, b in summary["best"].items():
+        rec = b["recommended"]
+        print(f"recommended at E[d]={t}: {b['label']}: {rec['time_h']:.2f} h, realized staleness "
+              f"{rec['staleness']:.3f} (steady {rec['staleness_steady']:.3f}); ideal bound {b['bound_h']:.2f} h "
+              f"({b['over_bound']:.3f}x)")  # fmt: skip
+    print(f"wrote {out}/plan.json, plan.png")
+    print(json.dumps({t: {"label": b["label"], "time_h": round(b["recommended"]["time_h"], 3),
+                          "staleness": round(b["recommended"]["staleness"], 4), "bound_h": round(b["bound_h"], 3)}
+                      for t, b in summary["best"].items()}))  # fmt: skip
+    return 0 if len(summary["best"]) == len(args.staleness) else 1
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from gyre_sched.costfit import fit_costs
+
+    fit = fit_costs(args.runs)
+    print(f"micro-step: {fit.overhead_s:.4g} s (+- {fit.overhead_se:.2g}) + {fit.s_per_token:.4g} s/token "
+          f"(+- {fit.s_per_token_se:.2g}); relative RMS error over samples {fit.microstep_rel_rmse:.1%}")  # fmt: skip
+    print(f"{'cost':<22} {'fitted s':>10} {'samples':>8} {'rel. RMS':>9}")
+    for name, c in fit.costs.items():
+        print(f"{name:<22} {c['fitted']:>10.4g} {c['samples']:>8} {c['rel_rmse']:>9.1%}")
+    print(f"{'run':<24} {'policy':<9} {'recorded s':>10} {'simulated s':>11} {'error':>7}")
+    for r in fit.runs:
+        print(f"{r['run']:<24} {r['policy']:<9} {r['recorded_s']:>10.2f} {r['simulated_s']:>11.2f} "
+              f"{r['relative_error']:>7.1%}")  # fmt: skip
+    for n in fit.notes:
+        print(f"note: {n}")
+    print(json.dumps(fit.summary()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gyre-sched", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -206,6 +250,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1, help="sampling seed (default 1; the fit used 0)")
     p.add_argument("--fit", action="store_true", help="refit the preset's free parameters first")
     p.set_defaults(fn=cmd_workload)
+    p = sub.add_parser(
+        "plan",
+        help="sweep (phi, mu), spares, the adaptive planner, Async splits and Colocate at each target staleness; "
+        "recommend the fastest within the target (plan.json, plan.png)",
+    )
+    p.add_argument(
+        "config", nargs="?", default="-", help="TOML or JSON config file ('-' or none: --preset/--set)"
+    )
+    p.add_argument("--preset", help="e.g. nl2repo")
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override, e.g. cluster.nodes_per_cell=8"
+    )
+    p.add_argument("--trace", help="replay a recorded trace.jsonl as the workload")
+    p.add_argument(
+        "--staleness", type=float, nargs="+", default=[1.0, 1.5], help="target E[d] (default 1.0 1.5)"
+    )
+    p.add_argument(
+        "--tolerance", type=float, default=0.05, help="realized staleness may exceed the target by this"
+    )
+    p.add_argument("--steps", type=int, help="optimizer steps to simulate (default: the config's)")
+    p.add_argument("--out", help="output directory (default sched-out/NAME-plan)")
+    p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser(
+        "calibrate",
+        help="fit the cost model (per token, per micro-step, start-up, tail, switches, publication, warm-up) to "
+        "real run directories and report the fit error",
+    )
+    p.add_argument(
+        "runs", nargs="+", help="run directories of gyre run (trace.jsonl, metrics/steps.jsonl, model/)"
+    )
+    p.set_defaults(fn=cmd_calibrate)
     return ap
 
 

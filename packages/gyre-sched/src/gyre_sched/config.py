@@ -324,6 +324,8 @@ class Costs:
     satellite_join_s: float
     publish_s: float
     reroute_penalty_s: float
+    warmup_s: float = 0.0
+    """One-off per cell, before its first micro-step of the run (model load, first kernels)."""
 
 
 class CostConfig(_Cfg):
@@ -375,6 +377,8 @@ class CostConfig(_Cfg):
     """Publication besides moving weights (engines pause, load, resume)."""
     reroute_context_tokens: float = Field(100_000.0, ge=0)
     """Context a rerouted execution re-prefills at its destination."""
+    warmup_s: float = Field(0.0, ge=0)
+    """One-off per cell before its first micro-step of the run (loading, first kernels): seconds on the CPU runs."""
 
     train_node_s_per_group: float | None = Field(None, gt=0)
     """Override: node-seconds to train one group."""
@@ -434,6 +438,7 @@ class CostConfig(_Cfg):
             satellite_join_s=pick(self.satellite_join_s, net),
             publish_s=pick(self.publish_s, self.publish_fixed_s + net),
             reroute_penalty_s=pick(self.reroute_penalty_s, prefill),
+            warmup_s=self.warmup_s,
         )
 
 

@@ -54,3 +54,32 @@ def waterlevel_png(s: TraceSummary, path: str | Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plan_png(rows, best: dict, path: str | Path, title: str = "") -> None:
+    """``gyre-sched plan``: end-to-end time against realized staleness, one marker per run, the recommendation and
+    its ideal bound per target."""
+    plt = _plt()
+    marks = {"elastic": "o", "async": "s", "colocate": "^"}
+    colors = {t: c for t, c in zip(sorted({r.target for r in rows}), ("#1f77b4", "#d62728", "#2ca02c", "#9467bd"),
+                                   strict=False)}  # fmt: skip
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for r in rows:
+        face = colors.get(r.target, "#555") if r.planner == "adaptive" else "none"
+        ax.scatter(r.staleness, r.time_h, marker=marks[r.kind], edgecolors=colors.get(r.target, "#555"),
+                   facecolors=face, s=45)  # fmt: skip
+    for t, b in best.items():
+        rec = b["recommended"]
+        ax.scatter(rec["staleness"], rec["time_h"], marker="*", s=260, color=colors.get(t, "#555"), zorder=5,
+                   label=f"E[d]={t}: {b['label']} ({rec['time_h']:.1f} h)")  # fmt: skip
+        ax.axhline(b["bound_h"], color=colors.get(t, "#555"), ls=":", lw=1)
+        ax.axvline(t, color=colors.get(t, "#555"), ls="--", lw=0.6)
+    ax.set_xlabel("realized mean staleness (every consumed group)")
+    ax.set_ylabel("end-to-end time (h)")
+    ax.set_title(
+        title + "  (o elastic, filled: adaptive; s async; ^ colocate; dotted: ideal bound)", fontsize=9
+    )
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

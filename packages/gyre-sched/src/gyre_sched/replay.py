@@ -16,7 +16,9 @@ What is measured, from which events (every cost the trace has no sample of is 0 
   groups back to back (cell-seconds per group = span / groups, no start-up or tail);
 - switches: ``transition_begin`` -> ``transition_end`` per cell: cell 0 to training = ``switch_to_training_s``,
   satellites' excess over it = ``satellite_join_s``; to rollout = ``switch_to_rollout_s``;
-- publication: ``publish_begin`` -> ``publish`` of the same version.
+- publication: ``publish_begin`` -> ``publish`` of the same version;
+- a one-off warm-up (model load, first kernels): how much longer the first batch waited for its first claim than the
+  median later batch (real claims only).
 
 Not measurable from a trace (0 in the prediction): cancel latency (a cancel is not traced), the reroute penalty
 (already inside the recorded durations).
@@ -109,6 +111,21 @@ def params_from_header(
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
+
+
+def warmup_from_batches(batches: list[dict[str, Any]], ready_at: dict[str, float]) -> float | None:
+    """The run's one-off warm-up: how much longer its first batch waited for its first claim (from the batch's open,
+    or its first group's readiness if later) than the median later batch; None without two batches with claims."""
+    delays = []
+    for b in batches:
+        if not b["claims"]:
+            continue
+        ready = [ready_at[g] for g in b["groups"] if g in ready_at]
+        start = max(b["open"], min(ready)) if ready else b["open"]
+        delays.append(max(0.0, min(t for t, _ in b["claims"]) - start))
+    if len(delays) < 2:
+        return None
+    return max(0.0, delays[0] - statistics.median(delays[1:]))
 
 
 def calibrate(lines: list[dict[str, Any]]) -> tuple[dict[str, Measured], list[str], dict[str, float]]:
@@ -238,6 +255,14 @@ def calibrate(lines: list[dict[str, Any]]) -> tuple[dict[str, Measured], list[st
             )
         cost["microsteps_per_group"] = max(1, round(per_group))
         cost["train_node_s_per_group"] = ms * per_group  # the work per group, whatever the rounding above
+        warm = warmup_from_batches(batches, ready_at)
+        if warm is not None:
+            measured["warmup_s"] = Measured(
+                value=warm,
+                samples=1,
+                source="first batch's wait for its first claim minus the median later batch's (one-off warm-up)",
+            )
+            cost["warmup_s"] = warm
     elif batches:  # claims without durations: one cell trained each batch's groups back to back
         spans, n_groups = [], 0
         for b in batches:

@@ -105,6 +105,7 @@ class Simulator:
         self._reroutes: dict[str, int] = {}
         self._group_seq: dict[str, int] = {}
         self._busy: set[int] = set()
+        self._warm: set[int] = set()  # cells past their one-off warm-up
         self._started_batch: dict[int, int] = {}
         self._batch: _Batch | None = None
         self._tick_at: float | None = None
@@ -201,6 +202,14 @@ class Simulator:
         for cell in range(p.K):
             if cell in self._busy or self.policy.roles[cell] is not CellRole.TRAINING:
                 continue
+            if cell not in self._warm and (b.todo or self.policy.ledger.ready):
+                self._warm.add(
+                    cell
+                )  # a cell's first claim of the run waits for its warm-up (load, first kernels)
+                if self.costs.warmup_s > 0:
+                    self._busy.add(cell)
+                    self._at(self.now + self.costs.warmup_s, ("warm", cell))
+                    continue
             if not b.todo and b.assigned < p.B:
                 ready = self.policy.ledger.ready_unassigned()
                 take = ready[:1] if p.streaming else (ready[: p.B] if len(ready) >= p.B - b.assigned else [])
@@ -216,6 +225,7 @@ class Simulator:
             if self._started_batch.get(cell) != b.version:
                 self._started_batch[cell] = b.version
                 dur += self.costs.pipeline_startup_s
+
             b.participants.add(cell)
             self._busy.add(cell)
             self._at(self.now + dur, ("ms", cell, b.version))
@@ -261,6 +271,8 @@ class Simulator:
                     self._deliver(Terminated(item[1], "cancelled"))
                 elif kind == "ms":
                     self._ms_done(item[1], item[2])
+                elif kind == "warm":
+                    self._busy.discard(item[1])
             elif isinstance(item, Assessed):
                 g = self.policy.ledger.groups[self.policy.ledger.execs[item.execution_id].group]
                 if g.state.value == "open":  # an evaluator result for a settled group changes nothing
