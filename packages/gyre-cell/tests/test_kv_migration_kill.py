@@ -1,4 +1,7 @@
-"""KV migration from a source engine in its own process that is killed while the destination reads its blocks."""
+"""KV migration from a source engine in its own process that is killed while the destination reads its blocks.
+
+The source is paused in place by the client once 5 tokens arrived (no in-process gate across processes: the request's
+budget of 1000 tokens leaves it far from finishing); the kill happens inside the destination's read gate."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import pytest
 from gyre_cell.engine.kv_migration import KVExport
 
 PROMPT = [(11 * i + 5) % 480 + 7 for i in range(50)]
-N_NEW = 20
+N_NEW = 1000  # long enough that the pause lands long before the request could finish (pause round trip: ms)
 SP = {"max_new_tokens": N_NEW, "temperature": 0.0, "ignore_eos": True}
 
 pytestmark = pytest.mark.slow
