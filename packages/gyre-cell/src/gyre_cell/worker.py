@@ -77,7 +77,7 @@ class EventLog:
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop, self._changed = loop, asyncio.Event()
 
-    def emit(self, kind: str, **fields: Any) -> None:
+    def emit(self, kind: str, /, **fields: Any) -> None:
         with self._lock:
             self._events.append(CellEvent(seq=len(self._events), at=time.time(), kind=kind, fields=fields))
         if self._loop is not None:
