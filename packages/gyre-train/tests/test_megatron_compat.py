@@ -119,3 +119,36 @@ def test_building_model_keeps_tensor_cuda_on_cpu_only_inside_the_block() -> None
     compat.revert()
     with compat.building_model(), pytest.raises((RuntimeError, AssertionError)):
         t.cuda()  # not applied: nothing is patched
+
+
+def test_cuda_tensor_types_names_cpu_tensors_as_cuda_only_inside_the_block() -> None:
+    compat.apply()
+    t = torch.ones(2, dtype=torch.bfloat16)
+    with compat.cuda_tensor_types():
+        # megatron's optimizers accept only these names for the parameters they wrap.
+        assert t.type() == "torch.cuda.BFloat16Tensor"
+        assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+        assert t.type(torch.float32).dtype == torch.float32  # conversions are untouched
+    assert t.type() == "torch.BFloat16Tensor"
+    compat.revert()
+    with compat.cuda_tensor_types():
+        assert t.type() == "torch.BFloat16Tensor"  # not applied: nothing is patched
+
+
+def test_ddp_and_moe_paths_see_cpu_streams_and_host_splits() -> None:
+    compat.apply()
+    buffers = sys.modules["megatron.core.distributed.param_and_grad_buffer"]
+    stream = buffers.torch.cuda.current_stream()
+    stream.wait_event(buffers.torch.cuda.Event())  # DDP waits on CUDA-graph events before the grad reduce
+    with buffers.torch.cuda.stream(buffers.torch.cuda.Stream()):
+        pass
+    dispatcher = sys.modules["megatron.core.transformer.moe.token_dispatcher"]
+    splits = dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    assert splits.tolist() == [3, 1] and not torch.is_tensor(splits)  # all_to_all_single takes a sequence
+    t = torch.tensor([2])
+    assert dispatcher.maybe_move_tensor_to_cpu(t) is t
+    compat.revert()
+    assert (
+        dispatcher.maybe_move_tensor_to_cpu
+        is sys.modules["megatron.core.transformer.moe.moe_utils"].maybe_move_tensor_to_cpu
+    )

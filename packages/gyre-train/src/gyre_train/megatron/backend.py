@@ -351,21 +351,29 @@ class MegatronBackend:
         return list(torch.split(flat.reshape(-1), sizes))
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the accumulated gradients over this cell's model-parallel group."""
+        """Global L2 norm of the accumulated gradients over this cell's model replica: dense tensors over the
+        model-parallel group (TP x PP), experts (held by one EP rank each) over the expert-TP x EP x PP group."""
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        dense = torch.zeros((), dtype=torch.float64, device=self.device)
+        experts = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self._params:
-            # TP-replicated tensors (norms) are identical on every TP rank: count them on rank 0 only.
-            # The last stage's copy of a tied embedding (``shared``) is counted on the first stage.
             g = self._grad(p)
+            # The last stage's copy of a tied embedding (``shared``) is counted on the first stage.
             if g is None or getattr(p, "shared", False):
                 continue
-            if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-                sq += g.double().pow(2).sum()
+            if not getattr(p, "allreduce", True):  # an expert's weight: this EP rank's own
+                experts += g.double().pow(2).sum()
+            elif getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+                # TP-replicated tensors (norms, router) are identical on every TP rank: counted on rank 0 only.
+                dense += g.double().pow(2).sum()
         group = parallel_state.get_model_parallel_group()  # TP x PP ranks of this model replica
         if dist.get_world_size(group) > 1:
-            dist.all_reduce(sq, group=group)
-        return float(sq.sqrt())
+            dist.all_reduce(dense, group=group)
+        if self.shape.num_experts:
+            egroup = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+            if dist.get_world_size(egroup) > 1:
+                dist.all_reduce(experts, group=egroup)
+        return float((dense + experts).sqrt())
 
     def finalize_grads(self) -> None:
         """bf16 path: megatron's ``finalize_model_grads`` -- the data-parallel SUM (reduce-scatter with the

@@ -52,9 +52,16 @@ PATCHED_MODULES = (
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    # MoE: the alltoall dispatcher's device-to-host stream, the router's buffers on current_device(), the
+    # expert-parallel gathers and all-to-alls (tensor_parallel.mappings allocates on current_device()).
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.moe_layer",
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "arange", "tensor")
-_RNG_HELPERS = ("_get_cuda_rng_state", "_set_cuda_rng_state")
+_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 
 
 def _cpu_device(device: Any) -> Any:
@@ -111,6 +118,14 @@ class _CpuCuda(types.ModuleType):
     def empty_cache() -> None:
         """No CUDA caching allocator on CPU."""
 
+    @staticmethod
+    def is_current_stream_capturing() -> bool:
+        return False
+
+    @staticmethod
+    def Event(*args: Any, **kwargs: Any) -> _CpuEvent:  # the name of torch.cuda.Event
+        return _CpuEvent()
+
 
 class _CpuStream:
     """A stream on CPU: work is synchronous, so waiting is a no-op."""
@@ -121,6 +136,22 @@ class _CpuStream:
 
     def synchronize(self) -> None: ...
 
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event if event is not None else _CpuEvent()
+
+
+class _CpuEvent:
+    """An event on CPU: everything before it has already happened."""
+
+    def record(self, stream: Any = None) -> None: ...
+
+    def wait(self, stream: Any = None) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
 
 class _CpuTorch(types.ModuleType):
     """``torch`` with ``cuda`` replaced and tensor factories taking ``device="cuda"`` to CPU."""
@@ -128,7 +159,7 @@ class _CpuTorch(types.ModuleType):
     def __init__(self) -> None:
         super().__init__("torch")
         self.cuda = _CpuCuda()
-        self.originals: dict[str, Any] = {}
+        self.originals: dict[tuple[str, str], Any] = {}  # (module, name) -> the function apply() replaced
         for name in _FACTORIES:
             setattr(self, name, self._factory(getattr(torch, name)))
 
@@ -175,13 +206,28 @@ def apply(force: bool = False) -> bool:
     for name in PATCHED_MODULES:
         mod = importlib.import_module(name)
         mod.torch = cpu_torch  # type: ignore[attr-defined]
-    random_mod = sys.modules["megatron.core.tensor_parallel.random"]
-    # The tracker's save/restore helpers call CUDA generator internals directly; route them to the CPU RNG.
     # The originals are kept on the proxy (not in a module global) so revert() can restore them.
-    cpu_torch.originals = {name: getattr(random_mod, name) for name in _RNG_HELPERS}
-    random_mod._get_cuda_rng_state = _get_cpu_rng_state
-    random_mod._set_cuda_rng_state = _set_cpu_rng_state
+    replaced = {
+        # The tracker's save/restore helpers call CUDA generator internals directly; route them to the CPU RNG.
+        ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"): _get_cpu_rng_state,
+        ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): _set_cpu_rng_state,
+        # The MoE all-to-all takes its split sizes as numpy arrays made by a device-to-host copy that only
+        # happens for CUDA tensors; on CPU they would stay tensors, which all_to_all_single refuses.
+        (_DISPATCHER, "maybe_move_tensor_to_cpu"): _splits_to_host,
+    }
+    for (mod_name, name), fn in replaced.items():
+        mod = sys.modules[mod_name]
+        cpu_torch.originals[(mod_name, name)] = getattr(mod, name)
+        setattr(mod, name, fn)
     return True
+
+
+def _splits_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """``moe_utils.maybe_move_tensor_to_cpu`` for CPU tensors: the host copy is the tensor itself (numpy if
+    asked)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().numpy()
+    return tensor
 
 
 def _get_cpu_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -236,7 +282,7 @@ def revert() -> None:
     if not is_applied():
         return
     random_mod = sys.modules["megatron.core.tensor_parallel.random"]
-    for name, fn in random_mod.torch.originals.items():
-        setattr(random_mod, name, fn)
+    for (mod_name, name), fn in random_mod.torch.originals.items():
+        setattr(sys.modules[mod_name], name, fn)
     for name in PATCHED_MODULES:
         sys.modules[name].torch = torch  # type: ignore[attr-defined]

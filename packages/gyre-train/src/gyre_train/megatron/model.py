@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from gyre_train.megatron import compat
 from gyre_train.megatron.weights import (
     Qwen3Shape,
+    expert_offset_names,
     hf_to_megatron,
+    is_expert_name,
     layer_offset_names,
     megatron_to_hf,
     merge_tp,
@@ -32,7 +34,10 @@ from gyre_train.megatron.weights import (
 try:
     compat.apply()  # must precede megatron's attention import on CPU (flash_mla, see compat)
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -54,7 +59,7 @@ class ParallelConfig:
     context_parallel: int = 1
     """CP size (needs the Transformer Engine layer spec)."""
     expert_parallel: int = 1
-    """EP size (passed through; Qwen3 dense models have no experts)."""
+    """EP size: a Qwen3-MoE model's experts split over EP ranks (carved out of the data-parallel ranks)."""
     layer_spec: Literal["auto", "local", "te"] = "auto"
     """'local' (pure megatron-core, block-diagonal mask packing), 'te' (Transformer Engine, THD packing), 'auto'."""
 
@@ -116,7 +121,7 @@ def destroy_model_parallel(process_group: bool, model_parallel: bool) -> None:
 
 
 def hf_config(model_path: str | Path):
-    """The checkpoint's transformers config, validated: a local Qwen3 without attention bias."""
+    """The checkpoint's transformers config, validated: a local Qwen3 or Qwen3-MoE without attention bias."""
     from transformers import AutoConfig
 
     if not (Path(model_path) / "config.json").is_file():
@@ -124,8 +129,12 @@ def hf_config(model_path: str | Path):
             f"{model_path}: no config.json (a local Hugging Face checkpoint directory is needed)"
         )
     cfg = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
-    if cfg.model_type != "qwen3":
-        raise ValueError(f"{model_path}: model_type {cfg.model_type!r} is not supported (only 'qwen3')")
+    if cfg.model_type not in ("qwen3", "qwen3_moe"):
+        raise ValueError(
+            f"{model_path}: model_type {cfg.model_type!r} is not supported (only 'qwen3' and 'qwen3_moe')"
+        )
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"{model_path}: hidden_act {cfg.hidden_act!r} is not supported (only silu)")
     if getattr(cfg, "attention_bias", False):
         raise ValueError(f"{model_path}: attention_bias=True is not supported")
     _rope_theta(cfg)  # refuses RoPE scaling
@@ -153,6 +162,24 @@ def build_gpt_model(
         )
     spec_kind = par.resolved_spec()
     on_gpu = torch.cuda.is_available()
+    moe: dict = {}
+    if shape.num_experts:
+        if shape.num_experts % par.expert_parallel:
+            raise ValueError(
+                f"num_experts {shape.num_experts} does not divide by expert_parallel {par.expert_parallel}"
+            )
+        # HF Qwen3-MoE routing: softmax over all experts, top-k, renormalized iff norm_topk_prob. megatron's
+        # default (top-k of the logits, then softmax over those k) is the renormalized form; pre_softmax the
+        # other. No load-balancing loss: the GSPO objective is the whole loss.
+        moe = dict(
+            num_moe_experts=shape.num_experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
+            moe_router_topk=hf.num_experts_per_tok, moe_router_pre_softmax=not hf.norm_topk_prob,
+            moe_router_score_function="softmax", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            moe_router_dtype="fp32", moe_grouped_gemm=False,
+            moe_layer_freq=[int(i in shape.moe_layers) for i in range(shape.num_layers)],
+        )  # fmt: skip
+    elif par.expert_parallel > 1:
+        raise ValueError("expert_parallel > 1 needs a model with experts (Qwen3-MoE)")
     config = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -188,8 +215,13 @@ def build_gpt_model(
         variable_seq_lengths=True,
         calculate_per_token_loss=True,
         moe_token_dispatcher_type="alltoall",  # the default (allgather) rejects variable_seq_lengths
+        **moe,
     )
-    if spec_kind == "te":
+    if shape.num_experts:
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=spec_kind == "te", normalization="RMSNorm"
+        )
+    elif spec_kind == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
@@ -237,19 +269,46 @@ def _layer_offset(model: GPTModel) -> int:
     return get_transformer_layer_offset(model.config)
 
 
+def _expert_offset(shape: Qwen3Shape) -> int:
+    """Global index of this EP rank's first local expert."""
+    if not shape.num_experts:
+        return 0
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return parallel_state.get_expert_model_parallel_rank() * (shape.num_experts // ep)
+
+
+def _global_name(local_name: str, param: torch.Tensor, layer_offset: int, expert_offset: int) -> str:
+    named = layer_offset_names({local_name: param}, layer_offset, to_global=True)
+    return expert_offset_names(named, expert_offset, to_global=True).popitem()[0]
+
+
+def _tp(name: str) -> tuple[int, int, object]:
+    """(rank, size, group) of the tensor-parallel group that shards ``name`` (the expert-TP group for experts)."""
+    if is_expert_name(name):
+        return (
+            parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_group(),
+        )
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_group(),
+    )
+
+
 def load_hf_weights(model: GPTModel, shape: Qwen3Shape, hf_state: dict[str, torch.Tensor]) -> None:
     """Copy a full HF Qwen3 state dict into this rank's (TP-sharded, PP-local) GPTModel parameters."""
     te = any(n.endswith("layer_norm_weight") for n, _ in model.named_parameters())
     full = hf_to_megatron(hf_state, shape, te_norm_names=te)
     if shape.tie_word_embeddings:  # the last PP stage keeps its own copy of the tied matrix
         full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
-    offset = _layer_offset(model)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    offset, e_offset = _layer_offset(model), _expert_offset(shape)
     for local_name, param in model.named_parameters():
-        name = layer_offset_names({local_name: param}, offset, to_global=True).popitem()[0]
+        name = _global_name(local_name, param, offset, e_offset)
         if name not in full:
             raise KeyError(f"no checkpoint tensor for Megatron parameter {name!r}")
+        tp_rank, tp_size, _ = _tp(name)
         part = shard_tp(name, full[name], tp_rank, tp_size)
         if part.shape != param.shape:
             raise ValueError(f"{name}: checkpoint part {tuple(part.shape)} vs parameter {tuple(param.shape)}")
@@ -263,15 +322,16 @@ def export_hf_weights(
     """This PP stage's weights (or, with ``grads``, accumulated gradients: ``.grad``, or the attribute named by a
     string such as ``"main_grad"``) as full (TP-gathered) tensors under HF Qwen3 names, on CPU.
 
-    Every TP rank returns the same dict. With PP > 1 each stage returns its own layers (plus the embedding on the
-    first stage, final norm and untied lm_head on the last); the caller merges stages.
+    Every TP rank returns the same dict, and every EP rank (experts are gathered over the EP group). With PP > 1 each
+    stage returns its own layers (plus the embedding on the first stage, final norm and untied lm_head on the last);
+    the caller merges stages.
     """
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    offset = _layer_offset(model)
+    offset, e_offset = _layer_offset(model), _expert_offset(shape)
+    ep_size = parallel_state.get_expert_model_parallel_world_size() if shape.num_experts else 1
     full: dict[str, torch.Tensor] = {}
     for local_name, param in model.named_parameters():
-        name = layer_offset_names({local_name: param}, offset, to_global=True).popitem()[0]
+        name = _global_name(local_name, param, offset, e_offset)
+        _, tp_size, tp_group = _tp(name)
         if name == "output_layer.weight" and shape.tie_word_embeddings:
             continue
         if grads:
@@ -283,5 +343,14 @@ def export_hf_weights(
             parts = [torch.empty_like(t) for _ in range(tp_size)]
             dist.all_gather(parts, t.contiguous(), group=tp_group)
             t = merge_tp(name, parts)
+        if ep_size > 1 and is_expert_name(name):
+            # EP rank r holds experts r*E/EP + j: gather local expert j from every EP rank (same shapes).
+            parts = [torch.empty_like(t) for _ in range(ep_size)]
+            dist.all_gather(parts, t.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+            local = expert_offset_names({name: t}, e_offset, to_global=False).popitem()[0]
+            for r, part in enumerate(parts):
+                glob = expert_offset_names({local: part}, r * (shape.num_experts // ep_size), to_global=True)
+                full.update({k: v.cpu().clone() for k, v in glob.items()})
+            continue
         full[name] = t.cpu().clone()
     return megatron_to_hf(full, shape)

@@ -16,6 +16,18 @@ follows them: ``input_layernorm.weight`` -> ``self_attention.linear_qkv.layer_no
     model.norm.weight                            decoder.final_layernorm.weight
     lm_head.weight                               output_layer.weight                                   (absent if tied)
 
+Qwen3-MoE layers (``num_experts > 0``; layer i has experts unless ``i in mlp_only_layers`` or ``(i + 1) %
+decoder_sparse_step``) replace the MLP with a router and E experts (HF checkpoint names, as real Qwen3-MoE
+checkpoints and ``save_pretrained`` write them; transformers fuses them in memory only):
+
+    model.layers.i.mlp.gate.weight                     decoder.layers.i.mlp.router.weight                  [E, H]
+    model.layers.i.mlp.experts.e.{gate,up}_proj.weight decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight  (cat[gate, up])
+    model.layers.i.mlp.experts.e.down_proj.weight      decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight
+
+Expert indices e are global in the full dicts here; with expert parallelism (EP) rank r holds experts
+``r * E / EP ... (r + 1) * E / EP - 1`` as local experts 0.. (:func:`expert_offset_names`). The pre-MLP norm of an
+MoE layer is never fused into a linear (``pre_mlp_layernorm.weight`` with either spec).
+
 linear_qkv layout: Megatron splits the fused projection per query group (``get_query_key_value_tensors`` views the
 output as [s, b, ng, (np/ng + 2) * hd]), so rows are interleaved by KV head: for each group g the np/ng query heads
 of g, then k_g, then v_g, each head hd rows. Tensor parallelism shards whole groups, so a contiguous slice of dim 0
@@ -34,7 +46,9 @@ import torch
 
 __all__ = [
     "Qwen3Shape",
+    "expert_offset_names",
     "hf_to_megatron",
+    "is_expert_name",
     "megatron_to_hf",
     "merge_tp",
     "shard_tp",
@@ -57,10 +71,22 @@ class Qwen3Shape:
     """Per-head width D (Qwen3 sets it explicitly; not always H / heads)."""
     tie_word_embeddings: bool
     """Whether lm_head shares the embedding matrix."""
+    num_experts: int = 0
+    """Experts per MoE layer (0: a dense Qwen3)."""
+    moe_layers: tuple[int, ...] = ()
+    """Indices of the layers with experts (Qwen3-MoE)."""
 
     @classmethod
     def from_hf_config(cls, cfg) -> Qwen3Shape:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        experts = int(getattr(cfg, "num_experts", 0) or 0)
+        skip = set(getattr(cfg, "mlp_only_layers", None) or ())
+        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+        moe_layers = (
+            tuple(i for i in range(cfg.num_hidden_layers) if i not in skip and (i + 1) % step == 0)
+            if experts
+            else ()
+        )
         return cls(
             num_layers=cfg.num_hidden_layers,
             hidden_size=cfg.hidden_size,
@@ -68,6 +94,8 @@ class Qwen3Shape:
             num_key_value_heads=cfg.num_key_value_heads,
             head_dim=head_dim,
             tie_word_embeddings=bool(cfg.tie_word_embeddings),
+            num_experts=experts,
+            moe_layers=moe_layers,
         )
 
     @property
@@ -91,6 +119,7 @@ _TE_NORM_NAMES = {
 }
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MG_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MG_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 
 def fuse_qkv(
@@ -130,8 +159,11 @@ def hf_to_megatron(
     out["embedding.word_embeddings.weight"] = take("model.embed_tokens.weight")
     for i in range(shape.num_layers):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
+        moe = i in shape.moe_layers
         for hf_suffix, mg_suffix in _LAYER_DIRECT.items():
-            if te_norm_names:
+            if moe and hf_suffix == "mlp.down_proj.weight":
+                continue
+            if te_norm_names and not (moe and mg_suffix == "pre_mlp_layernorm.weight"):
                 mg_suffix = _TE_NORM_NAMES.get(mg_suffix, mg_suffix)
             out[mp + mg_suffix] = take(hp + hf_suffix)
         out[mp + "self_attention.linear_qkv.weight"] = fuse_qkv(
@@ -140,6 +172,15 @@ def hf_to_megatron(
             take(hp + "self_attn.v_proj.weight"),
             shape,
         )
+        if moe:
+            out[mp + "mlp.router.weight"] = take(hp + "mlp.gate.weight")
+            for e in range(shape.num_experts):
+                he, me = f"{hp}mlp.experts.{e}.", f"{mp}mlp.experts.local_experts.{e}."
+                out[me + "linear_fc1.weight"] = torch.cat(
+                    [take(he + "gate_proj.weight"), take(he + "up_proj.weight")], dim=0
+                )
+                out[me + "linear_fc2.weight"] = take(he + "down_proj.weight")
+            continue
         out[mp + "mlp.linear_fc1.weight"] = torch.cat(
             [take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")], dim=0
         )
@@ -177,6 +218,14 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], shape: Qwen3Shape) -> dict[str, 
             gate, up = torch.chunk(t, 2, dim=0)
             hp = f"model.layers.{m.group(1)}.mlp."
             out[hp + "gate_proj.weight"], out[hp + "up_proj.weight"] = gate, up
+        elif m and m.group(2) == "mlp.router.weight":
+            out[f"model.layers.{m.group(1)}.mlp.gate.weight"] = t
+        elif m and (x := _MG_EXPERT.match(m.group(2))):
+            he = f"model.layers.{m.group(1)}.mlp.experts.{x.group(1)}."
+            if x.group(2) == "linear_fc1":
+                out[he + "gate_proj.weight"], out[he + "up_proj.weight"] = torch.chunk(t, 2, dim=0)
+            else:
+                out[he + "down_proj.weight"] = t
         elif m and m.group(2) in inverse:
             out[f"model.layers.{m.group(1)}.{inverse[m.group(2)]}"] = t
         else:
@@ -188,8 +237,10 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], shape: Qwen3Shape) -> dict[str, 
 
 
 def _tp_kind(name: str) -> str:
-    """'column' (split dim 0), 'row' (split dim 1), 'fc1' (split gate and up separately) or 'replicated'."""
-    if name.endswith("mlp.linear_fc1.weight"):
+    """'column' (split dim 0), 'row' (split dim 1), 'fc1' (split gate and up separately) or 'replicated'.
+    Experts split like the dense MLP (over the expert-TP group, megatron's default: the TP group); the router is
+    replicated."""
+    if name.endswith("linear_fc1.weight"):
         return "fc1"
     if name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
         return "column"
@@ -237,6 +288,31 @@ def layer_offset_names(
         m = _MG_LAYER.match(name)
         out[f"decoder.layers.{int(m.group(1)) + sign * offset}.{m.group(2)}" if m else name] = t
     return out
+
+
+def expert_offset_names(
+    mg: dict[str, torch.Tensor], offset: int, *, to_global: bool
+) -> dict[str, torch.Tensor]:
+    """Renumber experts between an EP rank's local numbering (0..E/EP-1) and the global one (``offset`` = EP rank
+    x E/EP)."""
+    sign = 1 if to_global else -1
+    out = {}
+    for name, t in mg.items():
+        m = _MG_LAYER.match(name)
+        x = _MG_EXPERT.match(m.group(2)) if m else None
+        if x:
+            name = (
+                f"decoder.layers.{m.group(1)}.mlp.experts.local_experts."
+                f"{int(x.group(1)) + sign * offset}.{x.group(2)}.weight"
+            )
+        out[name] = t
+    return out
+
+
+def is_expert_name(name: str) -> bool:
+    """A Megatron name of an expert's weight (held by one EP rank only)."""
+    m = _MG_LAYER.match(name)
+    return bool(m and _MG_EXPERT.match(m.group(2)))
 
 
 def hf_layer_index(name: str) -> int | None:
