@@ -248,17 +248,12 @@ class ControlChannel:
     def client(self) -> Any:
         return self._store(is_master=False)
 
-    def _get(self, store: Any, key: str, poll_s: float = 30.0) -> bytes:
+    def _get(self, store: Any, key: str) -> bytes:
         """Block until ``key`` exists (a reader may wait through a long pause), at most ``timeout_s``."""
-        waited = 0.0
-        while True:
-            try:
-                store.wait([key], datetime.timedelta(seconds=poll_s))
-                return store.get(key)
-            except dist.DistStoreError:
-                waited += poll_s
-                if waited >= self.timeout_s:
-                    raise TimeoutError(f"control channel: no {key!r} after {waited:.0f} s") from None
+        try:
+            return store.get(key)
+        except dist.DistStoreError as exc:
+            raise TimeoutError(f"control channel: no {key!r} within {self.timeout_s:.0f} s") from exc
 
     def publish(self, seq: int, token: dict) -> None:
         self.store.set(f"t/{seq}", json.dumps(token))
