@@ -51,6 +51,7 @@ from gyre_train.megatron.model import (
     load_hf_weights,
     read_hf_state_dict,
 )
+from gyre_train.megatron.thd import cp_assemble, cp_partition
 from gyre_train.types import IGNORE_LABEL, TokenStats
 
 from megatron.core import parallel_state, tensor_parallel  # isort: skip  (after model.py applied compat)
@@ -58,7 +59,17 @@ from megatron.core.packed_seq_params import PackedSeqParams  # isort: skip
 from megatron.core.pipeline_parallel import get_forward_backward_func  # isort: skip
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_DDP_HINT = "the bf16 path keeps gradients in megatron's fp32 main-grad buffers"
+
+
+@dataclass
+class _Prepared:
+    """One shard made ready for the model: its keyword arguments, the labels of the tokens this rank holds, the
+    shard's token count, and with CP every rank's positions (``cp_partition``)."""
+
+    kwargs: dict[str, Any]
+    labels: torch.Tensor
+    num_tokens: int
+    cp_parts: list[torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +105,13 @@ class MegatronBackend:
     def __init__(self, cfg: MegatronBackendConfig) -> None:
         self.cfg = cfg
         hf_config(cfg.model_path)  # refuse a bad checkpoint before touching process groups
+        if cfg.parallel.context_parallel > 1 and (
+            cfg.parallel.resolved_spec() != "te" or cfg.params_dtype == "float32"
+        ):
+            raise ValueError(
+                "context_parallel > 1 needs the Transformer Engine layer spec (THD attention across CP ranks) "
+                "and params_dtype='bfloat16' (megatron DDP sums the CP ranks' gradients)"
+            )
         self._owned = init_model_parallel(cfg.parallel, seed=cfg.seed)
         try:
             self.model, self.shape = build_gpt_model(cfg.model_path, cfg.parallel, _DTYPES[cfg.params_dtype])
@@ -102,6 +120,7 @@ class MegatronBackend:
             destroy_model_parallel(*self._owned)  # leave no half-initialized global state behind
             raise
         self.thd = cfg.parallel.resolved_spec() == "te"
+        self.cp = cfg.parallel.context_parallel
         self.device = next(self.model.parameters()).device
         self._params = [p for _, p in self.model.named_parameters()]
         self.mixed = cfg.params_dtype != "float32"
@@ -166,11 +185,14 @@ class MegatronBackend:
 
     # --- one micro-batch through megatron's schedule -----------------------------------------------------------
 
-    def _inputs(self, batch: PackedTensors) -> dict[str, Any]:
+    def _inputs(self, batch: PackedTensors) -> _Prepared:
+        """The model's keyword arguments for one shard, and what ``shard_logprobs`` needs to read its output."""
         t = batch.num_tokens
         ids_1T = batch.input_ids.to(self.device)[None]
         pos_1T = batch.position_ids.to(self.device)[None]
         if self.thd:
+            if self.cp > 1:
+                return self._cp_inputs(batch)
             cu_R1 = batch.cu_seqlens.to(device=self.device, dtype=torch.int32)
             max_len = int((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).max())
             psp = PackedSeqParams(
@@ -180,12 +202,13 @@ class MegatronBackend:
                 max_seqlen_q=max_len,
                 max_seqlen_kv=max_len,
             )
-            return {
+            kwargs = {
                 "input_ids": ids_1T,
                 "position_ids": pos_1T,
                 "attention_mask": None,
                 "packed_seq_params": psp,
             }
+            return _Prepared(kwargs, batch.labels, t)
         # Block-diagonal causal mask, True = masked: key k is visible to query q iff same row and k <= q.
         row_T = torch.repeat_interleave(
             torch.arange(len(batch.cu_seqlens) - 1), batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
@@ -193,7 +216,31 @@ class MegatronBackend:
         idx_T = torch.arange(t)
         visible_TT = (row_T[:, None] == row_T[None, :]) & (idx_T[None, :] <= idx_T[:, None])
         mask_11TT = (~visible_TT)[None, None].to(self.device)
-        return {"input_ids": ids_1T, "position_ids": pos_1T, "attention_mask": mask_11TT}
+        kwargs = {"input_ids": ids_1T, "position_ids": pos_1T, "attention_mask": mask_11TT}
+        return _Prepared(kwargs, batch.labels, t)
+
+    def _cp_inputs(self, batch: PackedTensors) -> _Prepared:
+        """THD with context parallelism: this CP rank's zigzag share of every row (``gyre_train.megatron.thd``),
+        rows padded to a multiple of 2 x CP, attention over the padded boundaries."""
+        cu = batch.cu_seqlens.tolist()
+        parts = [torch.tensor(cp_partition(cu, self.cp, c)[0], dtype=torch.long) for c in range(self.cp)]
+        cu_padded = torch.tensor(cp_partition(cu, self.cp, 0)[1], dtype=torch.int32, device=self.device)
+        own = parts[parallel_state.get_context_parallel_rank()]
+        valid = own >= 0
+        ids = torch.where(valid, batch.input_ids[own.clamp(min=0)], torch.zeros_like(own))
+        labels = torch.where(valid, batch.labels[own.clamp(min=0)], torch.full_like(own, IGNORE_LABEL))
+        max_len = int((cu_padded[1:] - cu_padded[:-1]).max())
+        psp = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu_padded, cu_seqlens_kv=cu_padded, cu_seqlens_q_padded=cu_padded,
+            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max_len, max_seqlen_kv=max_len,
+        )  # fmt: skip
+        kwargs = {
+            "input_ids": ids.to(self.device)[None],
+            "position_ids": None,  # RoPE positions come from the padded boundaries
+            "attention_mask": None,
+            "packed_seq_params": psp,
+        }
+        return _Prepared(kwargs, labels, batch.num_tokens, cp_parts=parts)
 
     def _token_logprobs(
         self, logits_1TV: torch.Tensor, labels_T: torch.Tensor, temperature: float
@@ -205,12 +252,24 @@ class MegatronBackend:
         nll_T1 = tensor_parallel.vocab_parallel_cross_entropy(logits_T1V, labels_T.clamp(min=0)[:, None])
         return torch.where(ignore_T, torch.zeros_like(nll_T1[:, 0]), -nll_T1[:, 0])
 
+    def shard_logprobs(self, output_1TV: torch.Tensor, prep: _Prepared, temperature: float) -> torch.Tensor:
+        """The shard's l_T [T] from the last stage's output. With CP every rank returns all T values (the other
+        ranks' are gathered, detached): the GSPO loss and its statistics need every token of an execution, and the
+        gradient flows through this rank's own tokens only, so the CP ranks' gradients sum to the whole one."""
+        l_local = self._token_logprobs(output_1TV, prep.labels, temperature)
+        if prep.cp_parts is None:
+            return l_local
+        got = [torch.empty_like(l_local) for _ in prep.cp_parts]
+        dist.all_gather(got, l_local.detach().contiguous(), group=parallel_state.get_context_parallel_group())
+        rank = parallel_state.get_context_parallel_rank()
+        return cp_assemble(l_local, got, prep.cp_parts, rank, prep.num_tokens)
+
     def _run(self, batch: PackedTensors, temperature: float, loss_fn: LossFn | None) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        inputs = self._inputs(batch)
+        prep = self._inputs(batch)
 
         def loss_func(output_1TV: torch.Tensor):
-            l_T = self._token_logprobs(output_1TV, batch.labels, temperature)
+            l_T = self.shard_logprobs(output_1TV, prep, temperature)
             out["logprobs"] = l_T.detach()
             if loss_fn is None:
                 return l_T.sum() * 0.0, torch.tensor(1, dtype=torch.int), {}
@@ -222,7 +281,7 @@ class MegatronBackend:
 
         def forward_step(data_iterator, model):
             next(data_iterator)
-            return model(**inputs), loss_func
+            return model(**prep.kwargs), loss_func
 
         get_forward_backward_func()(
             forward_step_func=forward_step,

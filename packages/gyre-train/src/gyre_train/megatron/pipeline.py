@@ -521,12 +521,11 @@ class StreamingPipeline:
         the log-probs' partial sums (pre-pass). Returns (output tensors, result payload)."""
         ms = item.microstep
         shard = ms.shards[self.dp_rank]
-        packed = PackedTensors.from_shard(shard)
-        inputs = self.backend._inputs(packed)
+        prep = self.backend._inputs(PackedTensors.from_shard(shard))
         out: dict = {}
 
         def loss_func(output: torch.Tensor):
-            l_T = self.backend._token_logprobs(output, packed.labels, ms.temperature)
+            l_T = self.backend.shard_logprobs(output, prep, ms.temperature)
             one = torch.tensor(1, dtype=torch.int)
             if not train:
                 sums, counts = prepass_partials(shard, l_T.detach().cpu(), len(ms.executions))
@@ -539,7 +538,7 @@ class StreamingPipeline:
             return loss, one, {}
 
         def forward_step_func(data_iterator, model):
-            return model(**inputs), loss_func
+            return model(**prep.kwargs), loss_func
 
         output, _ = schedules.forward_step(
             forward_step_func, None, self.backend.chunk, 1, input_tensor, [], self.config, self._cp_size,
@@ -560,11 +559,11 @@ class StreamingPipeline:
         """``per_microstep`` mode: one megatron schedule call per micro-step (a fill and a drain each)."""
         ms = item.microstep
         packed = PackedTensors.from_shard(ms.shards[self.dp_rank])
-        inputs = self.backend._inputs(packed)
+        prep = self.backend._inputs(packed)
         out: dict = {}
 
         def loss_func(output: torch.Tensor):
-            l_T = self.backend._token_logprobs(output, packed.labels, ms.temperature)
+            l_T = self.backend.shard_logprobs(output, prep, ms.temperature)
             loss_fn = make_loss_fn(ms, self.dp_rank, self.loss, dtype=torch.float64)
             loss, stats = loss_fn(l_T.cpu())
             out.update(kind="train", stats=stats.model_dump(mode="json"),
@@ -572,7 +571,7 @@ class StreamingPipeline:
             return loss, torch.tensor(1, dtype=torch.int), {}
 
         def forward_step_func(data_iterator, model):
-            return model(**inputs), loss_func
+            return model(**prep.kwargs), loss_func
 
         self.chunk_train()
         get_forward_backward_func()(
