@@ -1,11 +1,22 @@
-"""Paper preset (NL2RepoBench, 8 cells x 4 nodes, N=16, B=32) at E[d] = 1.0 and 1.5: Elastic's end-to-end speedup
-over Async and Colocate after 48 steps, against the paper's 1.42-1.53x (Async) and 1.36-1.47x (Colocate); plus the
-wall time of simulating 48 steps of the preset on one core (target < 30 s).
+"""The paper's comparison on the simulator, at matched E[d] = 1.0 and 1.5 (48 steps of the nl2repo preset), plus the
+2.4T preset, the ideal bound and the adaptive planner. Every number is simulated in this run, on the same executions
+(same seed) for every policy of a target.
 
-Async is reported twice: with the preset's split (2 training cells) and with the best split in 1..4 found in the same
-run, because the paper does not say which split its Async baseline used and the answer depends on it.
+Per target E[d] it reports:
+- Elastic (phi = 0.5, mu = 2E; the paper's setting at 1.5) and its speedup over the best non-streaming Async split,
+  the best streaming Async split (1..4 training cells, mu = 1, phi = E) and Colocate (phi = 0, mu = 2E + 1, streaming;
+  also without streaming);
+- the ideal bound of the same setting (``gyre_sched.bound``: unlimited capacity, free training: only dispatch's tail
+  is left) and Elastic / bound; also Elastic with the tail-aware mechanisms (idle spares, hangs ended by a stall
+  watchdog 30 min after they stop calling the model) over its own bound (the same watchdog);
+- the adaptive planner (target E) against the best fixed Elastic (phi, mu, k_spare) whose realized staleness is no
+  higher than the planner's (fixed settings swept at E - 0.25, E, E + 0.25 where they exist);
+and the 2.4T preset's Elastic / Async / Colocate hours at E[d] = 1.5 (paper: 75.42 / 134.55 / 91.47 h).
 
     uv run python bench/sched_paper.py [--quick]
+
+The last line is one JSON object. Goals (issue 18): Elastic within 1.10x of the bound at both targets; the planner at
+least 1.1x faster than the best fixed setting at equal realized staleness.
 """
 
 from __future__ import annotations
@@ -13,67 +24,145 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
-from gyre_sched.presets import NL2REPO, compare_configs, deep_merge
-from gyre_sched.sim import Simulator
+from gyre_sched.bound import ideal_bound
+from gyre_sched.config import SimConfig
+from gyre_sched.presets import NL2REPO, NL2REPO_2_4T, deep_merge
+from gyre_sched.sim import SimResult, Simulator
 
-PAPER = {"async": (1.42, 1.53), "colocate": (1.36, 1.47)}
-ELASTIC_MU = {1.0: 2, 1.5: 3}  # Gyre at E[d]=1.5 uses mu=3, phi=0.5 (DESIGN §9); at 1.0 we use mu=2, phi=0.5
+PAPER = {"async": (1.42, 1.53), "colocate": (1.36, 1.47), "2.4t_h": {"elastic": 75.42, "async": 134.55,
+                                                                    "colocate": 91.47}}  # fmt: skip
+TAIL = {"policy": {"spares": "idle"}, "workload": {"exclusion_known": "stall", "stall_detect_s": 1800.0}}
 
 
-def run(target: float, steps: int, splits: list[int]) -> dict:
-    raw = deep_merge(NL2REPO, {"steps": steps, "compare": {"staleness": target,
-                                                           "mu": {"elastic": ELASTIC_MU[target], "async": 1}}})  # fmt: skip
-    _, cfgs = compare_configs(raw)
-    res = {k: Simulator(c).run() for k, c in cfgs.items()}
-    el = res["elastic"]
-    row = {
-        "elastic_h": round(el.end_time_s / 3600, 2),
-        "elastic_sim_wall_s": round(el.wall_s, 2),
-        "async_h": round(res["async"].end_time_s / 3600, 2),
-        "colocate_h": round(res["colocate"].end_time_s / 3600, 2),
-        "speedup_vs_async": round(res["async"].end_time_s / el.end_time_s, 3),
-        "speedup_vs_colocate": round(res["colocate"].end_time_s / el.end_time_s, 3),
-        "staleness": {k: round(r.mean_staleness_steady, 3) for k, r in res.items()},
-    }
-    best = (cfgs["async"].policy.async_train_cells, res["async"].end_time_s)
-    for a in splits:
-        cfg = cfgs["async"].model_copy(deep=True)
-        cfg.policy.async_train_cells = a
-        t = Simulator(cfg).run().end_time_s
-        if t < best[1]:
-            best = (a, t)
-    row["best_async_split"] = best[0]
-    row["speedup_vs_best_async"] = round(best[1] / el.end_time_s, 3)
+def cfg_of(base: dict[str, Any], steps: int, *extra: dict[str, Any], **over: Any) -> SimConfig:
+    raw = deep_merge(deep_merge(base, {"steps": steps}), over)
+    for e in extra:
+        raw = deep_merge(raw, e)
+    return SimConfig.model_validate(raw)
+
+
+def hours(r: SimResult) -> float:
+    return r.end_time_s / 3600
+
+
+def run_target(E: float, steps: int, quick: bool, log) -> dict[str, Any]:
+    mu_el = round(2 * E)
+    elastic_pol = {"kind": "elastic", "phi": E - (mu_el - 1) / 2, "mu": mu_el}
+    t0 = time.perf_counter()
+    el_cfg = cfg_of(NL2REPO, steps, policy=elastic_pol)
+    el = Simulator(el_cfg).run()
+    wall = time.perf_counter() - t0
+    row: dict[str, Any] = {"elastic_h": hours(el), "elastic_staleness": el.mean_staleness, "sim_wall_s": wall}
+    # Async: every split, with and without streaming
+    best = {}
+    for streaming in (False, True):
+        times = {}
+        for a in [2] if quick else [1, 2, 3, 4]:
+            r = Simulator(cfg_of(NL2REPO, steps, policy={"kind": "async", "phi": E, "mu": 1, "async_train_cells": a,
+                                                         "streaming": streaming})).run()  # fmt: skip
+            times[a] = hours(r)
+        a = min(times, key=times.__getitem__)
+        best[streaming] = (a, times[a])
+        row[f"async_{'streaming' if streaming else 'plain'}_h"] = times
+    row["best_async_plain"], row["best_async_streaming"] = best[False], best[True]
+    for streaming in (True, False):
+        r = Simulator(cfg_of(NL2REPO, steps, policy={"kind": "colocate", "phi": 0.0, "mu": round(2 * E + 1),
+                                                     "streaming": streaming})).run()  # fmt: skip
+        row[f"colocate_{'streaming' if streaming else 'plain'}_h"] = hours(r)
+    row["speedup_vs_best_async_plain"] = best[False][1] / row["elastic_h"]
+    row["speedup_vs_best_async_streaming"] = best[True][1] / row["elastic_h"]
+    row["speedup_vs_colocate"] = row["colocate_streaming_h"] / row["elastic_h"]
+    row["speedup_vs_colocate_plain"] = row["colocate_plain_h"] / row["elastic_h"]
+    # the ideal bound of the same setting, and the tail-aware Elastic over its own bound
+    row["bound_h"] = hours(ideal_bound(el_cfg))
+    row["elastic_over_bound"] = row["elastic_h"] / row["bound_h"]
+    tail_cfg = cfg_of(NL2REPO, steps, TAIL, policy=elastic_pol)
+    row["elastic_tail_h"] = hours(Simulator(tail_cfg).run())
+    row["bound_tail_h"] = hours(ideal_bound(tail_cfg))
+    row["elastic_tail_over_bound"] = row["elastic_tail_h"] / row["bound_tail_h"]
+    log(f"E[d]={E}: elastic {row['elastic_h']:.1f} h, bound {row['bound_h']:.1f} h ({row['elastic_over_bound']:.3f}x); "
+        f"best async plain {best[False][1]:.1f} h ({best[False][0]} cells), streaming {best[True][1]:.1f} h "
+        f"({best[True][0]}); colocate {row['colocate_streaming_h']:.1f} h (plain {row['colocate_plain_h']:.1f})")  # fmt: skip
+    # the adaptive planner against the best fixed setting at no higher realized staleness
+    plan = Simulator(cfg_of(NL2REPO, steps, policy={**elastic_pol, "planner": "adaptive",
+                                                    "target_staleness": E})).run()  # fmt: skip
+    fixed = []
+    for target in (E,) if quick else (E - 0.25, E, E + 0.25):
+        for mu in range(1, int(2 * target + 1 + 1e-9) + 1):
+            phi = target - (mu - 1) / 2
+            if phi < 0 or abs(phi * 32 - round(phi * 32)) > 1e-9:
+                continue
+            for k in (0, 1):
+                r = Simulator(cfg_of(NL2REPO, steps, policy={"kind": "elastic", "phi": phi, "mu": mu,
+                                                             "k_spare": k})).run()  # fmt: skip
+                fixed.append(
+                    {"phi": phi, "mu": mu, "k_spare": k, "h": hours(r), "staleness": r.mean_staleness}
+                )
+    ok = [f for f in fixed if f["staleness"] <= plan.mean_staleness + 0.005]
+    best_fixed = min(ok, key=lambda f: f["h"]) if ok else None
+    row["planner_h"], row["planner_staleness"] = hours(plan), plan.mean_staleness
+    row["planner_staleness_steady"] = plan.mean_staleness_steady
+    row["best_fixed"] = best_fixed
+    row["planner_speedup_vs_best_fixed"] = best_fixed["h"] / hours(plan) if best_fixed else None
+    log(f"E[d]={E}: planner {row['planner_h']:.1f} h at realized staleness {plan.mean_staleness:.3f} (steady "
+        f"{plan.mean_staleness_steady:.3f}); best fixed at no higher staleness {best_fixed}")  # fmt: skip
     return row
+
+
+def run_2_4t(steps: int) -> dict[str, float]:
+    out = {}
+    for kind, pol in (("elastic", {"phi": 0.5, "mu": 3}), ("async", {"phi": 1.5, "mu": 1}),
+                      ("colocate", {"phi": 0.0, "mu": 4})):  # fmt: skip
+        out[kind] = hours(Simulator(cfg_of(NL2REPO_2_4T, steps, policy={"kind": kind, **pol})).run())
+    out["elastic_tail"] = hours(
+        Simulator(cfg_of(NL2REPO_2_4T, steps, TAIL, policy={"phi": 0.5, "mu": 3})).run()
+    )
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="12 steps, preset Async split only")
+    ap.add_argument(
+        "--quick", action="store_true", help="12 steps, one Async split, fixed settings at E only"
+    )
     args = ap.parse_args(argv)
     steps = 12 if args.quick else 48
-    splits = [] if args.quick else [1, 3, 4]  # the preset's split (2) is the main Async run
     t0 = time.perf_counter()
     rows = {}
-    for target in (1.0, 1.5):
-        rows[target] = run(target, steps, splits)
-        print(f"E[d]={target}: {json.dumps(rows[target])}", flush=True)
-    out = {
-        "bench": "sched_paper",
-        "steps": steps,
-        "speedup_vs_async_1.0": rows[1.0]["speedup_vs_async"],
-        "speedup_vs_async_1.5": rows[1.5]["speedup_vs_async"],
-        "speedup_vs_colocate_1.0": rows[1.0]["speedup_vs_colocate"],
-        "speedup_vs_colocate_1.5": rows[1.5]["speedup_vs_colocate"],
-        "speedup_vs_best_async_1.0": rows[1.0]["speedup_vs_best_async"],
-        "speedup_vs_best_async_1.5": rows[1.5]["speedup_vs_best_async"],
-        "paper_speedup_vs_async": list(PAPER["async"]),
-        "paper_speedup_vs_colocate": list(PAPER["colocate"]),
-        "sim_wall_s": rows[1.5]["elastic_sim_wall_s"],
-        "sim_wall_limit_s": 30.0,
+    for E in (1.0, 1.5):
+        rows[E] = run_target(E, steps, args.quick, lambda s: print(s, flush=True))
+        print(f"E[d]={E}: {json.dumps(rows[E], default=str)}", flush=True)
+    t24 = run_2_4t(steps)
+    print(
+        f"2.4T (E[d]=1.5): {json.dumps({k: round(v, 2) for k, v in t24.items()})} (paper {PAPER['2.4t_h']})"
+    )
+
+    def r3(x: float | None) -> float | None:
+        return None if x is None else round(x, 3)
+
+    out: dict[str, Any] = {"bench": "sched_paper", "steps": steps}
+    for E, row in rows.items():
+        out |= {
+            f"elastic_h_{E}": r3(row["elastic_h"]),
+            f"speedup_vs_best_async_plain_{E}": r3(row["speedup_vs_best_async_plain"]),
+            f"speedup_vs_best_async_streaming_{E}": r3(row["speedup_vs_best_async_streaming"]),
+            f"speedup_vs_colocate_{E}": r3(row["speedup_vs_colocate"]),
+            f"bound_h_{E}": r3(row["bound_h"]),
+            f"elastic_over_bound_{E}": r3(row["elastic_over_bound"]),
+            f"elastic_tail_over_bound_{E}": r3(row["elastic_tail_over_bound"]),
+            f"planner_speedup_vs_best_fixed_{E}": r3(row["planner_speedup_vs_best_fixed"]),
+            f"planner_staleness_{E}": r3(row["planner_staleness"]),
+        }
+    out |= {
+        "t24_elastic_h": r3(t24["elastic"]), "t24_async_h": r3(t24["async"]), "t24_colocate_h": r3(t24["colocate"]),
+        "t24_elastic_tail_h": r3(t24["elastic_tail"]), "paper_t24_h": PAPER["2.4t_h"],
+        "paper_speedup_vs_async": list(PAPER["async"]), "paper_speedup_vs_colocate": list(PAPER["colocate"]),
+        "goal_elastic_over_bound_max": 1.10, "goal_planner_speedup_min": 1.10,
+        "sim_wall_s": r3(rows[1.5]["sim_wall_s"]), "sim_wall_limit_s": 30.0,
         "total_wall_s": round(time.perf_counter() - t0, 1),
-    }
+    }  # fmt: skip
     print(json.dumps(out))
 
 
