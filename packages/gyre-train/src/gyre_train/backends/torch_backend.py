@@ -143,3 +143,13 @@ class TorchBackend:
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+
+    # --- publication (the same two calls on every backend) ---------------------------------------------------
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under Hugging Face names: what rollout engines load."""
+        return self.model.state_dict()
+
+    def save_hf_pretrained(self, out_dir: str) -> None:
+        """A checkpoint transformers and SGLang load (``save_pretrained``)."""
+        self.model.save_pretrained(out_dir)

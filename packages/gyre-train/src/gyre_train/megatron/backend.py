@@ -512,6 +512,11 @@ class MegatronBackend:
         """Current weights under HF Qwen3 names (full tensors, CPU): what rollout engines load."""
         return export_hf_weights(self.model, self.shape)
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under HF names (the publication interface shared with the torch backend). With PP > 1 this
+        stage's tensors only."""
+        return self.export_hf_weights()
+
     def export_hf_grads(self) -> dict[str, torch.Tensor]:
         """Accumulated gradients under HF Qwen3 names (for comparisons with the torch backend; on the bf16 path
         the fp32 main grads, raw unless :meth:`finalize_grads` ran)."""
