@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gyre_cell.transfer.mooncake import MooncakeConfig
 from gyre_sched.config import PolicyConfig, PolicyParams
+from gyre_train.backends import check_backend
 from gyre_train.loss import LossConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config"]
@@ -81,6 +82,25 @@ class TrainConfig(_Section):
     hold_core_for_join: int | None = None
     """Test gate: before its second micro-step of a batch the core waits (at most 30 s) for this satellite to
     join, until it has joined once; makes a mid-batch join certain in short runs."""
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training backend of every cell: Hugging Face torch, or megatron-core (`gyre-train[megatron]`)."""
+    tensor_parallel: int = Field(1, ge=1)
+    """TP inside a cell (megatron). A `gyre run` cell is one process: all four sizes stay 1 there."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """PP inside a cell (megatron; one continuous 1F1B per cell, see gyre_train.megatron.pipeline)."""
+    context_parallel: int = Field(1, ge=1)
+    """CP inside a cell (megatron, Transformer Engine spec, bf16)."""
+    expert_parallel: int = Field(1, ge=1)
+    """EP inside a cell (megatron, Qwen3-MoE checkpoints)."""
+
+    @model_validator(mode="after")
+    def _backend(self) -> TrainConfig:
+        check_backend(
+            self.backend, dtype=self.dtype, tensor_parallel=self.tensor_parallel,
+            pipeline_parallel=self.pipeline_parallel, context_parallel=self.context_parallel,
+            expert_parallel=self.expert_parallel, one_process_cells=True, prefix="train.",
+        )  # fmt: skip
+        return self
 
 
 class WeightsConfig(_Section):

@@ -67,7 +67,9 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
                 max_grad_norm=t.max_grad_norm, tokens_per_shard=t.tokens_per_shard,
                 temperature=cfg.model.temperature, loss=t.loss, master_port=master, coordinator_port=coordinator,
                 claim_timeout_s=t.claim_timeout_s, snapshot=cfg.weights.snapshot, dump_batches=t.dump_batches,
-                hold_core_for_join=t.hold_core_for_join,
+                hold_core_for_join=t.hold_core_for_join, backend=t.backend, tensor_parallel=t.tensor_parallel,
+                pipeline_parallel=t.pipeline_parallel, context_parallel=t.context_parallel,
+                expert_parallel=t.expert_parallel,
             )  # fmt: skip
         out.append(
             CellWorkerConfig(

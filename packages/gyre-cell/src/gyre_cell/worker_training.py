@@ -21,7 +21,7 @@ import torch
 from gyre_cell.roles import TorchTrainingState
 from gyre_cell.transfer.publisher import WeightPublisher
 from gyre_cell.worker_types import CellWorkerConfig, PublishedWeights
-from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
+from gyre_train.backends import build_backend
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
 from gyre_train.checkpoint import save_checkpoint
@@ -64,10 +64,19 @@ class CellTraining:
         self.cfg, self.emit = cfg, emit
         t = cfg.training
         self.is_core = cfg.cell == 0
-        backend_cfg = TorchBackendConfig(
-            model_path=cfg.engine.model_path, dtype=t.dtype, lr=t.lr, optimizer=self.is_core
-        )
-        self.backend = TorchBackend(backend_cfg)
+        mc = MultiCellConfig(
+            num_cells=cfg.num_cells, master_port=t.master_port, control_port=t.coordinator_port,
+            snapshot_dir=str(Path(cfg.run_dir) / "snapshots"), steps_per_burst=t.steps_per_burst,
+            host=t.master_host or cfg.host, claim_timeout_s=t.claim_timeout_s, starve_timeout_s=float("inf"),
+        )  # fmt: skip
+        # gloo rendezvous of all K cells, prefix groups built once; before the backend, because a megatron
+        # backend builds its groups over this world (collectively, every cell at this point).
+        self.groups = init_cell_process(mc, cfg.cell)
+        self.backend = build_backend(
+            t.backend, model_path=cfg.engine.model_path, dtype=t.dtype, lr=t.lr, optimizer=self.is_core,
+            tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
+            context_parallel=t.context_parallel, expert_parallel=t.expert_parallel,
+        )  # fmt: skip
         self.state = TorchTrainingState(self.backend.model, self.backend.optimizer)
         self.worker = CellWorker(cfg.cell, self.backend, t.loss)
         self.version = 0
@@ -75,18 +84,10 @@ class CellTraining:
         self.published = PublishedWeights(version=0, path=cfg.engine.model_path)
         if self.is_core and cfg.weights == "mooncake":
             # Layout fixed now, from the initial model (version 0); refreshed in place at each publication.
-            self.publisher = WeightPublisher(self.backend.model, version=0, config=cfg.mooncake)
+            self.publisher = WeightPublisher(self.backend.hf_state_dict(), version=0, config=cfg.mooncake)
             url = self.publisher.serve_manifest(cfg.host)
             self.published = PublishedWeights(version=0, manifest_url=url, path=cfg.engine.model_path)
         self.state.offload_blocking()  # every cell starts in rollout: the engine has the memory
-        mc = MultiCellConfig(
-            num_cells=cfg.num_cells, master_port=t.master_port, control_port=t.coordinator_port,
-            snapshot_dir=str(Path(cfg.run_dir) / "snapshots"), steps_per_burst=t.steps_per_burst,
-            host=t.master_host or cfg.host, claim_timeout_s=t.claim_timeout_s, starve_timeout_s=float("inf"),
-        )  # fmt: skip
-        self.groups = init_cell_process(
-            mc, cfg.cell
-        )  # gloo rendezvous of all K cells, prefix groups built once
         self.snapshots = _snapshot_channel(cfg)
         self.abort = threading.Event()
         self.leave = threading.Event()
@@ -184,7 +185,7 @@ class CellTraining:
         path = None
         with self._resident():
             if self.publisher is not None:
-                self.publisher.publish(self.backend.model, version=version)
+                self.publisher.publish(self.backend.hf_state_dict(), version=version)
             if save or self.publisher is None:
                 path = str(self._save_hf(version))
         self.published = PublishedWeights(
@@ -197,7 +198,7 @@ class CellTraining:
 
     def _save_hf(self, version: int) -> Path:
         out = Path(self.cfg.run_dir) / "checkpoints" / f"policy-v{version}"
-        self.backend.model.save_pretrained(out)
+        self.backend.save_hf_pretrained(out)
         src = Path(self.cfg.engine.model_path)
         for name in _TOKENIZER_FILES:
             if (src / name).exists():

@@ -78,6 +78,13 @@ class CellTrainingConfig(_Wire):
     """Test gate: before its second micro-step of a batch the core waits (at most hold_timeout_s) for this
     satellite to join, until it has joined once; makes a mid-batch join certain in short runs."""
     hold_timeout_s: float = Field(30.0, gt=0)
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training backend (gyre_train.backends.build_backend)."""
+    tensor_parallel: int = Field(1, ge=1)
+    pipeline_parallel: int = Field(1, ge=1)
+    context_parallel: int = Field(1, ge=1)
+    expert_parallel: int = Field(1, ge=1)
+    """Parallel sizes inside the cell (megatron; 1 for a one-process cell)."""
 
 
 class CellWorkerConfig(_Wire):
