@@ -79,6 +79,13 @@ def test_checkpoint_names_are_per_expert_and_round_trip_exactly(tiny_moe) -> Non
         assert set(back) == set(hf)
         for name, t in hf.items():
             assert torch.equal(back[name], t), name
+    # Router and expert names exist only on the MoE layers of the shape (layer 1 is dense).
+    for name in (
+        "decoder.layers.1.mlp.router.weight",
+        "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight",
+    ):
+        with pytest.raises(KeyError, match=r"layers\.1\."):
+            megatron_to_hf({name: torch.zeros(1)}, shape)
 
 
 def test_expert_parallel_renumbering_and_tp_split_round_trip(tiny_moe) -> None:

@@ -218,9 +218,9 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], shape: Qwen3Shape) -> dict[str, 
             gate, up = torch.chunk(t, 2, dim=0)
             hp = f"model.layers.{m.group(1)}.mlp."
             out[hp + "gate_proj.weight"], out[hp + "up_proj.weight"] = gate, up
-        elif m and m.group(2) == "mlp.router.weight":
+        elif m and m.group(2) == "mlp.router.weight" and int(m.group(1)) in shape.moe_layers:
             out[f"model.layers.{m.group(1)}.mlp.gate.weight"] = t
-        elif m and (x := _MG_EXPERT.match(m.group(2))):
+        elif m and int(m.group(1)) in shape.moe_layers and (x := _MG_EXPERT.match(m.group(2))):
             he = f"model.layers.{m.group(1)}.mlp.experts.{x.group(1)}."
             if x.group(2) == "linear_fc1":
                 out[he + "gate_proj.weight"], out[he + "up_proj.weight"] = torch.chunk(t, 2, dim=0)
