@@ -31,8 +31,11 @@ def test_gyre_run_on_the_swe_suite_in_the_sandbox(tmp_path):
         "SELECT execution_id, evaluator, status, score FROM assessments WHERE designated = 1"
     ).fetchall()
     con.close()
-    workspaces = sorted(p.name for p in (run_dir / "workspaces").iterdir() if not p.name.endswith(".home"))
-    assert sorted(r[0] for r in rows) == workspaces and len(workspaces) >= 4
+    # Executions still running when the last step ends are cancelled at shutdown (a workspace, no assessment): check the
+    # assessed ones, which include the step's B groups of N.
+    launched = {p.name for p in (run_dir / "workspaces").iterdir() if not p.name.endswith(".home")}
+    workspaces = sorted(r[0] for r in rows)
+    assert set(workspaces) <= launched and len(workspaces) >= 4
     # the built-in agent reads but does not edit: each workspace scores what its starting repo scores
     start = {"task-swe-fizzbuzz": 0.5, "task-swe-slugify": 0.25}
     assert {(ev, status, score) for _, ev, status, score in rows} <= {
