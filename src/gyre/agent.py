@@ -4,10 +4,19 @@ Gyre treats every harness as a black box that talks to the TITO proxy over HTTP;
 and the CPU end-to-end tests have a harness that needs no network and no npm. It is deliberately an ordinary agent:
 it keeps the conversation as messages (not tokens), sends the tools on every call, executes tool calls inside its
 workspace and appends the results, and stops when the model answers without a tool call or the turn limit is reached.
-Its final answer is written to `answer.txt` in the workspace: that file is the artifact the evaluator scores.
+That final answer is written to `answer.txt` in the workspace: the artifact the evaluator scores (no answer within
+the turn limit: no file).
 
-Run: `python -m gyre.agent --workspace DIR --task TEXT` with `OPENAI_BASE_URL` (…/v1) and `OPENAI_API_KEY` (the
-execution's credential) in the environment. Exit status 0 = finished, 3 = the model endpoint refused or failed.
+Context reset: when the conversation's text has grown by more than `context_chars` since the context started, the
+agent starts a new conversation holding the task and its notes (every tool call so far with its result) instead of
+the full history, as long-horizon harnesses compact their context. The proxy sees a context that extends none of the recorded ones:
+the execution's tree gets a second branch from the root, and J_max selection a second trajectory to choose.
+
+It needs only the standard library, so it starts in a few tens of milliseconds:
+`python -I -S .../gyre/agent.py --workspace DIR --task TEXT` (or `python -m gyre.agent ...`) with `OPENAI_BASE_URL`
+(…/v1) and `OPENAI_API_KEY` (the execution's credential) in the environment. Exit status 0 = finished, 2 = usage,
+3 = the model endpoint refused or failed. The conversation loop (`run_conversation`) takes any `complete` function,
+so the demo policy's synthetic pre-training transcripts come from this same code.
 """
 
 from __future__ import annotations
@@ -16,29 +25,40 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+__all__ = [
+    "SYSTEM_PROMPT",
+    "TOOLS",
+    "AgentConfig",
+    "AgentResult",
+    "compact",
+    "context_size",
+    "main",
+    "run_agent",
+    "run_conversation",
+    "run_tool",
+]
 
+SYSTEM_PROMPT = "You are a careful agent. Use the tools, then answer."
 TOOLS = [
     {
         "type": "function",
         "function": {
-            "name": "write_file",
-            "description": "Write text to a file in the workspace.",
-            "parameters": {
-                "type": "object",
-                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                "required": ["path", "content"],
-            },
+            "name": "list_files",
+            "description": "List the workspace files.",
+            "parameters": {"type": "object", "properties": {}},
         },
     },
     {
         "type": "function",
         "function": {
             "name": "read_file",
-            "description": "Read a file from the workspace.",
+            "description": "Read a workspace file.",
             "parameters": {
                 "type": "object",
                 "properties": {"path": {"type": "string"}},
@@ -47,24 +67,7 @@ TOOLS = [
         },
     },
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class AgentConfig:
-    base_url: str
-    """OpenAI-compatible base URL ending in /v1 (the TITO proxy)."""
-    api_key: str
-    """The execution's credential; it identifies the execution to the proxy."""
-    workspace: Path
-    """Directory the agent may read and write; its answer.txt is the scored artifact."""
-    max_turns: int = 4
-    """Model calls before the agent gives up and submits what it has."""
-    max_tokens: int = 48
-    """max_tokens per model call."""
-    temperature: float = 1.0
-    """Sampling temperature (training rollouts sample at the trainer's temperature)."""
-    model: str = "gyre-policy"
-    """Model name sent in requests (the proxy serves one policy)."""
+NOTES_HEADER = "Notes from earlier turns:"
 
 
 def _inside(workspace: Path, relative: str) -> Path:
@@ -74,69 +77,185 @@ def _inside(workspace: Path, relative: str) -> Path:
     return target
 
 
-def run_tool(workspace: Path, name: str, arguments: str) -> str:
+def run_tool(workspace: Path, name: str, arguments: str | dict) -> str:
     """Execute one tool call; errors become tool results (the model sees them), never crashes."""
     try:
-        args = json.loads(arguments or "{}")
-        if name == "write_file":
-            path = _inside(workspace, str(args["path"]))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(str(args["content"]))
-            return f"wrote {len(str(args['content']))} characters to {args['path']}"
+        args = json.loads(arguments or "{}") if isinstance(arguments, str) else dict(arguments)
+        if not isinstance(args, dict):
+            raise TypeError("arguments must be a JSON object")
+        if name == "list_files":
+            root = workspace.resolve()
+            names = sorted(
+                str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != "answer.txt"
+            )
+            return " ".join(names) if names else "(no files)"
         if name == "read_file":
-            return _inside(workspace, str(args["path"])).read_text()[:4000]
+            return _inside(workspace, str(args["path"])).read_text(errors="replace")[:4000]
         return f"error: unknown tool {name!r}"
     except (ValueError, KeyError, TypeError, OSError) as exc:
         return f"error: {exc}"
 
 
-def run_agent(config: AgentConfig, task: str) -> int:
-    """Run the conversation to the end; returns the number of model calls made."""
-    messages: list[dict] = [
-        {"role": "system", "content": "You are a careful agent. Use the tools, then answer."},
-        {"role": "user", "content": task},
+def _arguments(call: dict) -> str:
+    args = call.get("function", {}).get("arguments", "")
+    return args if isinstance(args, str) else json.dumps(args)
+
+
+def context_size(messages: list[dict]) -> int:
+    """Characters of the conversation after the system prompt: contents plus tool-call names and arguments."""
+    size = 0
+    for m in messages[1:]:
+        size += len(m.get("content") or "")
+        for call in m.get("tool_calls") or []:
+            size += len(call.get("function", {}).get("name", "")) + len(_arguments(call))
+    return size
+
+
+def note(name: str, arguments: str, result: str) -> str:
+    """One tool call and its result as the notes of a context reset keep it."""
+    try:
+        args = json.loads(arguments or "{}")
+    except ValueError:
+        args = {}
+    shown = " ".join(str(v) for v in args.values()) if isinstance(args, dict) else ""
+    return f"[{name} {shown}]".replace(" ]", "]") + "\n" + result.strip()
+
+
+def compact(task: str, notes: list[str]) -> list[dict]:
+    """The conversation a context reset starts: the system prompt, then the task with the notes."""
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": f"{task}\n\n{NOTES_HEADER}\n" + "\n".join(notes)},
     ]
-    headers = {"Authorization": f"Bearer {config.api_key}"}
-    answer = ""
-    calls = 0
-    with httpx.Client(base_url=config.base_url, headers=headers, timeout=httpx.Timeout(600.0)) as client:
-        for _ in range(config.max_turns):
-            body = {
-                "model": config.model,
-                "messages": messages,
-                "tools": TOOLS,
-                "max_tokens": config.max_tokens,
-                "temperature": config.temperature,
-            }
-            response = client.post("/chat/completions", json=body)
-            calls += 1
-            response.raise_for_status()
-            message = response.json()["choices"][0]["message"]
-            tool_calls = message.get("tool_calls") or []
-            messages.append(
-                {"role": "assistant", "content": message.get("content") or "", "tool_calls": tool_calls}
-                if tool_calls
-                else {"role": "assistant", "content": message.get("content") or ""}
-            )
-            answer = message.get("content") or answer
-            if not tool_calls:
-                break
-            for call in tool_calls:
-                result = run_tool(
-                    config.workspace, call["function"]["name"], call["function"].get("arguments", "")
-                )
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
-    (config.workspace / "answer.txt").write_text(answer)
-    return calls
+
+
+@dataclass
+class AgentResult:
+    calls: int = 0
+    """Model calls made."""
+    answer: str | None = None
+    """The final reply (None: the turn limit came first)."""
+    resets: int = 0
+    """Context resets."""
+    tool_calls: int = 0
+    """Tool calls executed."""
+    transcript: list[tuple[list[dict], dict]] = field(default_factory=list)
+    """(messages sent, assistant message received) per model call, when recorded."""
+
+
+Complete = Callable[[list[dict]], dict]
+"""Sends the conversation (with TOOLS) to the model; returns the assistant message (OpenAI shape)."""
+
+
+def run_conversation(
+    complete: Complete,
+    workspace: Path,
+    task: str,
+    max_turns: int,
+    context_chars: int = 0,
+    record: bool = False,
+) -> AgentResult:
+    """Run the conversation to the end (answer or turn limit); writes answer.txt when the model answered."""
+    messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task}]
+    notes: list[str] = []
+    result = AgentResult()
+    base = context_size(messages)  # what the current context started with (the task, then the task and notes)
+    for _ in range(max_turns):
+        if context_chars and notes and context_size(messages) - base > context_chars:
+            messages = compact(task, notes)
+            base = context_size(messages)
+            result.resets += 1
+        message = complete(messages)
+        if record:
+            result.transcript.append(([dict(m) for m in messages], message))
+        result.calls += 1
+        content = message.get("content") or ""
+        tool_calls = message.get("tool_calls") or []
+        messages.append(
+            {"role": "assistant", "content": content, "tool_calls": tool_calls}
+            if tool_calls
+            else {"role": "assistant", "content": content}
+        )
+        if not tool_calls:
+            result.answer = content
+            break
+        for call in tool_calls:
+            name, arguments = call.get("function", {}).get("name", ""), _arguments(call)
+            output = run_tool(workspace, name, arguments)
+            result.tool_calls += 1
+            messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": output})
+            notes.append(note(name, arguments, output))
+    if result.answer is not None:
+        (workspace / "answer.txt").write_text(result.answer)
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    base_url: str
+    """OpenAI-compatible base URL ending in /v1 (the TITO proxy)."""
+    api_key: str
+    """The execution's credential; it identifies the execution to the proxy."""
+    workspace: Path
+    """Directory the agent may read; its answer.txt is the scored artifact."""
+    max_turns: int = 6
+    """Model calls before the agent gives up (without an answer)."""
+    max_tokens: int = 40
+    """max_tokens per model call."""
+    temperature: float = 1.0
+    """Sampling temperature (training rollouts sample at the trainer's temperature)."""
+    context_chars: int = 0
+    """Reset the context (task + notes) when the conversation has grown by this many characters; 0: never."""
+    model: str = "gyre-policy"
+    """Model name sent in requests (the proxy serves one policy)."""
+    timeout_s: float = 600.0
+    """Per-request timeout."""
+
+
+class EndpointError(RuntimeError):
+    """The model endpoint refused the request or could not be reached."""
+
+
+def http_complete(config: AgentConfig) -> Complete:
+    """`complete` over HTTP: POST {base_url}/chat/completions with the execution's credential."""
+    url = config.base_url.rstrip("/") + "/chat/completions"
+    headers = {"Authorization": f"Bearer {config.api_key}", "Content-Type": "application/json"}
+
+    def complete(messages: list[dict]) -> dict:
+        body = {
+            "model": config.model,
+            "messages": messages,
+            "tools": TOOLS,
+            "max_tokens": config.max_tokens,
+            "temperature": config.temperature,
+        }
+        request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
+                return json.loads(response.read())["choices"][0]["message"]
+        except urllib.error.HTTPError as exc:
+            raise EndpointError(f"{exc.code} {exc.read()[:500].decode(errors='replace')}") from exc
+        except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as exc:
+            raise EndpointError(str(exc)) from exc
+
+    return complete
+
+
+def run_agent(config: AgentConfig, task: str) -> AgentResult:
+    """One execution against the endpoint in `config`."""
+    return run_conversation(
+        http_complete(config), config.workspace, task, config.max_turns, config.context_chars
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gyre.agent", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gyre.agent", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--workspace", type=Path, required=True)
     parser.add_argument("--task", required=True)
-    parser.add_argument("--max-turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-turns", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--context-chars", type=int, default=0)
     args = parser.parse_args(argv)
     base_url = os.environ.get("OPENAI_BASE_URL")
     api_key = os.environ.get("OPENAI_API_KEY")
@@ -144,19 +263,16 @@ def main(argv: list[str] | None = None) -> int:
         print("gyre.agent: OPENAI_BASE_URL and OPENAI_API_KEY must be set", file=sys.stderr)
         return 2
     config = AgentConfig(
-        base_url=base_url,
-        api_key=api_key,
-        workspace=args.workspace,
-        max_turns=args.max_turns,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-    )
+        base_url=base_url, api_key=api_key, workspace=args.workspace, max_turns=args.max_turns,
+        max_tokens=args.max_tokens, temperature=args.temperature, context_chars=args.context_chars,
+    )  # fmt: skip
     try:
-        calls = run_agent(config, args.task)
-    except httpx.HTTPError as exc:
+        result = run_agent(config, args.task)
+    except EndpointError as exc:
         print(f"gyre.agent: model endpoint failed: {exc}", file=sys.stderr)
         return 3
-    print(json.dumps({"model_calls": calls}))
+    print(json.dumps({"model_calls": result.calls, "tool_calls": result.tool_calls, "resets": result.resets,
+                      "answered": result.answer is not None}))  # fmt: skip
     return 0
 
 
