@@ -29,7 +29,8 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     path: str | None = None
-    """A local Hugging Face checkpoint; None builds the tiny offline Qwen3 model into RUN/model."""
+    """A local Hugging Face checkpoint; None copies the demo policy into RUN/model (a small Qwen3 model built
+    offline and briefly trained on the demo's tasks on first use, cached under ~/.cache/gyre: gyre.demo_model)."""
     temperature: float = Field(1.0, gt=0)
     """Rollout sampling temperature; the trainer computes log-probs at the same temperature."""
 
@@ -57,10 +58,10 @@ class ClusterConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(3, ge=1)
-    """Optimizer steps to run."""
-    lr: float = Field(3e-3, gt=0)
-    """Adam learning rate (the paper uses 1e-6 at 122B; the tiny demo model needs far more)."""
+    steps: int = Field(40, ge=1)
+    """Optimizer steps to run (the demo's 40 take a few minutes on 2 cores and show its reward rising)."""
+    lr: float = Field(7e-4, gt=0)
+    """Adam learning rate (the paper uses 1e-6 at 122B; the demo policy needs far more; at 3e-3 it collapses)."""
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     """Training parameter dtype (float64 for exactness checks)."""
     max_grad_norm: float = Field(1.0, gt=0)
@@ -113,10 +114,13 @@ class WeightsConfig(_Section):
 
 
 class AgentConfig(_Section):
-    max_turns: int = Field(3, ge=1)
-    """Model calls per execution before the built-in agent submits."""
-    max_tokens: int = Field(32, ge=1)
+    max_turns: int = Field(6, ge=1)
+    """Model calls per execution before the built-in agent gives up (without an answer)."""
+    max_tokens: int = Field(40, ge=1)
     """max_tokens per model call."""
+    context_chars: int = Field(150, ge=0)
+    """The built-in agent resets its context (task + notes of its tool calls) once the conversation has grown by
+    this many characters; the execution's tree then has another branch. 0: never."""
     harness_timeout_s: float = Field(120.0, gt=0)
     """The task's own deadline: the execution stops and its work is still assessed."""
     overall_budget_s: float = Field(300.0, gt=0)
@@ -169,9 +173,10 @@ class LauncherConfig(_Section):
 
 
 DEMO_SCHEDULER = PolicyConfig(
-    kind="elastic", N=4, B=2, phi=0.5, mu=1, rho_min=0.5, tau_s=1.0, async_train_cells=1
+    kind="elastic", N=4, B=4, phi=0.5, mu=2, rho_min=0.5, tau_s=1.0, async_train_cells=1
 )
-"""The demo's scheduler: small groups and batches so a CPU machine finishes steps in seconds."""
+"""The demo's scheduler: small groups and batches so a CPU machine finishes steps in seconds; bursts of two steps
+so that a satellite joins the core's batches once the burst's rollouts are done."""
 
 
 class TasksConfig(_Section):

@@ -1,11 +1,11 @@
 """Assembly of a run: model, cell workers, standalone engines, proxy, evaluator, controller; the whole loop for real.
 
-`run(cfg)` is what `gyre run CONFIG` and `gyre demo` (a preset of it) execute. Without `model.path` it builds the tiny
-offline Qwen3 model; it starts one cell worker process per cell (rollout engine + training side, `gyre-cell worker`),
-the standalone engines and the TITO proxy, then lets the scheduler policy drive executions of the built-in agent
-through the proxy, assessments by gyre-eval, streamed GSPO steps claimed by the training cells and weight
-publications, until `train.steps` optimizer steps are done. It then publishes and saves the final weights. The run
-directory ends up with the layout of DESIGN §3.4.
+`run(cfg)` is what `gyre run CONFIG` and `gyre demo` (a preset of it) execute. Without `model.path` it uses the demo
+policy (`gyre.demo_model`: a small Qwen3 model built offline on first use, then cached); it starts one cell worker
+process per cell (rollout engine + training side, `gyre-cell worker`), the standalone engines and the TITO proxy,
+then lets the scheduler policy drive executions of the built-in agent through the proxy, assessments by gyre-eval,
+streamed GSPO steps claimed by the training cells and weight publications, until `train.steps` optimizer steps are
+done. It then publishes and saves the final weights. The run directory ends up with the layout of DESIGN §3.4.
 """
 
 from __future__ import annotations
@@ -13,19 +13,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
 
+from gyre import agent
 from gyre.config import RunConfig
 from gyre.controller import Controller
 from gyre.datasets import task_queries
+from gyre.demo_model import demo_policy
 from gyre.launch import Launcher, make_launcher
 from gyre.launch.base import cell_configs
 from gyre.monitor import RunMonitor
 from gyre.report import write_report
 from gyre.tasks import demo_queries, scoring_command
-from gyre_cell.tiny_model import build_tiny_model
 from gyre_eval.config import ServiceConfig
 from gyre_eval.exec_check import ExecCheckConfig
 from gyre_eval.sandbox import SandboxConfig
@@ -82,12 +84,13 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
     started = time.monotonic()
     model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
     if cfg.model.path is None and not (model_dir / "config.json").exists():
-        log.info("building the tiny offline Qwen3 model in %s", model_dir)
-        build_tiny_model(model_dir)
+        shutil.copytree(demo_policy(), model_dir)  # built on first use, then cached (gyre.demo_model)
 
     params = cfg.policy_params()
     policy = make_policy(params)
-    queries = task_queries(cfg.tasks.file, cfg.tasks.limit) if cfg.tasks.file else demo_queries()
+    queries = (
+        task_queries(cfg.tasks.file, cfg.tasks.limit) if cfg.tasks.file else demo_queries(cfg.train.seed)
+    )
     services = services or make_launcher(cfg, run_dir)
     services.run_dir = run_dir
     start = policy.start(0.0)  # Async assigns its training cells here: the header records the initial roles
@@ -100,9 +103,11 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
                  cfg.cluster.cells, cfg.cluster.standalone_engines)  # fmt: skip
         await services.start_cells(cell_configs(cfg, run_dir, model_dir))
         await services.start_proxy(model_dir, temperature=cfg.model.temperature)
-        agent_argv = [sys.executable, "-m", "gyre.agent", "--workspace", "{workspace}", "--task", "{task}",
+        # -I -S: the built-in agent needs only the standard library, so it starts without site-packages (~30 ms)
+        agent_argv = [sys.executable, "-I", "-S", agent.__file__, "--workspace", "{workspace}", "--task", "{task}",
                       "--max-turns", str(cfg.agent.max_turns), "--max-tokens", str(cfg.agent.max_tokens),
-                      "--temperature", str(cfg.model.temperature)]  # fmt: skip
+                      "--temperature", str(cfg.model.temperature),
+                      "--context-chars", str(cfg.agent.context_chars)]  # fmt: skip
         harness = agent_argv if cfg.harness.kind == "builtin" else cfg.harness.spec()
         runner = ExecutionRunner(run_dir, services.proxy_url, services.admin_token, harness,
                                  cfg.agent.harness_timeout_s, overall_budget_s=cfg.agent.overall_budget_s,
