@@ -32,7 +32,7 @@ def test_config_prints_resolved_defaults(capsys):
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
-        ("scheduler.phi=0.25", "phi * B must be a non-negative whole number"),
+        ("scheduler.phi=0.3", "phi * B must be a non-negative whole number"),
         ("scheduler.kind=fastest", "scheduler.kind"),
         ("train.bogus=1", "train.bogus"),
         ("nonsense", "expected key=value"),

@@ -222,6 +222,7 @@ def test_two_hosts_elastic_run_crosses_hosts(two_hosts, tmp_path):
                         "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
                         "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
                         "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false",
+                        "--set", "scheduler.mu=1", "--set", "scheduler.B=2",
                         prefix=["ip", "netns", "exec", NS[0]])  # fmt: skip
         assert summary["steps"] == 2
         placement = _check(run_dir, 2)
