@@ -226,6 +226,8 @@ class CellWorkerProcess:
             if (bad := need_ready(training=True)) is not None:
                 return bad
             report = await worker._role_manager().to_training()
+            if worker.training is not None:
+                worker.training.arm()
             return SwitchResult(report=report)
 
         @r.post("/to_rollout")
@@ -254,8 +256,8 @@ class CellWorkerProcess:
                 return JSONResponse(
                     {"error": {"message": "the core does not join: it opens batches"}}, status_code=409
                 )
-            await asyncio.to_thread(worker.training.join)
-            return {"ok": True}
+            joined = await asyncio.to_thread(worker.training.join)
+            return {"ok": True, "joined": joined}
 
         @r.post("/groups")
         async def groups(request: Request):

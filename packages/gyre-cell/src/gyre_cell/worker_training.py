@@ -91,6 +91,8 @@ class CellTraining:
         self.snapshots = _snapshot_channel(cfg)
         self.abort = threading.Event()
         self.leave = threading.Event()
+        self._burst_lock = threading.Lock()
+        self._may_join = False
         self._thread: threading.Thread | None = None
         self.core: CoreRunner | None = None
         self._held_until_joined = False
@@ -126,8 +128,10 @@ class CellTraining:
                 log.exception("cell %d: %s failed", self.cfg.cell, name)
                 self.emit("error", where=name, message=f"{type(exc).__name__}: {exc}")
 
-        self._thread = threading.Thread(target=guarded, name=name, daemon=True)
-        self._thread.start()
+        # Started before it is published: a concurrent wait_idle (to_rollout) must never see an unstarted thread.
+        thread = threading.Thread(target=guarded, name=name, daemon=True)
+        thread.start()
+        self._thread = thread
 
     def wait_idle(self) -> None:
         """Block until the step (core) or the burst (satellite) thread has returned."""
@@ -217,20 +221,32 @@ class CellTraining:
         return self.publisher.tensors() if self.publisher is not None else None
 
     # ---- satellite -----------------------------------------------------------------------------------------------
-    def join(self) -> None:
+    def arm(self) -> None:
+        """The cell is in training now: joins may start bursts until the next `stop_burst`."""
+        with self._burst_lock:
+            self._may_join = True
+
+    def join(self) -> bool:
+        """Start a burst; False when the cell left training first (a join that raced a `to_rollout`)."""
         assert self.satellite is not None
         self.wait_idle()  # a burst that just ended is still emitting its satellite_done
-        self.leave.clear()
+        with self._burst_lock:  # against stop_burst: never clear its leave, never start after it
+            if not self._may_join:
+                return False
+            self.leave.clear()
 
-        def run() -> None:
-            result = self.satellite.run_burst(self.leave)
-            self.emit("satellite_done", cell=self.cfg.cell, result=result)
+            def run() -> None:
+                result = self.satellite.run_burst(self.leave)
+                self.emit("satellite_done", cell=self.cfg.cell, result=result)
 
-        self._background("burst", run)
+            self._background("burst", run)
+        return True
 
     def stop_burst(self) -> None:
         """Leave training: the burst thread returns at its next safe point (never inside a claimed item)."""
-        self.leave.set()
+        with self._burst_lock:
+            self._may_join = False
+            self.leave.set()
         self.wait_idle()
 
     def close(self) -> None:
