@@ -274,3 +274,14 @@ def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
     before = (run_dir / "trace.jsonl").read_bytes()
     assert main(["demo", "--run-dir", str(run_dir)]) == 2
     assert (run_dir / "trace.jsonl").read_bytes() == before
+
+
+def test_summary_wall_time_counts_the_whole_process():
+    # The process busies itself 0.3 s before asking: its age includes that (and interpreter start), not just the run.
+    code = (
+        "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 0.3: pass\n"
+        "from gyre.pipeline import process_age_s\nprint(process_age_s(), time.monotonic() - t)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    age, since_loop = float(out[0]), float(out[1])
+    assert since_loop - 0.05 <= age <= since_loop + 30.0
