@@ -82,7 +82,7 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
 async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
     """One run; `services` lets the caller stop the processes from a signal handler (see gyre.cli)."""
     cfg, run_dir = prepare_run_dir(cfg)
-    started = time.monotonic() - process_age_s()  # the summary's wall_s counts imports and interpreter start too
+    started = time.monotonic() - process_age_s()  # wall_s counts interpreter start and imports too
     model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
     if cfg.model.path is None and not (model_dir / "config.json").exists():
         shutil.copytree(demo_policy(), model_dir)  # built on first use, then cached (gyre.demo_model)
