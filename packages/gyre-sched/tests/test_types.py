@@ -73,7 +73,7 @@ def test_trace_line_requires_event_fields():
 
 
 def test_role_cycle():
-    assert [r.value for r in CellRole] == ["rollout", "to_training", "training", "to_rollout"]
+    assert [r.value for r in CellRole] == ["rollout", "to_training", "training", "to_rollout", "lost"]
 
 
 def test_decisions_become_wire_messages():

@@ -73,6 +73,14 @@ class PublishDone:
 
 
 @dataclass(frozen=True, slots=True)
+class CellLost:
+    """A satellite cell's worker died. Its executions are rerouted (or cancelled when no engine is free), its claimed
+    micro-steps are requeued by the trainer's coordinator, and it is out of every later role decision."""
+
+    cell: int
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Clock tick (the supply-check timer may have expired)."""
 
@@ -86,6 +94,7 @@ Event = (
     | StepDone
     | TransitionDone
     | PublishDone
+    | CellLost
     | Tick
 )
 

@@ -106,6 +106,12 @@ class Ledger:
         return sum(self.groups[gid].n_d - self.groups[gid].outstanding for gid in self._open_refills)
 
     # ---- dispatch and launch ----------------------------------------------------------------------------------
+    def number_groups_from(self, seq: int) -> None:
+        """The next group is g<seq> (a resumed run continues the numbering of the interrupted one)."""
+        if seq < self._group_seq:
+            raise InvariantError(f"group numbering cannot go back from {self._group_seq} to {seq}")
+        self._group_seq = seq
+
     def dispatch(self, *, refill: bool = False, k_spare: int | None = None) -> Dispatch:
         """A new group of N + k_spare executions (default: the ledger's N_d) at the latest published version."""
         n_d = self.N_d if k_spare is None else self.N + k_spare

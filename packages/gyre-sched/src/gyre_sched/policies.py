@@ -21,9 +21,9 @@ class ElasticPolicy(PolicyCore):
             return False
         if any(r in (CellRole.TO_TRAINING, CellRole.TO_ROLLOUT) for r in self.roles):
             return False  # transitions are serial
-        if self.k == p.K:
+        if self.k == self.live_cells:
             return False
-        rest = (p.K - self.k - 1) * p.C_e + p.C_s
+        rest = (self.live_cells - self.k - 1) * p.C_e + p.C_s
         if self.effective_waterlevel() > rest:
             return False
         # Our addition: never leave zero rollout capacity while a group may still drop (its refill could not run).
@@ -31,14 +31,15 @@ class ElasticPolicy(PolicyCore):
 
     def _maybe_transition(self, out: list[Decision]) -> None:
         if self.join_allowed() and self._supply_held():
-            self._begin([self.k], out)  # the next cell of the prefix (core first)
+            nxt = next(i for i, r in enumerate(self.roles) if r is CellRole.ROLLOUT)
+            self._begin([nxt], out)  # the next cell of the prefix (core first; lost cells skipped)
 
     def _core_persists(self, pending: int) -> bool:
         """Equation 6 (+ supply): ready >= rho_min*B and w + pending + refills <= (K-1)*C_e + C_s."""
         p = self.params
         if not self._supply_ok():
             return False
-        return self.effective_waterlevel() + pending <= (p.K - 1) * p.C_e + p.C_s
+        return self.effective_waterlevel() + pending <= (self.live_cells - 1) * p.C_e + p.C_s
 
 
 class AsyncPolicy(PolicyCore):
@@ -85,11 +86,12 @@ class ColocatePolicy(PolicyCore):
         p = self.params
         if self.burst_ending or self.publishing:
             return
-        if all(r is CellRole.TRAINING for r in self.roles):
+        live = [i for i in range(p.K) if i not in self.lost]
+        if all(self.roles[i] is CellRole.TRAINING for i in live):
             if self._starved():
-                self._begin(list(range(p.K)), out)
+                self._begin(live, out)
             return
-        if any(r is not CellRole.ROLLOUT for r in self.roles):
+        if any(self.roles[i] is not CellRole.ROLLOUT for i in live):
             return
         led = self.ledger
         if led.running > p.C_s or led.queued:
@@ -101,7 +103,7 @@ class ColocatePolicy(PolicyCore):
                 return
         elif len(led.ready) < self.burst_need():
             return
-        self._begin(list(range(p.K)), out)
+        self._begin(live, out)
 
     def _starved(self) -> bool:
         """Training waits for a group whose executions cannot launch: nothing ready, work queued, no capacity."""
@@ -111,10 +113,10 @@ class ColocatePolicy(PolicyCore):
         )
 
     def _pool_switching(self) -> bool:
-        return all(r in (CellRole.TO_TRAINING, CellRole.TRAINING) for r in self.roles)
+        return all(r in (CellRole.TO_TRAINING, CellRole.TRAINING, CellRole.LOST) for r in self.roles)
 
     def _on_training(self, cell: int, out: list[Decision]) -> None:
-        if self.batch is None and all(r is CellRole.TRAINING for r in self.roles):
+        if self.batch is None and all(r in (CellRole.TRAINING, CellRole.LOST) for r in self.roles):
             self._open_batch(out)
 
 

@@ -14,6 +14,8 @@ from gyre_sched.events import (
     AssessmentRecorded,
     BeginTransition,
     BurstPlanned,
+    Cancel,
+    CellLost,
     Decision,
     EndTransition,
     Event,
@@ -78,8 +80,18 @@ class PolicyCore:
         self.staleness_refill: list[bool] = []
         self.claims_while_running = 0  # micro-steps claimed while an execution ran on an elastic cell
         self.started = False
+        self.lost: set[int] = set()  # satellites whose worker died (CellLost)
 
     # ---- public -----------------------------------------------------------------------------------------------
+    def resume_at(self, version: int, next_group: int) -> None:
+        """Before ``start``, for a resumed run (``gyre run --resume``): ``version`` optimizer steps are done and
+        published (the trainer's checkpoint), and new groups are numbered from ``next_group`` on, so no group or
+        execution id of the interrupted run is reused. ``start`` then dispatches as at the start of a run."""
+        if self.started:
+            raise InvariantError("resume_at after start()")
+        self.version = self.ledger.published = version
+        self.ledger.number_groups_from(next_group)
+
     def start(self, now: float = 0.0) -> list[Decision]:
         """Initial dispatch d(0) = (phi + mu) * N_d * B (or Q_c groups), then launches."""
         if self.started:
@@ -122,6 +134,10 @@ class PolicyCore:
                 self._claim(cell, gid)
             case StepDone(version):
                 out += self._step_done(version)
+            case TransitionDone(cell) | MicrostepClaimed(cell, _) if cell in self.lost:
+                pass  # reported just before the cell died: its claims are requeued by the trainer
+            case CellLost(cell):
+                out += self._cell_lost(cell)
             case TransitionDone(cell):
                 out += self._transition_done(cell)
             case PublishDone(version):
@@ -147,12 +163,17 @@ class PolicyCore:
         return self._k
 
     def _roles_changed(self) -> None:
-        self._k = sum(r is not CellRole.ROLLOUT for r in self.roles)
+        self._k = sum(r not in (CellRole.ROLLOUT, CellRole.LOST) for r in self.roles)
         self._dest = self._destinations()
 
+    @property
+    def live_cells(self) -> int:
+        """K less the lost cells."""
+        return self.params.K - len(self.lost)
+
     def capacity(self) -> int:
-        """Equation 3: C(t) = (K - k(t)) * C_e + C_s."""
-        return (self.params.K - self.k) * self.params.C_e + self.params.C_s
+        """Equation 3: C(t) = (K - k(t)) * C_e + C_s, K counting live cells only."""
+        return (self.live_cells - self.k) * self.params.C_e + self.params.C_s
 
     def engines_ready(self) -> bool:
         """Engines serve the latest published version except while a publication is in flight."""
@@ -217,6 +238,38 @@ class PolicyCore:
             self.load[engine].add(eid)
             self.ledger.execs[eid].engine = engine
             out.append(Reroute(eid, engine))
+
+    def _cell_lost(self, cell: int) -> list[Decision]:
+        """A satellite died: out of every role decision; its executions move to free slots, else are cancelled.
+
+        A transition it was in is over (nobody waits for its TransitionDone); micro-steps it claimed are requeued by
+        the trainer's coordinator, which also takes it out of the batch's collectives.
+        """
+        if cell == 0:
+            raise InvariantError("the core cell cannot be lost (it holds the optimizer): the run must stop")
+        if cell in self.lost:
+            return []
+        self.lost.add(cell)
+        self.roles[cell] = CellRole.LOST
+        self._roles_changed()
+        out: list[Decision] = []
+        engine = cell_engine(cell)
+        for eid in sorted(self.load[engine]):
+            dest = self._free_engine()
+            if dest is None:  # stays counted on the lost engine until the runner reports it cancelled
+                out.append(Cancel(eid, "cell_lost"))
+                continue
+            self.load[engine].discard(eid)
+            self.load[dest].add(eid)
+            self.ledger.execs[eid].engine = dest
+            out.append(Reroute(eid, dest))
+        self._maybe_publish(out)  # a burst end may have waited for this cell's transition
+        return out
+
+    def _live_prefix(self, cells: list[int]) -> bool:
+        """``cells`` are the first live cells (the training set is a prefix, up to lost cells)."""
+        live = [i for i in range(self.params.K) if i not in self.lost]
+        return cells == live[: len(cells)]
 
     # ---- batches, steps, bursts ---------------------------------------------------------------------------------
     def _open_batch(self, out: list[Decision]) -> None:
@@ -363,20 +416,21 @@ class PolicyCore:
     def check_invariants(self) -> None:
         led, p = self.ledger, self.params
         led.check(deep=self.deep_checks)
-        if led.running > self.capacity():
+        on_lost = sum(len(self.load[self._cell_engines[i]]) for i in self.lost)  # being cancelled
+        if led.running - on_lost > self.capacity():
             raise InvariantError(f"running {led.running} exceeds rollout capacity {self.capacity()}")
         for i, r in enumerate(self.roles):
             ids = self.load[self._cell_engines[i]]
-            if len(ids) > p.C_e or (ids and r is not CellRole.ROLLOUT):
+            if len(ids) > p.C_e or (ids and r not in (CellRole.ROLLOUT, CellRole.LOST)):
                 raise InvariantError(f"cell {i} ({r.value}) holds {len(ids)} executions")
         if p.C_s and len(self.load[STANDALONE]) > p.C_s:
             raise InvariantError(f"standalone pool holds {len(self.load[STANDALONE])} executions")
         training = [i for i, r in enumerate(self.roles) if r is CellRole.TRAINING]
-        if training != list(range(len(training))) and not self._pool_switching():
+        if not self._live_prefix(training) and not self._pool_switching():
             raise InvariantError(f"training set {training} is not a prefix")
         if not self.burst_ending:
             joining = [i for i, r in enumerate(self.roles) if r in (CellRole.TRAINING, CellRole.TO_TRAINING)]
-            if joining != list(range(len(joining))):
+            if not self._live_prefix(joining):
                 raise InvariantError(f"training-bound cells {joining} are not a prefix")
         if self.deep_checks and sum(len(v) for v in self.load.values()) != led.running:
             raise InvariantError("engine loads disagree with running count")

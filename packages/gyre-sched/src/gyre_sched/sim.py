@@ -113,7 +113,8 @@ class Simulator:
         self._step_ends: list[float] = []
         self._events = 0
         self._role_since = [0.0] * self.params.K
-        self._role_time = {r.value: 0.0 for r in CellRole}
+        # Simulated cells never die: no LOST share.
+        self._role_time = {r.value: 0.0 for r in CellRole if r is not CellRole.LOST}
         self.costs = cfg.costs()
         self._ms_s = self.costs.microstep_s
 

@@ -15,6 +15,7 @@ from gyre_sched.events import (
     AssessmentRecorded,
     BeginTransition,
     BurstPlanned,
+    CellLost,
     Decision,
     Dispatch,
     EndTransition,
@@ -60,6 +61,13 @@ class TraceWriter:
         self.write(0.0, "header", schema_version=1, **header)
 
     @classmethod
+    def append_to(cls, stream: IO[bytes]) -> TraceWriter:
+        """Continue an existing trace (a resumed run): no second header; the caller writes a ``resume`` line."""
+        writer = cls.__new__(cls)
+        writer._out, writer.lines = stream, 0
+        return writer
+
+    @classmethod
     def open(cls, path: str | Path, header: dict[str, Any]) -> TraceWriter:
         return cls(Path(path).open("wb"), header)
 
@@ -81,6 +89,8 @@ class TraceWriter:
                 self.write(t, "microstep_claim", cell=cell, group=gid)
             case PublishDone(v):
                 self.write(t, "publish", version=v)
+            case CellLost(cell):
+                self.write(t, "cell_lost", cell=cell)
             case _:
                 pass
 
@@ -168,6 +178,8 @@ class TraceSummary:
         for spans in self.roles:
             for a, b, role in spans:
                 total[role] += b - a
+        if not total[CellRole.LOST.value]:
+            del total[CellRole.LOST.value]  # only runs that lost a cell report it
         span = sum(total.values())
         return {k: (v / span if span else 0.0) for k, v in total.items()}
 
@@ -216,6 +228,16 @@ def summarize_trace(lines: Iterable[dict[str, Any]]) -> TraceSummary:
             s.step_versions += [int(obj["version"])] * len(obj["groups"])
         elif ev == "publish":
             s.publishes.append((t, int(obj["version"])))
+        elif ev == "cell_lost":
+            c = int(obj["cell"])
+            s.roles[c].append((since[c], t, role[c]))
+            role[c], since[c] = CellRole.LOST.value, t
+        elif ev == "resume":  # the interrupted part's outstanding executions end here; roles restart
+            s.f += len(obj["cancelled"])
+            s.x += len(obj["withdrawn"])
+            for c in range(K):
+                s.roles[c].append((since[c], t, role[c]))
+                role[c], since[c] = obj["roles"][c], t
         else:
             continue
         if ev != "step_end" and ev != "publish":

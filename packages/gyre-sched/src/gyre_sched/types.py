@@ -30,6 +30,8 @@ class CellRole(StrEnum):
     TO_TRAINING = "to_training"
     TRAINING = "training"
     TO_ROLLOUT = "to_rollout"
+    LOST = "lost"
+    """The cell's worker died (CellLost): it serves and trains no more for the rest of the run."""
 
 
 _NEXT_ROLE = {
@@ -134,6 +136,8 @@ TraceEventName = Literal[
     "publish",
     "route",
     "burst_plan",
+    "resume",
+    "cell_lost",
 ]
 
 # Fields each event must carry (more are allowed: a real run may add its own context).
@@ -156,6 +160,10 @@ TRACE_REQUIRED: dict[str, tuple[str, ...]] = {
     "publish": ("version",),
     "route": ("execution", "engine"),
     "burst_plan": ("version", "mu", "dispatch", "k_spare"),
+    # A resumed run (gyre run --resume): executions of the interrupted part that were running (cancelled) or
+    # queued (withdrawn) are settled here, and every cell restarts in the role of the resumed policy's start.
+    "resume": ("version", "cancelled", "withdrawn", "roles"),
+    "cell_lost": ("cell",),
 }
 
 

@@ -1,0 +1,88 @@
+"""A satellite cell lost mid-run (CellLost), and a policy resumed at a checkpointed version (resume_at)."""
+
+from __future__ import annotations
+
+import io
+
+import orjson
+import pytest
+
+from gyre_sched.config import PolicyParams
+from gyre_sched.events import BeginTransition, CellLost, Dispatch, Launch, Reroute, Tick, TransitionDone
+from gyre_sched.ledger import InvariantError
+from gyre_sched.policies import make_policy
+from gyre_sched.trace import TraceWriter, summarize_trace
+from gyre_sched.types import CellRole
+
+
+def params(**kw) -> PolicyParams:
+    base = dict(kind="elastic", K=3, C_e=2, N=2, B=2, phi=0.5, mu=1, rho_min=0.5, tau_s=0.0)
+    return PolicyParams(**{**base, **kw})
+
+
+def test_lost_rollout_cell_moves_its_executions_to_free_slots(driver):
+    d = driver(make_policy(params(phi=0.0), deep_checks=True))  # 4 executions, 6 slots: cell 0 has 2 free
+    on_cell2 = sorted(x.spec.execution_id for x in d.of(Launch) if x.spec.engine == "cell:2")
+    assert len(on_cell2) == 2 and d.policy.capacity() == 6
+    out = d.send(CellLost(2), dt=1.0)
+    moved = [x for x in out if isinstance(x, Reroute)]
+    assert sorted(x.execution_id for x in moved) == on_cell2 and {x.engine for x in moved} == {"cell:0"}
+    assert d.policy.roles[2] is CellRole.LOST and d.policy.capacity() == 4 and not d.cancelled
+    assert d.send(CellLost(2)) == []  # reported twice (pump and a failed call): once
+
+
+def test_lost_cell_executions_are_cancelled_without_a_free_slot(driver):
+    d = driver(make_policy(params(phi=1.0), deep_checks=True))  # 8 executions, 6 slots: all full
+    on_cell2 = sorted(x.spec.execution_id for x in d.of(Launch) if x.spec.engine == "cell:2")
+    d.send(CellLost(2), dt=1.0)
+    assert sorted(d.cancelled) == on_cell2
+    d.settle_cancels()
+    assert not d.policy.load["cell:2"] and d.policy.ledger.running == 4
+
+
+def test_elastic_prefix_skips_the_lost_cell(driver):
+    d = driver(make_policy(params(phi=0.0), deep_checks=True))
+    d.send(CellLost(1), dt=1.0)  # its two executions move to cell 0
+    for eid in list(
+        d.running
+    ):  # both groups become ready: the core joins, then the next live cell (2, not 1)
+        d.finish(eid)
+        d.finish_transitions()
+    for _ in range(3):
+        d.send(Tick(), dt=1.0)
+        d.finish_transitions()
+    joined = [x.cell for x in d.of(BeginTransition) if x.to_role is CellRole.TO_TRAINING]
+    assert joined == [0, 2]
+    assert d.policy.roles == [CellRole.TRAINING, CellRole.LOST, CellRole.TRAINING]
+    assert d.send(TransitionDone(1)) == []  # a lost cell's late report is ignored
+
+
+def test_the_core_cannot_be_lost(driver):
+    d = driver(make_policy(params()))
+    with pytest.raises(InvariantError, match="core"):
+        d.send(CellLost(0))
+
+
+def test_resume_at_numbers_groups_after_the_interrupted_run():
+    policy = make_policy(params())
+    policy.resume_at(7, next_group=12)
+    out = policy.start(0.0)
+    dispatched = [x for x in out if isinstance(x, Dispatch)]
+    assert dispatched[0].group_id == "g12" and all(x.v_d == 7 for x in dispatched)
+    assert policy.version == 7
+    with pytest.raises(InvariantError):
+        policy.resume_at(8, next_group=20)
+
+
+def test_trace_counts_the_resume_settlement_and_the_lost_cell():
+    buf = io.BytesIO()
+    w = TraceWriter(buf, {"K": 2, "C_e": 2, "C_s": 0, "N": 1, "B": 1, "phi": 0, "mu": 1})
+    w.write(1.0, "dispatch", group="g0", executions=["g0.e0", "g0.e1"], v_d=0)
+    w.write(1.0, "launch", execution="g0.e0")
+    w.event(2.0, CellLost(1))
+    appended = TraceWriter.append_to(buf)
+    appended.write(3.0, "resume", version=1, cancelled=["g0.e0"], withdrawn=["g0.e1"], roles=["rollout"] * 2)
+    s = summarize_trace(orjson.loads(x) for x in buf.getvalue().splitlines())
+    assert (s.d, s.p, s.f, s.x) == (2, 1, 1, 1)  # nothing of the interrupted part stays outstanding
+    assert [r for _, _, r in s.roles[1]] == ["rollout", "lost", "rollout"]
+    assert s.role_share()["lost"] > 0
