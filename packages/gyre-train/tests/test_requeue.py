@@ -147,7 +147,8 @@ def test_coordinator_drops_an_expired_lease_and_a_closed_connection(tiny_model, 
     )
     cfg = MultiCellConfig(num_cells=3, master_port=1, control_port=free_port(), snapshot_dir=str(tmp_path),
                           claim_timeout_s=0.2)  # fmt: skip
-    coord = Coordinator(cfg, trainer)
+    now = [1000.0]  # the leases' clock: moved by hand, so no wait decides the outcome
+    coord = Coordinator(cfg, trainer, clock=lambda: now[0])
     try:
         coord.open_batch(0, str(tmp_path / "snap.pt"))
         trainer.open_batch()
@@ -156,9 +157,10 @@ def test_coordinator_drops_an_expired_lease_and_a_closed_connection(tiny_model, 
         got = coord.handle(CellRequest(op="claim", cell=1))
         assert got.status == "item"
         unclaimed = trainer.queue.unclaimed
-        assert coord.expire_leases() == []  # within the lease
-        time.sleep(0.25)
-        assert coord.expire_leases() == [1]
+        now[0] += 0.1
+        assert coord.expire_leases() == []  # within the lease (claimed at 1000.0, deadline 1000.2)
+        now[0] += 0.15
+        assert coord.expire_leases() == [1]  # past it
         assert trainer.queue.unclaimed == unclaimed + 1 and coord.participants == {0, 2}
         ms = got.item.microstep
         late = PrepassResult(batch=0, index=ms.index, cell=1, partials=[])

@@ -132,9 +132,12 @@ class PrefixGroups:
 class Coordinator:
     """The core's control plane in front of the trainer's queue (thread-safe)."""
 
-    def __init__(self, cfg: MultiCellConfig, trainer: Trainer) -> None:
+    def __init__(
+        self, cfg: MultiCellConfig, trainer: Trainer, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.cfg = cfg
         self.trainer = trainer
+        self._clock = clock  # claim leases run on it (tests inject one instead of waiting)
         self._lock = threading.Condition()
         self._batch: int | None = None
         self._snapshot: str | None = None
@@ -200,7 +203,7 @@ class Coordinator:
 
     def expire_leases(self) -> list[int]:
         """Drop every satellite whose claim lease ran out (called from the core's loop); returns them."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             expired = [c for c, deadline in self._leases.items() if deadline <= now]
         for cell in expired:
@@ -304,7 +307,7 @@ class Coordinator:
             item: WorkItem | None = self.trainer.claim(req.cell)
             if item is None:
                 return CoordinatorReply(status="wait")
-            self._leases[req.cell] = time.monotonic() + self.cfg.claim_timeout_s
+            self._leases[req.cell] = self._clock() + self.cfg.claim_timeout_s
             return CoordinatorReply(status="item", batch=item.microstep.batch, item=item)
 
     def _batch_done(self, cell: int) -> CoordinatorReply | None:
