@@ -8,7 +8,7 @@ per micro-step (:meth:`StreamingPipeline.run_batch` with ``mode="per_microstep"`
 
 **Control plane.** The cell's leader (rank 0 of the cell) claims work and appends one token per decision to an
 ordered stream that every other rank of the cell reads (:class:`ControlChannel`, a ``torch.distributed.TCPStore``
-hosted by the leader; the leader never waits for readers). Tokens:
+hosted by the leader, :mod:`gyre_train.megatron.control`; the leader never waits for readers). Tokens:
 
 - ``item``: a claimed :class:`~gyre_train.types.WorkItem` (the whole micro-step; each data-parallel pipeline runs
   ``shards[dp_rank]``). A ``train`` item is one forward (and, once the stage is warmed up, one backward) of the
@@ -41,23 +41,20 @@ partial sums; the leader's collector thread sums them over data-parallel ranks a
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import queue as queue_mod
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from gyre_train.backends.base import PackedTensors
 from gyre_train.loss import LossConfig, make_loss_fn, prepass_partials
 from gyre_train.megatron.backend import MegatronBackend
-from gyre_train.queue import MicroStepQueue
+from gyre_train.megatron.control import ControlChannel
+from gyre_train.megatron.sources import PipelineStats, QueueSource, WorkSource
 from gyre_train.types import ExecutionPartial, PrepassResult, TokenStats, TrainResult, WorkItem
 
 from megatron.core import parallel_state  # isort: skip  (after gyre_train.megatron.model applied compat)
@@ -65,7 +62,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # isort: skip
 
 __all__ = [
-    "ControlChannel",
+    "ControlChannel",  # re-exported: the channel and the sources live in their own modules
     "PipelineStats",
     "QueueSource",
     "StreamingPipeline",
@@ -74,217 +71,6 @@ __all__ = [
 
 Mode = Literal["continuous", "per_microstep"]
 _SHAPES = [()]  # variable_seq_lengths: megatron exchanges each tensor's shape before the tensor
-
-
-@dataclass(slots=True)
-class PipelineStats:
-    """What one rank's pipeline did over a batch (every rank of a cell counts the same, except ``waited_s``)."""
-
-    microsteps: int = 0
-    """Train items (forward + backward)."""
-    forward_only: int = 0
-    """Pre-pass items (forward only, at a consistent point)."""
-    fills: int = 0
-    """Times the pipeline started from empty (a warm-up)."""
-    drains: int = 0
-    """Times it ran its cool-down to empty."""
-    pauses: int = 0
-    """Times it stopped with work in flight, state kept, because nothing was claimable."""
-    resumes: int = 0
-    """Times a train item continued a paused pipeline."""
-    starved_waits: int = 0
-    """Leader only: idle spells in which only new data could give the cell work (data late), as opposed to
-    waiting for outstanding pre-pass results."""
-
-    def add(self, other: PipelineStats) -> None:
-        for k, v in asdict(other).items():
-            setattr(self, k, getattr(self, k) + v)
-
-
-# --- work sources -----------------------------------------------------------------------------------------------
-
-
-class WorkSource(Protocol):
-    """Where a pipelined cell's leader gets work and reports results (the shared queue seen by one cell)."""
-
-    cell: int
-
-    def claim(self) -> WorkItem | None:
-        """One item for this cell, or None if nothing is claimable now."""
-        ...
-
-    def report(self, result: PrepassResult | TrainResult) -> None: ...
-
-    def exhausted(self) -> bool:
-        """The stream is closed and nothing more will ever be claimable by this cell in this batch: drain."""
-        ...
-
-    def starved(self) -> bool:
-        """Nothing is claimable and only new data (not outstanding results) can change that."""
-        ...
-
-    @property
-    def changes(self) -> int:
-        """A counter that moves whenever claimability may have changed (put, close, report)."""
-        ...
-
-    def wait(self, since: int, timeout: float) -> None:
-        """Return once ``changes != since`` (or after ``timeout`` seconds)."""
-        ...
-
-
-class QueueSource:
-    """A :class:`~gyre_train.queue.MicroStepQueue` fed by another thread (``put`` / ``close``) and claimed by one
-    pipelined cell; tracks the cell's own claims to know when the batch is exhausted for it."""
-
-    def __init__(self, microsteps: MicroStepQueue, cell: int = 0) -> None:
-        self.queue = microsteps
-        self.cell = cell
-        self._cond = threading.Condition()
-        self._changes = 0
-        self._closed = False
-        self._train: set[int] = set()  # this cell's claimed train items not yet reported
-        self._prepass: set[int] = set()
-
-    def _bump(self) -> None:
-        self._changes += 1
-        self._cond.notify_all()
-
-    def put(self, microstep) -> None:
-        with self._cond:
-            self.queue.put(microstep)
-            self._bump()
-
-    def close(self) -> None:
-        with self._cond:
-            self.queue.close()
-            self._closed = True
-            self._bump()
-
-    def claim(self) -> WorkItem | None:
-        with self._cond:
-            item = self.queue.claim(self.cell)
-            if item is not None:
-                (self._train if item.kind == "train" else self._prepass).add(item.microstep.index)
-            return item
-
-    def report(self, result: PrepassResult | TrainResult) -> None:
-        with self._cond:
-            if isinstance(result, PrepassResult):
-                self.queue.report_prepass(result)
-                self._prepass.discard(result.index)
-            else:
-                self.queue.report_train(result)
-                self._train.discard(result.index)
-            self._bump()
-
-    def exhausted(self) -> bool:
-        """Closed, nothing unclaimed, no own pre-pass outstanding, every unfinished micro-step an own train item."""
-        with self._cond:
-            q = self.queue
-            return (
-                self._closed and q.unclaimed == 0 and not self._prepass and q.outstanding == len(self._train)
-            )
-
-    def starved(self) -> bool:
-        """Open, nothing unclaimed, no own pre-pass outstanding: items waiting for a pre-pass wait for micro-steps
-        not put yet (this source is the queue's only cell)."""
-        with self._cond:
-            return not self._closed and self.queue.unclaimed == 0 and not self._prepass
-
-    @property
-    def changes(self) -> int:
-        with self._cond:
-            return self._changes
-
-    def wait(self, since: int, timeout: float) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._changes != since, timeout=timeout)
-
-
-# --- control plane ----------------------------------------------------------------------------------------------
-
-
-class ControlChannel:
-    """The cell's token stream and result mailbox in a ``torch.distributed.TCPStore`` hosted by the leader.
-
-    Tokens are keys ``t/<seq>`` (seq counts across batches); the last stage of data-parallel pipeline d posts
-    ``r/<seq>/<d>``. Readers acknowledge each batch (``ack/<drain seq>``) and the leader deletes the batch's keys
-    once all have. Every thread uses its own store client (``client()``).
-    """
-
-    def __init__(self, host: str, port: int, *, rank: int, world: int, timeout_s: float = 3600.0) -> None:
-        self.host, self.port, self.rank, self.world = host, port, rank, world
-        self.timeout_s = timeout_s
-        self._master: Any = None
-        if rank == 0:
-            self._master = self._store(is_master=True)
-            self.port = self._master.port
-        self.store = self._store(is_master=False)
-        self.seq = 0
-        """Next token's sequence number; counts across batches and across the pipelines that use this channel."""
-        self._acked: list[tuple[int, int]] = []  # leader: (first seq, drain seq) of batches to delete
-
-    def _store(self, *, is_master: bool) -> Any:
-        return dist.TCPStore(
-            self.host, self.port, is_master=is_master, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self.timeout_s),
-        )  # fmt: skip
-
-    @classmethod
-    def create(cls, group: Any = None, host: str | None = None, timeout_s: float = 3600.0) -> ControlChannel:
-        """Collective over ``group`` (default: the whole world = the cell): its rank 0 hosts the store on a free
-        port and broadcasts the address."""
-        host = host or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        chan = cls(host, 0, rank=0, world=world, timeout_s=timeout_s) if rank == 0 else None
-        box = [(chan.host, chan.port) if chan is not None else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                                   group=group)  # fmt: skip
-        if chan is None:
-            chan = cls(box[0][0], box[0][1], rank=rank, world=world, timeout_s=timeout_s)
-        return chan
-
-    def client(self) -> Any:
-        return self._store(is_master=False)
-
-    def _get(self, store: Any, key: str) -> bytes:
-        """Block until ``key`` exists (a reader may wait through a long pause), at most ``timeout_s``."""
-        try:
-            return store.get(key)
-        except dist.DistStoreError as exc:
-            raise TimeoutError(f"control channel: no {key!r} within {self.timeout_s:.0f} s") from exc
-
-    def publish(self, seq: int, token: dict) -> None:
-        self.store.set(f"t/{seq}", json.dumps(token))
-
-    def read(self, seq: int) -> dict:
-        return json.loads(self._get(self.store, f"t/{seq}"))
-
-    def post_result(self, seq: int, dp: int, payload: dict) -> None:
-        self.store.set(f"r/{seq}/{dp}", json.dumps(payload))
-
-    def take_result(self, store: Any, seq: int, dp: int) -> dict:
-        key = f"r/{seq}/{dp}"
-        out = json.loads(self._get(store, key))
-        store.delete_key(key)
-        return out
-
-    def ack(self, drain_seq: int) -> None:
-        self.store.add(f"ack/{drain_seq}", 1)
-
-    def retire(self, first: int, drain_seq: int) -> None:
-        """Leader: delete the tokens of batch [first, drain_seq] once every reader acknowledged it."""
-        self._acked.append((first, drain_seq))
-        keep = []
-        for a, d in self._acked:
-            if self.store.add(f"ack/{d}", 0) >= self.world - 1:
-                for s in range(a, d + 1):
-                    self.store.delete_key(f"t/{s}")
-                self.store.delete_key(f"ack/{d}")
-            else:
-                keep.append((a, d))
-        self._acked = keep
 
 
 # --- the schedule -----------------------------------------------------------------------------------------------
@@ -356,7 +142,7 @@ class StreamingPipeline:
         """
         if not self.is_leader:
             raise RuntimeError("run_batch is the leader's (cell rank 0); other ranks call follow_batch")
-        self._begin()
+        self.begin_batch()
         first_seq = self.channel.seq
         collector = _Collector(self, source)
         collector.start()
@@ -387,14 +173,14 @@ class StreamingPipeline:
         finally:
             collector.finish()
         self.channel.retire(first_seq, drain_seq)
-        return self._end()
+        return self.end_batch()
 
     def _emit(self, token: dict) -> None:
         """Publish first (readers may need it to complete this rank's own communication), then apply."""
         seq = self.channel.seq
         self.channel.publish(seq, token)
         self.channel.seq += 1
-        self._apply(token, seq)
+        self.apply(token, seq)
 
     # --- other ranks ----------------------------------------------------------------------------------------------
 
@@ -402,30 +188,30 @@ class StreamingPipeline:
         """Apply the leader's tokens until the batch's drain; returns the batch's counts."""
         if self.is_leader:
             raise RuntimeError("the leader runs run_batch")
-        self._begin()
+        self.begin_batch()
         while True:
             seq = self.channel.seq
             token = self.channel.read(seq)
             self.channel.seq += 1
-            self._apply(token, seq)
+            self.apply(token, seq)
             if token["kind"] == "drain":
                 self.channel.ack(seq)
-                return self._end()
+                return self.end_batch()
 
     # --- shared -------------------------------------------------------------------------------------------------
 
-    def _begin(self) -> None:
+    def begin_batch(self) -> None:
         self.stats = PipelineStats()
         self._state = _StageState()
         self._partial_before = self.backend.partial_grads_before()
 
-    def _end(self) -> PipelineStats:
+    def end_batch(self) -> PipelineStats:
         self.backend.sum_partial_grads(self._partial_before)  # fp32 path: TP / tied-embedding partial grads
         self._partial_before = None
         self.totals.add(self.stats)
         return self.stats
 
-    def _apply(self, token: dict, seq: int) -> None:
+    def apply(self, token: dict, seq: int) -> None:
         kind = token["kind"]
         if kind == "item":
             item = WorkItem.model_validate(token["item"])
@@ -602,7 +388,7 @@ class _Collector(threading.Thread):
             while (job := self._items.get()) is not None:
                 seq, item = job
                 parts = [self.pipe.channel.take_result(self.store, seq, d) for d in range(self.pipe.dp_size)]
-                self.source.report(_combine(item, parts, self.source.cell))
+                self.source.report(combine_results(item, parts, self.source.cell))
         except BaseException as exc:  # surfaced by check()/finish() in the leader's thread
             self.error = exc
 
@@ -616,7 +402,7 @@ class _Collector(threading.Thread):
         self.check()
 
 
-def _combine(item: WorkItem, parts: list[dict], cell: int) -> PrepassResult | TrainResult:
+def combine_results(item: WorkItem, parts: list[dict], cell: int) -> PrepassResult | TrainResult:
     """Sum one item's per-data-parallel-rank results into what ``CellWorker.run`` would return."""
     ms = item.microstep
     if item.kind == "prepass":
