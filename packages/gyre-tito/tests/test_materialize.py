@@ -114,3 +114,42 @@ def test_empty_tree_and_placeholder():
     assert select_paths(ExecutionTree("ex")) == []
     p = placeholder_trajectory("ex", "g")
     assert p.placeholder and p.token_ids == [] and p.num_targets == 0 and p.leaf_call_id is None
+
+
+def _sampled(record, temperature):
+    """The record as the proxy writes it: the temperature the call was sampled at in its metadata."""
+    used = {"temperature": temperature, "top_p": 1.0, "top_k": -1, "max_tokens": 8}
+    return record.model_copy(update={"metadata": {"sampling": {"policy": "pass", "used": used}}})
+
+
+def test_each_target_token_carries_its_calls_recorded_temperature():
+    tree = ExecutionTree("ex")
+    tree.add(_sampled(make_record(call_id="a", input_ids=[1, 2], output_ids=[3, 4]), 0.5))
+    tree.add(_sampled(make_record(call_id="b", seq=1, parent_id="a", input_ids=[5], output_ids=[6]), 1.5))
+    both = AdmittedPath(index=0, leaf_call_id="b", role_class="main/task", path=("a", "b"),
+                        target_calls=("a", "b"), num_targets=3)  # fmt: skip
+    assert materialize_path(tree, both, "g").temperatures == [0.0, 0.0, 0.5, 0.5, 0.0, 1.5]
+    leaf_only = AdmittedPath(index=0, leaf_call_id="b", role_class="main/task", path=("a", "b"),
+                             target_calls=("b",), num_targets=1)  # fmt: skip
+    assert materialize_path(tree, leaf_only, "g").temperatures == [0.0] * 5 + [1.5]
+    # a target call without a recorded temperature (an older store): none for the trajectory, the trainer uses
+    # the run's temperature
+    assert _tree_path_temperatures() is None
+
+
+def _tree_path_temperatures():
+    tree = _tree()
+    path = AdmittedPath(index=0, leaf_call_id="b", role_class="main/task", path=("a", "b"),
+                        target_calls=("a", "b"), num_targets=6)  # fmt: skip
+    return materialize_path(tree, path, "g").temperatures
+
+
+def test_recorded_temperatures_are_validated():
+    t = placeholder_trajectory("ex", "g")
+    ok = dict(t.model_dump(), placeholder=False, leaf_call_id="a", token_ids=[1, 2], target_mask=[0, 1],
+              behavior_logprobs=[0.0, -0.5], weight_versions=[{"start": 1, "end": 2, "engine_id": "e",
+              "weight_version": "0"}])  # fmt: skip
+    assert type(t).model_validate(ok | {"temperatures": [0.0, 0.7]}).temperatures == [0.0, 0.7]
+    for bad in ([0.0, 0.0], [0.0, -1.0], [1.0, 0.7], [0.7]):
+        with pytest.raises(ValueError, match="temperatures"):
+            type(t).model_validate(ok | {"temperatures": bad})

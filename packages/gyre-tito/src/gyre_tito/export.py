@@ -91,6 +91,7 @@ def parquet_schema() -> pa.Schema:
                 nullable=False,
             ),
             pa.field("weight_versions", pa.list_(pa.field("element", span, nullable=False)), nullable=False),
+            pa.field("temperatures", pa.list_(pa.field("element", pa.float64(), nullable=False))),
         ],
         metadata={FORMAT_KEY: b"trajectories", VERSION_KEY: b"1"},
     )

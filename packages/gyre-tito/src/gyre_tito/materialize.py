@@ -12,6 +12,9 @@ A trajectory's ``token_ids`` are its path's tokens (each node's incremental inpu
 exactly on the output tokens of the path's ``target_calls``, ``behavior_logprobs`` holds the recorded log-prob there and
 0.0 elsewhere, and ``weight_versions`` has one span per output segment of every node on the path (adjacent spans with the
 same engine and version merged), so each target token's sampling engine and weight version can be looked up.
+``temperatures`` holds, on each target token, the temperature its call was sampled at (the proxy records it in
+``metadata["sampling"]["used"]``; a harness may change it from call to call under the ``pass`` policy), so the
+trainer computes every token's log-prob at its own temperature; None when a target call recorded none.
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from gyre_tito.selection import AdmittedPath, SelectionConfig, select_paths
 from gyre_tito.tree import TOKEN_TYPECODE, ExecutionTree
 from gyre_tito.types import RoleClass, Trajectory, WeightSpan
 
-__all__ = ["materialize", "materialize_path", "placeholder_trajectory", "select_trajectories"]
+__all__ = [
+    "materialize",
+    "materialize_path",
+    "placeholder_trajectory",
+    "recorded_temperature",
+    "select_trajectories",
+]
 
 
 def materialize_path(tree: ExecutionTree, admitted: AdmittedPath, group_id: str) -> Trajectory:
@@ -35,6 +44,7 @@ def materialize_path(tree: ExecutionTree, admitted: AdmittedPath, group_id: str)
     tokens = array(TOKEN_TYPECODE)
     mask = bytearray(total)
     logprobs = array("d", bytes(8 * total))  # zeros
+    temperatures: array | None = array("d", bytes(8 * total))
     spans: list[WeightSpan] = []
     for n in path:
         tokens.extend(n.tokens)
@@ -42,6 +52,11 @@ def materialize_path(tree: ExecutionTree, admitted: AdmittedPath, group_id: str)
         if n.call_id in targets:
             mask[out_start : n.end] = b"\x01" * n.n_output
             logprobs[out_start : n.end] = n.output_logprobs
+            used = recorded_temperature(n.metadata)
+            if used is None:
+                temperatures = None
+            elif temperatures is not None:
+                temperatures[out_start : n.end] = array("d", [used] * n.n_output)
         for seg in n.output_segments:
             start, end = out_start + seg.start, out_start + seg.end
             last = spans[-1] if spans else None
@@ -71,7 +86,15 @@ def materialize_path(tree: ExecutionTree, admitted: AdmittedPath, group_id: str)
         target_mask=list(mask),
         behavior_logprobs=logprobs.tolist(),
         weight_versions=spans,
+        temperatures=temperatures.tolist() if temperatures is not None else None,
     )
+
+
+def recorded_temperature(metadata: dict) -> float | None:
+    """The temperature a call was sampled at, as the proxy recorded it (None for records without it)."""
+    used = (metadata.get("sampling") or {}).get("used") or {}
+    value = used.get("temperature")
+    return float(value) if isinstance(value, int | float) and value > 0 else None
 
 
 def materialize(tree: ExecutionTree, admitted: Sequence[AdmittedPath], group_id: str) -> list[Trajectory]:

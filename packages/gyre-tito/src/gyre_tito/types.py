@@ -215,6 +215,12 @@ class Trajectory(_Wire):
         description="spans over every recorded output token in the path"
     )
     placeholder: bool = False
+    temperatures: list[float] | None = Field(
+        None,
+        description="aligned with token_ids: the temperature each target token was sampled at (its call's "
+        "metadata['sampling']['used']['temperature']), 0.0 where not a target; None when a target call recorded "
+        "none (the trainer then uses the run's temperature)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Trajectory:
@@ -240,6 +246,12 @@ class Trajectory(_Wire):
             raise ValueError(
                 "every target token must lie inside a weight_versions span (a recorded output token)"
             )
+        if self.temperatures is not None:
+            if len(self.temperatures) != n:
+                raise ValueError(f"temperatures has length {len(self.temperatures)}, token_ids has {n}")
+            for t, m in zip(self.temperatures, self.target_mask, strict=True):
+                if (m and not (math.isfinite(t) and t > 0)) or (not m and t != 0.0):
+                    raise ValueError("temperatures must be > 0 where target_mask is 1 and 0.0 elsewhere")
         if self.placeholder:
             if any(self.target_mask):
                 raise ValueError("a placeholder trajectory has no targets")

@@ -56,6 +56,9 @@ def trajectory_target_logprobs(model, trajectory, temperature: float) -> torch.T
     ids = torch.tensor(trajectory.token_ids, dtype=torch.long)
     logits = model(input_ids=ids[None], use_cache=False).logits[0]  # [n, V]
     dtype = torch.promote_types(logits.dtype, torch.float32)
+    temps = getattr(trajectory, "temperatures", None)  # recorded per call: they take precedence
+    if temps is not None:
+        temperature = torch.tensor([t if t > 0 else 1.0 for t in temps[1:]], dtype=dtype)[:, None]
     lp = torch.log_softmax(logits[:-1].to(dtype) / temperature, dim=-1)  # position p predicts token p+1
     lp = lp.gather(-1, ids[1:, None]).squeeze(-1)
     return lp[mask[1:]]

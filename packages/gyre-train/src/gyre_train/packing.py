@@ -45,7 +45,7 @@ class PackingConfig:
     min_fill: float = 0.98
     """Before the batch's last group, only emit shards at least this full."""
     temperature: float = 1.0
-    """Rollout temperature of the batch's samples."""
+    """Rollout temperature of the batch's samples (a trajectory's recorded per-call temperatures take precedence)."""
     # advantage_mode was removed: advantages come with the groups (TrajectoryBuffer.add_group, or the buffer's
     # advantage_mode for add_execution).
 
@@ -70,6 +70,8 @@ class Row:
     labels: list[int]
     target: list[bool]
     behavior_logprobs: list[float]
+    temperatures: list[float] | None = None
+    """Per position: the sampling temperature of the label there (0.0 off target); None: not recorded."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -86,12 +88,14 @@ def materialize(trajectory) -> Row | None:
             f"trajectory {trajectory.execution_id}/{trajectory.index}: position 0 cannot be a target"
         )
     ids = trajectory.token_ids
+    temps = getattr(trajectory, "temperatures", None)  # recorded per call (gyre_tito >= this field)
     return Row(
         execution_id=trajectory.execution_id,
         input_ids=list(ids[:last]),
         labels=list(ids[1 : last + 1]),
         target=[bool(m) for m in mask[1 : last + 1]],
         behavior_logprobs=list(trajectory.behavior_logprobs[1 : last + 1]),
+        temperatures=list(temps[1 : last + 1]) if temps else None,
     )
 
 
@@ -158,16 +162,22 @@ def plan_microsteps(
     return plans, kept
 
 
-def build_shard(rows: list[Row], slots: dict[str, int]) -> Shard:
-    ids, labels, exec_slot, blp, cu = [], [], [], [], [0]
+def build_shard(rows: list[Row], slots: dict[str, int], temperature: float = 1.0) -> Shard:
+    """Rows packed back to back. When any row carries its calls' recorded temperatures, the shard holds one per
+    position: the recorded one on targets, ``temperature`` (the run's) everywhere else and for rows without."""
+    ids, labels, exec_slot, blp, temps, cu = [], [], [], [], [], [0]
     for row in rows:
         ids.extend(row.input_ids)
         labels.extend(row.labels)
         slot = slots[row.execution_id]
         exec_slot.extend(slot if t else -1 for t in row.target)
         blp.extend(b if t else 0.0 for b, t in zip(row.behavior_logprobs, row.target, strict=True))
+        recorded = row.temperatures or [0.0] * len(row)
+        temps.extend(r if (t and r > 0) else temperature for r, t in zip(recorded, row.target, strict=True))
         cu.append(len(ids))
-    return Shard(input_ids=ids, cu_seqlens=cu, labels=labels, exec_slot=exec_slot, behavior_logprobs=blp)
+    per_token = temps if any(r.temperatures for r in rows) else None
+    return Shard(input_ids=ids, cu_seqlens=cu, labels=labels, exec_slot=exec_slot, behavior_logprobs=blp,
+                 temperatures=per_token)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -269,7 +279,7 @@ class StreamPackingBuffer:
         for group in plans:
             exec_ids = sorted({r.execution_id for b in group for r in b})
             slots = {e: i for i, e in enumerate(exec_ids)}
-            shards = [build_shard(b, slots) for b in group]
+            shards = [build_shard(b, slots, cfg.temperature) for b in group]
             while len(shards) < cfg.dp_size:  # the batch's last micro-step may leave ranks idle
                 shards.append(Shard(input_ids=[0], cu_seqlens=[0, 1], labels=[-100], exec_slot=[-1],
                                     behavior_logprobs=[0.0]))  # fmt: skip

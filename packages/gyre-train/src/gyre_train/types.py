@@ -12,7 +12,9 @@ Token alignment inside a shard (T tokens, R rows packed back to back, no padding
   predicted (last position of a row).
 - ``exec_slot[p]`` >= 0 marks a training target: ``labels[p]`` is a policy-sampled token of execution
   ``executions[exec_slot[p]]``; -1 marks context. ``behavior_logprobs[p]`` is the engine's log-prob of that token
-  (0.0 at context positions).
+  (0.0 at context positions). ``temperatures[p]``, when present, is the temperature that token was sampled at (its
+  call's recorded one; the run's at context positions): l_p = log_softmax(logits_p / temperatures[p])[labels[p]]. When
+  absent every position uses the micro-step's ``temperature``.
 
 Every execution-level quantity of DESIGN §7.2 that must be exact across any split is carried in
 :class:`ExecutionInfo`: ``num_targets`` = |T_i| over the whole batch and, once the forward-only pre-pass is done,
@@ -60,6 +62,8 @@ class Shard(_Wire):
     labels: list[int]
     exec_slot: list[int]
     behavior_logprobs: list[float]
+    temperatures: list[float] | None = None
+    """Per position: the sampling temperature of ``labels[p]`` (None: the micro-step's temperature everywhere)."""
 
     @model_validator(mode="after")
     def _check(self) -> Shard:
@@ -67,6 +71,11 @@ class Shard(_Wire):
         for name in ("labels", "exec_slot", "behavior_logprobs"):
             if len(getattr(self, name)) != t:
                 raise ValueError(f"{name} has length {len(getattr(self, name))}, input_ids has {t}")
+        if self.temperatures is not None:
+            if len(self.temperatures) != t:
+                raise ValueError(f"temperatures has length {len(self.temperatures)}, input_ids has {t}")
+            if not all(math.isfinite(x) and x > 0 for x in self.temperatures):
+                raise ValueError("temperatures must be finite and > 0")
         cu = self.cu_seqlens
         if not cu or cu[0] != 0 or cu[-1] != t:
             raise ValueError(f"cu_seqlens must start at 0 and end at {t}, got {cu[:3]}...{cu[-3:]}")

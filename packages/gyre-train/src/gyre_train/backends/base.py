@@ -41,15 +41,22 @@ class PackedTensors:
     position_ids: torch.Tensor  # [T] int64, restarting at 0 in each row
     cu_seqlens: torch.Tensor  # [R+1] int32
     labels: torch.Tensor  # [T] int64, IGNORE_LABEL where nothing is predicted
+    temperatures: torch.Tensor | None = None  # [T] float64: sampling temperature per label (or None)
 
     @classmethod
     def from_shard(cls, shard: Shard) -> PackedTensors:
+        temps = shard.temperatures
         return cls(
             input_ids=torch.tensor(shard.input_ids, dtype=torch.long),
             position_ids=torch.tensor(shard.position_ids(), dtype=torch.long),
             cu_seqlens=torch.tensor(shard.cu_seqlens, dtype=torch.int32),
             labels=torch.tensor(shard.labels, dtype=torch.long),
+            temperatures=torch.tensor(temps, dtype=torch.float64) if temps is not None else None,
         )
+
+    def temperature_T(self, temperature: float) -> torch.Tensor | float:
+        """What position p's logits are divided by: its recorded temperature, else the micro-step's scalar."""
+        return self.temperatures if self.temperatures is not None else temperature
 
     @property
     def num_tokens(self) -> int:

@@ -80,7 +80,10 @@ class TorchBackend:
         out = self.model(
             input_ids=ids_T[None], position_ids=pos_T[None], use_cache=False, logits_to_keep=keep_K
         )
-        logits_KV = out.logits[0].to(self.logprob_dtype) / temperature
+        temp = batch.temperature_T(temperature)  # per position when the shard carries recorded temperatures
+        if isinstance(temp, torch.Tensor):
+            temp = temp.to(self.device, self.logprob_dtype)[keep_K, None]
+        logits_KV = out.logits[0].to(self.logprob_dtype) / temp
         lp_K = torch.log_softmax(logits_KV, dim=-1).gather(-1, labels_T[keep_K, None]).squeeze(-1)
         l_T = torch.zeros(ids_T.shape[0], dtype=self.logprob_dtype, device=self.device)
         return l_T.index_put((keep_K,), lp_K)

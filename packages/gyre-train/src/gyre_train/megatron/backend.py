@@ -70,6 +70,8 @@ class _Prepared:
     labels: torch.Tensor
     num_tokens: int
     cp_parts: list[torch.Tensor] | None = None
+    temperatures: torch.Tensor | None = None
+    """[T_local, 1, 1]: the recorded sampling temperature of each label this rank holds (None: the scalar)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +189,16 @@ class MegatronBackend:
 
     def _inputs(self, batch: PackedTensors) -> _Prepared:
         """The model's keyword arguments for one shard, and what ``shard_logprobs`` needs to read its output."""
+        prep = self._model_inputs(batch)
+        if batch.temperatures is not None:  # recorded per call: this rank's labels' share (CP zigzag order)
+            t_T = batch.temperatures
+            if prep.cp_parts is not None:
+                own = prep.cp_parts[parallel_state.get_context_parallel_rank()]
+                t_T = torch.where(own >= 0, t_T[own.clamp(min=0)], torch.ones_like(own, dtype=t_T.dtype))
+            prep.temperatures = t_T.to(self.device, torch.float32)[:, None, None]
+        return prep
+
+    def _model_inputs(self, batch: PackedTensors) -> _Prepared:
         t = batch.num_tokens
         ids_1T = batch.input_ids.to(self.device)[None]
         pos_1T = batch.position_ids.to(self.device)[None]
@@ -243,7 +255,7 @@ class MegatronBackend:
         return _Prepared(kwargs, labels, batch.num_tokens, cp_parts=parts)
 
     def _token_logprobs(
-        self, logits_1TV: torch.Tensor, labels_T: torch.Tensor, temperature: float
+        self, logits_1TV: torch.Tensor, labels_T: torch.Tensor, temperature: float | torch.Tensor
     ) -> torch.Tensor:
         """l_T [T] fp32: log_softmax(logits / T)[labels] (vocab-parallel), 0 where labels == IGNORE_LABEL."""
         logits_T1V = logits_1TV.transpose(0, 1).float() / temperature
@@ -256,7 +268,8 @@ class MegatronBackend:
         """The shard's l_T [T] from the last stage's output. With CP every rank returns all T values (the other
         ranks' are gathered, detached): the GSPO loss and its statistics need every token of an execution, and the
         gradient flows through this rank's own tokens only, so the CP ranks' gradients sum to the whole one."""
-        l_local = self._token_logprobs(output_1TV, prep.labels, temperature)
+        temp = prep.temperatures if prep.temperatures is not None else temperature
+        l_local = self._token_logprobs(output_1TV, prep.labels, temp)
         if prep.cp_parts is None:
             return l_local
         got = [torch.empty_like(l_local) for _ in prep.cp_parts]
