@@ -125,6 +125,9 @@ class AgentConfig(_Section):
     """The task's own deadline: the execution stops and its work is still assessed."""
     overall_budget_s: float = Field(300.0, gt=0)
     """From launch, execution plus evaluation retries; exhausted without a score = excluded."""
+    stall_detect_s: float | None = Field(None, gt=0)
+    """Stall watchdog: an execution with no model call and no output for this long ends `stalled` and is excluded
+    without assessment (gyre_sched.runner). None: off (a hang then lasts until the harness timeout)."""
 
 
 class DashboardConfig(_Section):

@@ -220,8 +220,10 @@ class Controller:
         launch = query.launch_options() if hasattr(query, "launch_options") else {}  # a task file's task
         done = await self.runner.run(eid, gid, self._url(engine), query.prompt, **launch)
         self.events.put_nowait(ev.Terminated(eid, done.outcome))
-        if done.outcome == "cancelled":
-            return  # a cancelled execution (surplus or dropped group) is not assessed
+        if done.outcome in ("cancelled", "stalled"):
+            # cancelled (surplus or dropped group): not assessed; stalled: excluded at its termination by the
+            # scheduler's exclusion model, like an exhausted overall budget, so no assessment is asked for
+            return
         path = await self.runner.export(eid, self.cfg.train.j_max, self.cfg.train.seed)
         agent = self.cfg.agent
         submission = Submission(

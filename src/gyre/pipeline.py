@@ -112,6 +112,7 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
         harness = agent_argv if cfg.harness.kind == "builtin" else cfg.harness.spec()
         runner = ExecutionRunner(run_dir, services.proxy_url, services.admin_token, harness,
                                  cfg.agent.harness_timeout_s, overall_budget_s=cfg.agent.overall_budget_s,
+                                 stall_detect_s=cfg.agent.stall_detect_s,
                                  sandbox=LaunchSandbox() if cfg.harness.sandbox else None)  # fmt: skip
         assessments = _assessment_service(run_dir, queries)
         published = (await services.cells[0].status()).published

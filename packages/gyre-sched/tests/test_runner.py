@@ -47,6 +47,7 @@ class FakeProxy:
         self.registration_arrived = threading.Event()
         self.registration_gate: threading.Event | None = None  # set: registrations wait on it
         self.export_reply_trajectories = True
+        self.calls: dict[str, int] = {}  # execution -> model calls recorded (GET /admin/executions/{id})
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -105,6 +106,12 @@ class FakeProxy:
 
             def do_PUT(self):
                 self._handle("PUT")
+
+            def do_GET(self):
+                if self.headers.get("Authorization", "") != f"Bearer {ADMIN_TOKEN}":
+                    return self._reply(401, {"error": "admin token"})
+                eid = self.path.rstrip("/").split("/")[3]
+                return self._reply(200, {"execution_id": eid, "calls": proxy.calls.get(eid, 0)})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -341,3 +348,94 @@ def test_cancel_all_ends_every_running_execution(tmp_path, proxy):
     assert [f.outcome for f in done] == ["cancelled", "cancelled"]
     assert proxy.ends("a") == proxy.ends("b") == 1
     assert all(wait_dead(h["child"]) for h in hellos)
+
+
+class FakeClock:
+    """The watchdog's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Looks:
+    """The watchdog's wait between two looks, driven by the test: `ready()` returns once the watchdog waits (its
+    baseline is taken), `look()` lets exactly one look run and returns once the watchdog waits again, which proves
+    that look did not stop the execution; `last()` lets one look run and returns at once."""
+
+    def __init__(self) -> None:
+        self.waiting: asyncio.Queue[float] = asyncio.Queue()
+        self.go: asyncio.Queue[None] = asyncio.Queue()
+
+    async def wait(self, poll_s: float) -> None:
+        self.waiting.put_nowait(poll_s)
+        await self.go.get()
+
+    async def ready(self) -> float:
+        return await asyncio.wait_for(self.waiting.get(), 30)
+
+    async def look(self) -> None:
+        self.last()
+        await self.ready()
+
+    def last(self) -> None:
+        self.go.put_nowait(None)
+
+
+def test_stall_watchdog_stops_an_execution_without_progress(tmp_path, proxy):
+    """Model calls and output reset the watchdog; stall_detect_s without either ends the execution `stalled`, its
+    process group killed and the execution ended at the proxy once."""
+    clock, looks = FakeClock(), Looks()
+
+    async def main():
+        runner = make_runner(tmp_path, proxy, stall_detect_s=100.0, clock=clock, stall_wait=looks.wait)
+        try:
+            job = asyncio.create_task(runner.run("e", "g", "http://engine-0", "spawn-hang"))
+            hello = await proxy.hello("e")  # the harness runs and now hangs
+            assert await looks.ready() == 10.0  # baseline taken (no call, no output); it looks every 10 s
+            clock.t += 90
+            proxy.calls["e"] = 1  # a model call was recorded: progress at +90
+            await looks.look()
+            clock.t += 90  # 90 s since the call
+            await looks.look()
+            log = tmp_path / "logs" / "agents" / "e.log"
+            with log.open("ab") as out:  # the harness's output grows: progress at +240
+                out.write(b"still working\n")
+            clock.t += 60
+            await looks.look()
+            clock.t += 99  # 99 s without progress: not yet
+            await looks.look()
+            clock.t += 1
+            looks.last()  # 100 s: stalled
+            return await asyncio.wait_for(job, 30), hello
+        finally:
+            await runner.aclose()
+
+    done, hello = asyncio.run(main())
+    assert done.outcome == "stalled" and done.returncode == -9
+    assert proxy.ends("e") == 1
+    assert wait_dead(hello["child"])  # the harness's own child went with its process group
+
+
+def test_stall_watchdog_leaves_finishing_executions_alone(tmp_path, proxy):
+    """An execution that exits before a stall is detected keeps its own outcome; the watchdog polls at a tenth of
+    stall_detect_s; without stall_detect_s there is no watchdog."""
+    clock, looks = FakeClock(), Looks()
+
+    async def main():
+        runner = make_runner(tmp_path, proxy, stall_detect_s=50.0, clock=clock, stall_wait=looks.wait)
+        try:
+            ok = await runner.run("ok", "g", "http://engine-0", "exit0")
+            bad = await runner.run("bad", "g", "http://engine-0", "exit3")
+            poll_s = runner.stall_poll_s
+        finally:
+            await runner.aclose()
+        return ok, bad, poll_s
+
+    ok, bad, poll_s = asyncio.run(main())
+    assert (ok.outcome, bad.outcome) == ("completed", "failed") and poll_s == 5.0
+    with pytest.raises(ValueError, match="stall_detect_s"):
+        make_runner(tmp_path, proxy, stall_detect_s=0.0)
+    assert make_runner(tmp_path, proxy).stall_detect_s is None

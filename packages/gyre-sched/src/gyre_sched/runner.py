@@ -1,8 +1,15 @@
 """The execution runner: creates an execution's credential, workspace and harness process at launch, ends it once.
 
 A launched execution ends exactly once with one outcome: `completed` (the harness exited 0), `failed` (it exited
-non-zero), `harness_timeout` (the task's own deadline passed: the harness is stopped and its work is still assessed)
-or `cancelled` (the controller withdrew it). The harness is a black box in its own process group (its own session);
+non-zero), `harness_timeout` (the task's own deadline passed: the harness is stopped and its work is still assessed),
+`stalled` (the stall watchdog stopped it: see below) or `cancelled` (the controller withdrew it).
+
+Stall watchdog (``stall_detect_s``; off when None): an execution that makes no progress for that long is stopped
+and ends `stalled`, which the scheduler's exclusion model excludes without assessment (a hang is known when it is
+detected, not when the overall budget runs out). Progress is a new model call recorded by the proxy (the admin API's
+``calls``) or new harness output (its log grows). The watchdog looks every ``stall_poll_s`` (default: a tenth of
+``stall_detect_s``, at least 1 s), so a hang is detected within one poll after ``stall_detect_s``; a single model
+call longer than ``stall_detect_s`` that prints nothing meanwhile would read as a stall, so choose it above that. The harness is a black box in its own process group (its own session);
 the runner only sees its exit status and the workspace it leaves behind. When the harness ends, however it ends, the
 whole process group is killed, so nothing it started outlives the execution.
 
@@ -24,7 +31,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -77,7 +84,7 @@ def _check_budget(harness_timeout_s: float, overall_budget_s: float | None) -> N
 class Finished:
     execution_id: str
     outcome: str
-    """completed / failed / harness_timeout / cancelled."""
+    """completed / failed / harness_timeout / stalled / cancelled."""
     workspace: Path
     launched_at: float
     """Unix time of launch: the overall budget runs from here."""
@@ -102,6 +109,10 @@ class ExecutionRunner:
         model: str = "gyre-policy",
         overall_budget_s: float | None = None,
         sandbox: LaunchSandbox | None = None,
+        stall_detect_s: float | None = None,
+        stall_poll_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        stall_wait: Callable[[float], Awaitable[object]] = asyncio.sleep,
     ) -> None:
         if isinstance(harness_argv, Harness | Mapping):
             self.harness = make_harness(harness_argv)
@@ -116,8 +127,14 @@ class ExecutionRunner:
         if not harness_timeout_s > 0:
             raise ValueError(f"harness_timeout_s must be > 0, got {harness_timeout_s}")
         _check_budget(harness_timeout_s, overall_budget_s)
+        if stall_detect_s is not None and not stall_detect_s > 0:
+            raise ValueError(f"stall_detect_s must be > 0 (or None: no watchdog), got {stall_detect_s}")
         if sandbox is not None:
             sandbox.check()
+        self.stall_detect_s = stall_detect_s
+        self.stall_poll_s = stall_poll_s or max(1.0, (stall_detect_s or 0.0) / 10)
+        # injectable: tests drive the watchdog's clock and when it looks
+        self.clock, self.stall_wait = clock, stall_wait
         self.overall_budget_s = overall_budget_s
         self.sandbox = sandbox
         self.run_dir = Path(run_dir)
@@ -236,8 +253,8 @@ class ExecutionRunner:
             try:
                 if execution_id in self._cancelled:  # cancelled while the process was being created
                     self._kill(proc)
-                returncode = await asyncio.wait_for(proc.wait(), timeout=timeout_s)
-                outcome = "completed" if returncode == 0 else "failed"
+                returncode, stalled = await self._wait(execution_id, proc, log, timeout_s)
+                outcome = "stalled" if stalled else "completed" if returncode == 0 else "failed"
             except TimeoutError:
                 self._kill(proc)
                 returncode = await proc.wait()
@@ -257,6 +274,55 @@ class ExecutionRunner:
             await self.admin_call("POST", f"/executions/{execution_id}/end")
         self._locks.pop(execution_id, None)
         return Finished(execution_id, outcome, workspace, launched_at, returncode)
+
+    async def _wait(
+        self, execution_id: str, proc: asyncio.subprocess.Process, log: Path, timeout_s: float
+    ) -> tuple[int, bool]:
+        """The harness's exit status, and whether the watchdog stopped it; TimeoutError past `timeout_s`."""
+        if self.stall_detect_s is None:
+            return await asyncio.wait_for(proc.wait(), timeout=timeout_s), False
+        exited = asyncio.ensure_future(proc.wait())
+        watch = asyncio.ensure_future(self._watch_stall(execution_id, log))
+        try:
+            done, _ = await asyncio.wait(
+                {exited, watch}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            watch.cancel()
+        if exited in done:
+            return exited.result(), False
+        if watch in done:
+            watch.result()  # a failure of the watchdog itself surfaces here
+            self._kill(proc)
+            return await exited, True
+        exited.cancel()
+        raise TimeoutError
+
+    async def _watch_stall(self, execution_id: str, log: Path) -> None:
+        """Returns once the execution has made no progress (model call, output) for `stall_detect_s`."""
+        assert self.stall_detect_s is not None
+        seen, since = await self._progress(execution_id, log, None), self.clock()
+        while True:
+            await self.stall_wait(self.stall_poll_s)
+            progress, now = await self._progress(execution_id, log, seen), self.clock()
+            if progress != seen:
+                seen, since = progress, now
+            elif now - since >= self.stall_detect_s:
+                return
+
+    async def _progress(self, execution_id: str, log: Path, last: tuple[int, int] | None) -> tuple[int, int]:
+        """(model calls the proxy recorded, bytes of harness output); a proxy that does not answer keeps the count
+        seen last (the harness's own calls fail then, and it ends on its own)."""
+        calls = last[0] if last is not None else 0
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+            r = await self.admin.get(f"/executions/{execution_id}")
+            if r.status_code == 200:
+                calls = int(r.json()["calls"])
+        try:
+            size = log.stat().st_size
+        except OSError:
+            size = last[1] if last is not None else 0
+        return calls, size
 
     def cancel(self, execution_id: str) -> None:
         """Stop an execution's harness (or keep it from starting); its run() returns with outcome `cancelled`."""
