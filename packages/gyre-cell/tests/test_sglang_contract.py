@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,13 @@ import msgspec
 import pytest
 import torch
 
-from gyre_cell.sglang_adapter import SGLangEngine, SGLangLaunchConfig, build_launch_command
+from gyre_cell.sglang_adapter import (
+    SGLangEngine,
+    SGLangLaunchConfig,
+    SGLangServer,
+    build_launch_command,
+    write_api_key_config,
+)
 from gyre_cell.types import GenerationResult
 
 pytestmark = pytest.mark.slow  # importing sglang's io_struct takes 15-40 s on these machines
@@ -201,3 +208,24 @@ def test_launch_command_parses_with_sglang_server_args():
     assert ns.enable_memory_saver and ns.enable_weights_cpu_backup and ns.skip_tokenizer_init
     assert ns.tool_call_parser == "qwen25" and ns.reasoning_parser == "qwen3"
     assert ns.weight_version == "v0" and ns.mem_fraction_static == 0.6 and ns.context_length == 8192
+
+
+def test_api_key_reaches_sglang_by_file_never_argv(tmp_path):
+    """SGLang's own argv handling (`--config` YAML merged, then parsed) finds the key; argv never holds it."""
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    key = "k-3x_Y-123"  # digits and dashes: a YAML parser must still read a string
+    path = write_api_key_config(tmp_path, key)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    cmd = build_launch_command(SGLangLaunchConfig(model_path="/models/tiny", api_key_config=path))
+    assert all(key not in a for a in cmd)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(cmd[3:]))
+    assert ns.api_key == key and ns.model_path == "/models/tiny"
+    for flag in ("--api-key", "--config", "--admin-api-key=x"):
+        with pytest.raises(ValueError, match="argv"):
+            build_launch_command(SGLangLaunchConfig(model_path="/m", extra_args=(flag, "x")))
+    server = SGLangServer(SGLangLaunchConfig(model_path="/m"), api_key=key)
+    assert server.client()._http.headers["authorization"] == f"Bearer {key}"

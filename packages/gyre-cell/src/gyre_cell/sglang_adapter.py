@@ -2,13 +2,21 @@
 
 SGLang (0.5.23) cannot run on CPU machines; everything here that needs a live server is exercised under
 the `gpu` marker. The request bodies are checked against SGLang's own request classes in CPU CI.
+
+An API key (`SGLangServer(cfg, api_key=...)`) reaches SGLang by file: a mode-600 YAML file `api-key: ...` in a
+private folder, given as SGLang's `--config FILE` (never `--api-key KEY`: argv is readable by every process of the
+user through /proc/PID/cmdline). SGLang then requires `Authorization: Bearer KEY` on everything but /health*.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -54,13 +62,30 @@ class SGLangLaunchConfig(BaseModel):
     load_format: Literal["auto", "dummy", "safetensors"] | None = None
     """`dummy` skips reading weights (a publication follows immediately)."""
     extra_args: tuple[str, ...] = ()
-    """Further raw flags appended as-is."""
+    """Further raw flags appended as-is (not `--api-key`: see `api_key_config`; not `--config`)."""
+    api_key_config: str | None = None
+    """A YAML file (mode 600) holding `api-key: ...`, passed as `--config` (`write_api_key_config` makes it)."""
     python: str = sys.executable
     """Interpreter that has sglang installed."""
 
 
+def write_api_key_config(folder: str | os.PathLike[str], api_key: str) -> str:
+    """Write SGLang's `--config` YAML holding only `api-key` (mode 600, in `folder`); returns its path."""
+    if not api_key or any(c in api_key for c in "\r\n"):
+        raise ValueError("an API key must be one non-empty line")
+    path = os.path.join(folder, "sglang-api-key.yaml")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(f"api-key: {json.dumps(api_key)}\n")  # the flag's spelling; a JSON string is a YAML string
+    return path
+
+
 def build_launch_command(cfg: SGLangLaunchConfig) -> list[str]:
     """argv of `python -m sglang.launch_server ...` for `cfg`."""
+    for flag in ("--api-key", "--admin-api-key", "--config"):
+        if any(a == flag or a.startswith(flag + "=") for a in cfg.extra_args):
+            raise ValueError(f"extra_args: {flag} would put a key in argv (readable by every local process); "
+                             "give the key to SGLangServer(api_key=...), which passes it by file")  # fmt: skip
     cmd = [cfg.python, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
     cmd += ["--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp_size)]
     cmd += ["--weight-version", cfg.weight_version]
@@ -82,23 +107,33 @@ def build_launch_command(cfg: SGLangLaunchConfig) -> list[str]:
         cmd += ["--random-seed", str(cfg.random_seed)]
     if cfg.load_format is not None:
         cmd += ["--load-format", cfg.load_format]
+    if cfg.api_key_config is not None:
+        cmd += ["--config", cfg.api_key_config]
     return cmd + list(cfg.extra_args)
 
 
 class SGLangServer:
     """A launched SGLang server process (start, stop); talk to it through `client()`."""
 
-    def __init__(self, cfg: SGLangLaunchConfig) -> None:
+    def __init__(self, cfg: SGLangLaunchConfig, *, api_key: str | None = None) -> None:
         self.cfg = cfg
+        self.api_key = api_key
         self.proc: subprocess.Popen[bytes] | None = None
+        self._secret_dir: str | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://{self.cfg.host}:{self.cfg.port}"
 
     def start(self, *, log_path: str | None = None) -> None:
+        cfg = self.cfg
+        if self.api_key is not None:
+            self._secret_dir = tempfile.mkdtemp(prefix="gyre-sglang-")  # mode 700
+            cfg = cfg.model_copy(
+                update={"api_key_config": write_api_key_config(self._secret_dir, self.api_key)}
+            )
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives with the process)
-        self.proc = subprocess.Popen(build_launch_command(self.cfg), stdout=out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(build_launch_command(cfg), stdout=out, stderr=subprocess.STDOUT)
 
     async def wait_healthy(self, timeout_s: float = 900.0) -> None:
         """Poll /health until it answers 200; fail at once if the server process exits."""
@@ -119,9 +154,12 @@ class SGLangServer:
         raise TimeoutError(f"SGLang server at {self.base_url} not healthy after {timeout_s} s")
 
     def client(self) -> SGLangEngine:
-        return SGLangEngine(self.base_url, tp_size=self.cfg.tp_size)
+        return SGLangEngine(self.base_url, tp_size=self.cfg.tp_size, api_key=self.api_key)
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        if self._secret_dir is not None:
+            shutil.rmtree(self._secret_dir, ignore_errors=True)
+            self._secret_dir = None
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.terminate()
