@@ -26,8 +26,8 @@ from gyre.config import RunConfig
 from gyre.tasks import Query
 from gyre_cell.worker_client import CellCommandError, CellWorkerClient
 from gyre_cell.worker_types import PublishedWeights
+from gyre_eval.client import EvalClient
 from gyre_eval.groups import group_advantages
-from gyre_eval.service import AssessmentService
 from gyre_eval.types import Submission
 from gyre_sched import events as ev
 from gyre_sched.policy import STANDALONE, PolicyCore
@@ -41,6 +41,10 @@ log = logging.getLogger("gyre")
 __all__ = ["Controller", "RunFailed"]
 
 
+ASSESSMENT_WAIT_S = 3600.0
+"""Longest wait for one assessment (gyre-eval retries a check within the execution's own budget)."""
+
+
 class RunFailed(RuntimeError):
     """A part of the run failed; the message names it."""
 
@@ -48,7 +52,7 @@ class RunFailed(RuntimeError):
 class Controller:
     def __init__(self, cfg: RunConfig, run_dir: Path, policy: PolicyCore, trace: TraceWriter,
                  runner: ExecutionRunner, cells: list[CellWorkerClient], standalone: list[CellWorkerClient],
-                 assessments: AssessmentService, queries: list[Query], published: PublishedWeights) -> None:  # fmt: skip
+                 assessments: EvalClient, queries: list[Query], published: PublishedWeights) -> None:  # fmt: skip
         self.cfg, self.run_dir, self.policy, self.trace = cfg, run_dir, policy, trace
         self.runner, self.cells, self.standalone, self.assessments = runner, cells, standalone, assessments
         self.queries = queries
@@ -233,8 +237,8 @@ class Controller:
             budget_s=launch.get("overall_budget_s") or agent.overall_budget_s, outcome=done.outcome,
             task={"prompt": query.prompt},
         )  # fmt: skip
-        assessment, _ = self.assessments.submit(submission)
-        assessment = await self.assessments.wait(assessment.id)
+        assessment = await self.assessments.submit(submission)  # gyre-eval, with the run's token
+        assessment = await self.assessments.wait_final(assessment.id, timeout=ASSESSMENT_WAIT_S)
         status = {"valid": "valid", "no_work": "no_work"}.get(assessment.status, "excluded")
         if status != "excluded":  # recorded before the policy hears of it: a GroupReady may follow at once
             self.rewards[eid] = float(assessment.score or 0.0)

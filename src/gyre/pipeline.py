@@ -32,8 +32,6 @@ from gyre.tasks import demo_queries, scoring_command
 from gyre_eval.config import ServiceConfig
 from gyre_eval.exec_check import ExecCheckConfig
 from gyre_eval.sandbox import SandboxConfig
-from gyre_eval.service import AssessmentService
-from gyre_eval.store import AssessmentStore
 from gyre_sched.policies import make_policy
 from gyre_sched.runner import ExecutionRunner
 from gyre_sched.sandbox import LaunchSandbox
@@ -48,7 +46,8 @@ class RunDirError(ValueError):
     """The run directory cannot be used (it already holds a run)."""
 
 
-def _assessment_service(run_dir: Path, queries) -> AssessmentService:
+def _assessment_config(run_dir: Path, queries) -> ServiceConfig:
+    """gyre-eval's config for this run: one exec check per task; artifacts only from the run's workspaces."""
     sandbox = SandboxConfig(timeout_s=30.0, cpu_s=30, memory_bytes=1 << 30)
     evaluators = {}
     for q in queries:
@@ -63,8 +62,9 @@ def _assessment_service(run_dir: Path, queries) -> AssessmentService:
         evaluators[f"task-{q.query_id}"] = ExecCheckConfig(
             command=scoring_command(q), score_from="score_file", sandbox=sandbox
         )
-    config = ServiceConfig(evaluators=evaluators, retry_wait_min_s=0.2, retry_wait_max_s=2.0)
-    return AssessmentService(AssessmentStore(run_dir), config)
+    (run_dir / "workspaces").mkdir(exist_ok=True)
+    return ServiceConfig(evaluators=evaluators, retry_wait_min_s=0.2, retry_wait_max_s=2.0,
+                         artifact_roots=[str(run_dir / "workspaces")])  # fmt: skip
 
 
 def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
@@ -114,7 +114,7 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
                                  cfg.agent.harness_timeout_s, overall_budget_s=cfg.agent.overall_budget_s,
                                  stall_detect_s=cfg.agent.stall_detect_s,
                                  sandbox=LaunchSandbox() if cfg.harness.sandbox else None)  # fmt: skip
-        assessments = _assessment_service(run_dir, queries)
+        assessments = await services.start_eval(_assessment_config(run_dir, queries))
         published = (await services.cells[0].status()).published
         controller = Controller(cfg, run_dir, policy, trace, runner, services.cells, services.standalone,
                                 assessments, queries, published)  # fmt: skip
@@ -124,14 +124,14 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
         log.info("running %d optimizer steps (policy %s, K=%d, N=%d, B=%d, phi=%g, mu=%d)", cfg.train.steps,
                  params.kind, params.K, params.N, params.B, params.phi, params.mu)  # fmt: skip
         try:
-            steps = await controller.run(cfg.train.steps, start)
-            final = await controller.finish()
+            steps = await services.supervise(controller.run(cfg.train.steps, start))
+            final = await services.supervise(controller.finish())
             state = json.dumps(controller.scheduler_state(), indent=1)
             (run_dir / "metrics" / "scheduler.json").write_text(state + "\n")
         finally:
             await monitor.end_run()
             await controller.shutdown()
-            await assessments.close()
+            await assessments.aclose()
             await runner.aclose()
     except BaseException:
         if monitor is not None:

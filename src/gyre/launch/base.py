@@ -1,25 +1,39 @@
-"""What every launcher shares: the interface, the cell configs, the proxy subprocess and stopping processes."""
+"""What every launcher shares: the interface, the cell configs, the proxy and gyre-eval subprocesses, watching and
+stopping processes.
+
+Every service of a run needs a token made for this run (`RunTokens`: the engines' API key, gyre-eval's token, the
+proxy's admin token); each child gets the ones it uses through an inherited pipe (`gyre.launch.tokens`), and every
+client the controller holds sends them. A child dies with the controller (PR_SET_PDEATHSIG), so a killed controller
+leaves no process behind. While the run goes on, `supervise` turns the death of a service into one `ServiceError`
+line naming it and its log; RUN/services.json says where each service listens and its pid (no tokens).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import httpx
 
 from gyre.config import RunConfig
+from gyre.launch.tokens import RunTokens, TokenPipes
 from gyre_cell.engine.config import EngineConfig
 from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellTrainingConfig, CellWorkerConfig
+from gyre_eval.client import EvalClient
+from gyre_eval.config import ServiceConfig
 
 __all__ = ["Launcher", "ServiceError", "cell_configs", "free_port"]
 
@@ -38,6 +52,21 @@ def bin_path(name: str) -> str:
     """The console script installed beside this interpreter (works in a venv without activating it)."""
     candidate = Path(sys.executable).with_name(name)
     return str(candidate) if candidate.exists() else name
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child before exec: SIGTERM when the controller dies (also if it died before this line ran)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _how(returncode: int) -> str:
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"
 
 
 def cell_name(wc: CellWorkerConfig) -> str:
@@ -100,7 +129,8 @@ class Launcher:
     cells: list[CellWorkerClient] = field(default_factory=list)
     standalone: list[CellWorkerClient] = field(default_factory=list)
     proxy_url: str = ""
-    admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    eval_url: str = ""
+    tokens: RunTokens = field(default_factory=RunTokens)
     _procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
 
     kind = "base"
@@ -114,23 +144,52 @@ class Launcher:
     def engine_urls(self) -> list[str]:
         return [c.base_url for c in self.cells + self.standalone]
 
+    @property
+    def admin_token(self) -> str:
+        return self.tokens.admin
+
+    def worker_client(self, url: str) -> CellWorkerClient:
+        """A client of one cell worker or standalone engine, with the run's engine token."""
+        return CellWorkerClient(url, api_key=self.tokens.engine)
+
     def log_path(self, name: str) -> Path:
         log_dir = self.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         return log_dir / f"{name}.log"
 
     # ---- subprocesses --------------------------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = self.log_path(name).open("ab")
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
+    def _spawn(
+        self,
+        name: str,
+        argv: list[str],
+        tokens: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen:
+        """Start a child in its own process group, logging to RUN/logs/NAME.log; `tokens` maps a `--...-fd` flag
+        to the token it reads from that fd."""
+        pipes = TokenPipes()
+        for flag, token in (tokens or {}).items():
+            argv = [*argv, *pipes.arg(flag, token)]
+        child_env = {**os.environ, **(env or {})}
+        child_env.pop("GYRE_TITO_ADMIN_TOKEN", None)  # a token from the caller's environment stays there
+        try:
+            with self.log_path(name).open("ab") as log:
+                proc = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
+                    pass_fds=pipes.fds, preexec_fn=partial(_die_with_parent, os.getpid()),
+                )  # fmt: skip
+        finally:
+            pipes.close()
         self._procs.append((name, proc))
+        self._write_services()
         return proc
+
+    def _write_services(self) -> None:
+        """RUN/services.json: each service's URL and pid (for operators and the kill -9 tests; never a token)."""
+        info = {"proxy": self.proxy_url or None, "gyre-eval": self.eval_url or None,
+                "cells": self.engine_urls[: len(self.cells)], "standalone": self.engine_urls[len(self.cells) :],
+                "pids": {name: proc.pid for name, proc in self._procs}}  # fmt: skip
+        (self.run_dir / "services.json").write_text(json.dumps(info, indent=1) + "\n")
 
     async def start_proxy(
         self, tokenizer_dir: Path, timeout_s: float = 120.0, temperature: float | None = None
@@ -144,22 +203,79 @@ class Launcher:
             argv += ["--engine", url]
         if temperature is not None:  # every call samples at the trainer's temperature (sampling policy: pin)
             argv += ["--temperature", str(temperature)]
-        proc = self._spawn("proxy", argv, env={"GYRE_TITO_ADMIN_TOKEN": self.admin_token})
         self.proxy_url = f"http://127.0.0.1:{port}"
+        tokens = {"--admin-token-fd": self.tokens.admin, "--engine-api-key-fd": self.tokens.engine}
+        proc = self._spawn("proxy", argv, tokens)
+        await self._wait_healthy("proxy", proc, f"{self.proxy_url}/health", timeout_s)
+
+    async def start_eval(self, config: ServiceConfig, timeout_s: float = 120.0) -> EvalClient:
+        """gyre-eval as a child on the run directory (RUN/assessments.sqlite); returns a client with its token."""
+        private = self.run_dir / "private"
+        private.mkdir(mode=0o700, exist_ok=True)
+        config_file = private / "gyre-eval.json"  # evaluator commands and paths; a judge's key would be here
+        fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(config.model_dump_json(indent=2))
+        port = free_port()
+        argv = [bin_path("gyre-eval"), "serve", "--store", str(self.run_dir), "--port", str(port),
+                "--config", str(config_file)]  # fmt: skip
+        self.eval_url = f"http://127.0.0.1:{port}"
+        proc = self._spawn("gyre-eval", argv, {"--token-fd": self.tokens.eval})
+        await self._wait_healthy("gyre-eval", proc, f"{self.eval_url}/healthz", timeout_s)
+        return EvalClient(self.eval_url, token=self.tokens.eval)
+
+    async def _wait_healthy(self, name: str, proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+        log_file = self.log_path(name)
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if proc.poll() is not None:
-                    raise ServiceError(
-                        f"proxy exited with {proc.returncode}; see {self.run_dir}/logs/proxy.log"
-                    )
+                    raise ServiceError(f"{name} exited with {proc.returncode}; see {log_file}")
                 try:
-                    if (await client.get(f"{self.proxy_url}/health")).status_code == 200:
+                    if (await client.get(url)).status_code == 200:
+                        self._write_services()
                         return
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(0.25)
-        raise ServiceError(f"proxy not healthy after {timeout_s:.0f} s; see {self.run_dir}/logs/proxy.log")
+        raise ServiceError(f"{name} not healthy after {timeout_s:.0f} s; see {log_file}")
+
+    # ---- while the run goes on ------------------------------------------------------------------------------------
+    def watched(self, name: str) -> bool:
+        """Services whose death ends the run here. Cells are watched by the controller (their event stream)."""
+        return not name.startswith("cell-")
+
+    def dead_service(self) -> str | None:
+        """One line naming the first watched service that is gone, and its log; None while all are alive."""
+        for name, proc in self._procs:
+            if self.watched(name) and proc.poll() is not None:
+                return f"{name} exited ({_how(proc.returncode)}); see {self.log_path(name)}"
+        return None
+
+    async def supervise[T](self, work: Awaitable[T], poll_s: float = 0.2, settle_s: float = 1.0) -> T:
+        """Await `work` while watching the services: a dead one cancels it and raises ServiceError naming it.
+
+        When `work` fails first (a client of a service that just died sees a refused connection before the
+        watcher looks), the dead service is what is reported, not the client's error.
+        """
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll_s)
+                if done:
+                    if task.exception() is not None:
+                        settle = time.monotonic() + settle_s
+                        while time.monotonic() < settle:
+                            if (dead := self.dead_service()) is not None:
+                                raise ServiceError(dead) from None
+                            await asyncio.sleep(0.05)
+                    return task.result()
+                if (dead := self.dead_service()) is not None:
+                    raise ServiceError(dead)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def aclose_clients(self) -> None:
         for client in self.cells + self.standalone:

@@ -31,8 +31,9 @@ class LocalLauncher(Launcher):
             name = cell_name(wc)
             path = cfg_dir / f"{name}.json"
             path.write_text(wc.model_dump_json(indent=2))
-            proc = self._spawn(name, [bin_path("gyre-cell"), "worker", "--config", str(path)])
-            client = CellWorkerClient(f"http://{wc.host}:{wc.port}")
+            argv = [bin_path("gyre-cell"), "worker", "--config", str(path)]
+            proc = self._spawn(name, argv, {"--api-key-fd": self.tokens.engine})
+            client = self.worker_client(f"http://{wc.host}:{wc.port}")
             (self.cells if wc.kind == "elastic" else self.standalone).append(client)
             waits.append((name, client, proc))
 

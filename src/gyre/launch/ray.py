@@ -32,7 +32,6 @@ from typing import Any
 
 from gyre.config import LauncherConfig
 from gyre.launch.base import Launcher, ServiceError, cell_name, free_port
-from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellWorkerConfig
 
 log = logging.getLogger("gyre.launch")
@@ -81,8 +80,10 @@ class CellActor:
             "ports": [free_port(ip) for _ in range(3)],
         }  # fmt: skip
 
-    def start(self, config_json: str) -> int:
-        """Redirect this process's output to the run's log, then serve the worker in a thread; returns the PID."""
+    def start(self, config_json: str, api_key: str | None = None) -> int:
+        """Redirect this process's output to the run's log, then serve the worker in a thread; returns the PID.
+
+        `api_key` (the run's engine token) travels as a call argument over Ray's own channel: never argv or env."""
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -102,7 +103,7 @@ class CellActor:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
         torch.set_num_threads(cfg.cpu_threads)
         print(cfg.model_dump_json(), flush=True)  # the resolved config, first (as the local worker does)
-        self._worker = CellWorkerProcess(cfg)
+        self._worker = CellWorkerProcess(cfg, api_key=api_key)
         threading.Thread(target=self._serve, name="cell-worker", daemon=True).start()
         return os.getpid()
 
@@ -129,15 +130,18 @@ class CellActor:
 
 
 def place(configs: list[CellWorkerConfig], nodes: list[dict]) -> list[CellWorkerConfig]:
-    """Every worker's config with its node's address (from `CellActor.node`): the HTTP server and Mooncake bind
-    the node's IP; the gloo rendezvous and the micro-step coordinator are on the core's node (cell 0, first)."""
+    """Every worker's config with its node's address (from `CellActor.node`): the HTTP server and Mooncake (weights,
+    and the engine's KV migration: a destination on another node reads the pinned blocks there) bind the node's IP;
+    the gloo rendezvous and the micro-step coordinator are on the core's node (cell 0, first)."""
     core_ip, (_, master_port, coordinator_port) = nodes[0]["ip"], nodes[0]["ports"]
     placed = []
     for wc, node in zip(configs, nodes, strict=True):
+        kv_transfer = wc.engine.kv_transfer.model_copy(update={"local_hostname": node["ip"]})
         update: dict[str, Any] = {
             "host": node["ip"],
             "port": node["ports"][0],
             "mooncake": wc.mooncake.model_copy(update={"local_hostname": node["ip"]}),
+            "engine": wc.engine.model_copy(update={"kv_transfer": kv_transfer}),
         }
         if wc.training is not None:
             update["training"] = wc.training.model_copy(
@@ -230,7 +234,10 @@ class RayLauncher(Launcher):
             (cfg_dir / f"{name}.json").write_text(wc.model_dump_json(indent=2))
         await asyncio.to_thread(
             ray.get,
-            [a.start.remote(wc.model_dump_json()) for a, wc in zip(self._actors, placed, strict=True)],
+            [
+                a.start.remote(wc.model_dump_json(), self.tokens.engine)
+                for a, wc in zip(self._actors, placed, strict=True)
+            ],
         )
         self._exits = [a.wait_exit.remote() for a in self._actors]
         self.placement = [
@@ -242,7 +249,7 @@ class RayLauncher(Launcher):
             json.dumps(self.placement, indent=1) + "\n"
         )
         for wc in placed:
-            client = CellWorkerClient(f"http://{wc.host}:{wc.port}")
+            client = self.worker_client(f"http://{wc.host}:{wc.port}")
             (self.cells if wc.kind == "elastic" else self.standalone).append(client)
         clients = self.cells + self.standalone
 

@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
         "worker", help="one cell worker process (engine + training side), driven by a controller"
     )
     w.add_argument("--config", required=True, help="CellWorkerConfig as JSON")
+    w.add_argument(
+        "--api-key-file", default=None, help="file (mode 600): token every endpoint but /health needs"
+    )
+    w.add_argument(
+        "--api-key-fd", type=int, default=None, help="read that token from this inherited fd instead"
+    )
     return p
 
 
@@ -106,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "worker":
         from .worker import main as worker_main
 
-        return worker_main(["--config", args.config])
+        argv = ["--config", args.config]
+        if args.api_key_file is not None:
+            argv += ["--api-key-file", args.api_key_file]
+        if args.api_key_fd is not None:
+            argv += ["--api-key-fd", str(args.api_key_fd)]
+        return worker_main(argv)
     return _serve(args)
 
 

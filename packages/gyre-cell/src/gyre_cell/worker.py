@@ -111,8 +111,9 @@ class _NoTraining:
 
 
 class CellWorkerProcess:
-    def __init__(self, cfg: CellWorkerConfig) -> None:
+    def __init__(self, cfg: CellWorkerConfig, api_key: str | None = None) -> None:
         self.cfg = cfg
+        self.api_key = api_key  # the run's engine token: engine and /cell commands need it (not /health)
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.events = EventLog()
         self.engine = TorchEngine(cfg.engine)
@@ -122,7 +123,7 @@ class CellWorkerProcess:
         self.roles: CellRoleManager | None = None
         self._subscribers: dict[str, Any] = {}
         self.server: uvicorn.Server | None = None
-        self.app = create_app(self.engine)
+        self.app = create_app(self.engine, api_key=api_key)
         self.app.include_router(self._router(), prefix="/cell")
 
         @self.app.exception_handler(RoleSwitchError)
@@ -153,7 +154,9 @@ class CellWorkerProcess:
         if self.roles is None:
             side = self.training.state if self.training is not None else _NoTraining()
             self.roles = CellRoleManager(
-                RolloutEngine(self.url), side, CellRoleManagerConfig(cell=str(self.cfg.cell))
+                RolloutEngine(self.url, api_key=self.api_key),
+                side,
+                CellRoleManagerConfig(cell=str(self.cfg.cell)),
             )
         return self.roles
 
@@ -331,18 +334,27 @@ def _die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gyre-cell worker", description="one cell worker process")
     parser.add_argument("--config", required=True, type=Path, help="CellWorkerConfig as JSON")
+    parser.add_argument("--api-key-file", default=None, help="file (mode 600) with the engine token")
+    parser.add_argument("--api-key-fd", type=int, default=None, help="read the engine token from this fd")
     args = parser.parse_args(argv)
     try:
         cfg = CellWorkerConfig.model_validate_json(args.config.read_text())
     except (OSError, ValueError) as exc:
         print(f"gyre-cell worker: {args.config}: {exc}", file=sys.stderr)
         return 2
+    from gyre_cell.secret import SecretError, read_secret
+
+    try:  # by file or inherited fd only: argv and the environment are readable through /proc
+        api_key = read_secret(args.api_key_file, args.api_key_fd)
+    except SecretError as exc:
+        print(f"gyre-cell worker: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s cell-{cfg.cell}: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     _die_with_parent()
     torch.set_num_threads(cfg.cpu_threads)
     print(cfg.model_dump_json(), flush=True)  # the resolved config, first
-    worker = CellWorkerProcess(cfg)
+    worker = CellWorkerProcess(cfg, api_key=api_key)
     try:
         worker.serve()
     finally:

@@ -92,6 +92,18 @@ class Finished:
     """The harness's exit status (negative: killed by that signal); None when it was never started."""
 
 
+def _die_with_runner(parent: int, cgroups: Sequence[Path]) -> None:
+    """In the harness before exec: join its cgroups (sandboxed), and get SIGKILL when the runner's process dies
+    (PR_SET_PDEATHSIG), so a killed controller leaves no harness running against a dead proxy."""
+    LaunchSandbox.enter(cgroups)
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the runner died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class ExecutionRunner:
     """Runs one harness process per execution against the TITO proxy's admin API (``/admin``)."""
 
@@ -224,7 +236,8 @@ class ExecutionRunner:
             ctx = HarnessContext(
                 execution_id, workspace, task, base_url, registered["credential"], self.model
             )
-            argv, env, preexec = chosen.argv(ctx), self._env(chosen, ctx), None
+            argv, env = chosen.argv(ctx), self._env(chosen, ctx)
+            preexec = partial(_die_with_runner, os.getpid(), ())
             if self.sandbox is not None and relay is not None:
                 if "HOME" not in chosen.env(ctx):  # the host's home is not in the sandbox: a private one
                     env["HOME"] = str(workspace.with_name(workspace.name + ".home"))
@@ -235,7 +248,7 @@ class ExecutionRunner:
                 argv = self.sandbox.wrap(argv, workspace, Path(env["HOME"]), env, port, relay.dir)
                 env = {"PATH": "/usr/bin:/bin"}
                 cgroups = self.sandbox.make_cgroup(execution_id)
-                preexec = partial(LaunchSandbox.enter, cgroups)
+                preexec = partial(_die_with_runner, os.getpid(), cgroups)
             with log.open("wb") as out:
                 proc = await asyncio.create_subprocess_exec(
                     *argv,
