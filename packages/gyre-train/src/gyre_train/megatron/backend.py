@@ -537,14 +537,17 @@ class MegatronBackend:
 
     def save_hf_pretrained(self, out_dir: str | Path) -> None:
         """Write model.safetensors + config.json loadable by transformers / SGLang (copies the source config)."""
-        from safetensors.torch import save_file
+        write_hf_checkpoint(self.export_hf_weights(), self.cfg.model_path, out_dir)
 
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {k: v.contiguous() for k, v in self.export_hf_weights().items()}, str(out / "model.safetensors")
-        )
-        src = Path(self.cfg.model_path)
-        for name in ("config.json", "generation_config.json"):
-            if (src / name).exists():
-                (out / name).write_bytes((src / name).read_bytes())
+
+def write_hf_checkpoint(weights: dict[str, torch.Tensor], model_path: str, out_dir: str | Path) -> None:
+    """``weights`` (HF names) as model.safetensors in ``out_dir``, with the config files of ``model_path``."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    src = Path(model_path)
+    for name in ("config.json", "generation_config.json"):
+        if (src / name).exists():
+            (out / name).write_bytes((src / name).read_bytes())

@@ -297,8 +297,11 @@ def _tp(name: str) -> tuple[int, int, object]:
     )
 
 
-def load_hf_weights(model: GPTModel, shape: Qwen3Shape, hf_state: dict[str, torch.Tensor]) -> None:
-    """Copy a full HF Qwen3 state dict into this rank's (TP-sharded, PP-local) GPTModel parameters."""
+def load_hf_weights(
+    model: GPTModel, shape: Qwen3Shape, hf_state: dict[str, torch.Tensor], *, grads: bool = False
+) -> None:
+    """Copy a full HF Qwen3 state dict into this rank's (TP-sharded, PP-local) GPTModel parameters (``grads``: set
+    their ``.grad`` to it instead: a pipelined cell's stages take their part of a full gradient this way)."""
     te = any(n.endswith("layer_norm_weight") for n, _ in model.named_parameters())
     full = hf_to_megatron(hf_state, shape, te_norm_names=te)
     if shape.tie_word_embeddings:  # the last PP stage keeps its own copy of the tied matrix
@@ -312,6 +315,9 @@ def load_hf_weights(model: GPTModel, shape: Qwen3Shape, hf_state: dict[str, torc
         part = shard_tp(name, full[name], tp_rank, tp_size)
         if part.shape != param.shape:
             raise ValueError(f"{name}: checkpoint part {tuple(part.shape)} vs parameter {tuple(param.shape)}")
+        if grads:
+            param.grad = part.to(device=param.device, dtype=param.dtype).clone()
+            continue
         with torch.no_grad():
             param.copy_(part.to(param.dtype))
 
