@@ -150,6 +150,17 @@ def test_packed_logprobs_match_hf_per_row_and_the_torch_backend(mg, tb, tiny_mod
     assert not torch.allclose(l_other[:8], l_mg[:8])
 
 
+def test_recorded_per_token_temperatures_match_the_torch_backend(mg, tb) -> None:
+    """A shard carrying each label's recorded sampling temperature: both backends divide each position by its own."""
+    shard = _shard([9, 14, 6], seed=3)
+    temps = [0.5 + (p % 3) * 0.6 for p in range(shard.num_tokens)]
+    batch = PackedTensors.from_shard(shard.model_copy(update={"temperatures": temps}))
+    l_mg = mg.logprobs(batch, TEMPERATURE)
+    torch.testing.assert_close(l_mg, tb.logprobs(batch, TEMPERATURE).float(), rtol=0, atol=1e-5)
+    scalar = mg.logprobs(PackedTensors.from_shard(shard), TEMPERATURE)
+    assert (l_mg - scalar).abs().max() > 1e-3
+
+
 def test_gspo_loss_and_gradients_match_the_torch_backend(mg, tb) -> None:
     ms = _microstep(tb)
     cfg = LossConfig()
