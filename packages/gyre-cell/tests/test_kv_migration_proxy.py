@@ -133,6 +133,7 @@ def test_drain_moves_an_idle_executions_prefix_and_its_next_call_uses_it(pair: t
     )  # whole blocks of the first call's context were cached at the source
     assert rec.migrated_tokens == full and rec.source == src.url and rec.destination == dst.url
     assert rec.served_tokens == full and pool.kv_stats["served_tokens"] == full  # the next call used them
+    assert rec.recomputed_tokens == 0 and pool.kv_stats["recomputed_tokens"] == 0
     assert m1["stats"]["migrated_tokens_used"] - m0["stats"]["migrated_tokens_used"] == full
     computed = len(PROMPT) + N_NEW + len(turn2) - full
     assert m1["prefill_tokens_total"] - m0["prefill_tokens_total"] == computed

@@ -184,3 +184,48 @@ def test_refused_takeover_releases_the_pin_and_recomputes() -> None:
 
 def test_migration_off_sends_a_plain_abort() -> None:
     asyncio.run(case_migration_off_sends_a_plain_abort())
+
+
+async def case_moved_context_draws_the_next_call_to_its_engine() -> None:
+    """An idle execution's context moves at the drain to the engine of its route that is free then (C, while B is
+    busy); its next call goes to C although B is as free by then, and is served from the moved blocks (the engine's
+    `migrated_tokens`, not its own prefix cache)."""
+    C = "http://c"
+    seen: list[tuple[str, str, Any]] = []
+    moved = PROMPT + FIRST  # the first call's context, whole blocks of it cached at A
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        host, path = f"http://{request.url.host}", request.url.path
+        body = orjson.loads(request.content) if request.content else None
+        seen.append((host, path, body))
+        if path == "/kv/pin":
+            return httpx.Response(200, json={"migration_id": "m2", "peer": "x:1", "token_ids": moved})
+        if path == "/kv/takeover":
+            return httpx.Response(
+                200, json={"migration_id": "m2", "status": "installed", "migrated_tokens": 8, "nbytes": 64}
+            )
+        ids = body["input_ids"]
+        taken = 8 if host == C and ids[:8] == moved else 0  # C admits the call on the adopted sequence
+        own = 5 if host == B else 0  # B has the task prompt in its own prefix cache: not migrated KV
+        meta = {"finish_reason": {"type": "stop"}, "completion_tokens": 3, "cached_tokens": taken or own,
+                "migrated_tokens": taken, "weight_version": "1", "output_token_logprobs": [[-0.5, 11 + i, None] for i in range(3)]}  # fmt: skip
+        return httpx.Response(200, json={"output_ids": [11, 12, 13], "meta_info": meta})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    pool = EnginePool(EnginePoolConfig(engines=[A, B, C], retry_backoff_s=0.0, stream=False), client=client)
+    route = [A]
+    await pool.generate(PROMPT, {"max_new_tokens": 3}, route=lambda: route, key="x")
+    route[:] = [B, C]  # the execution moves; B is busy with another call while A drains
+    pool._engines[B].inflight["other"] = 0
+    await pool.drain(A, timeout_s=10)
+    del pool._engines[B].inflight["other"]
+    await pool.generate([*moved, 30, 31], {"max_new_tokens": 3}, route=lambda: route, key="x")
+    await pool.aclose()
+    (rec,) = pool.reroutes
+    assert (rec.kind, rec.status, rec.destination, rec.migrated_tokens) == ("prefix", "installed", C, 8)
+    assert [h for h, p, _ in seen if p == "/generate"] == [A, C]
+    assert rec.served_tokens == 8 and rec.recomputed_tokens == 0
+
+
+def test_moved_context_draws_the_next_call_to_its_engine() -> None:
+    asyncio.run(case_moved_context_draws_the_next_call_to_its_engine())

@@ -10,12 +10,14 @@
 | `GET /admin/quarantine` | | `{quarantined: [{execution_id, group_id, log, reason}]}` |
 | `GET /admin/engines` / `PUT /admin/routes` | `{engines: [url]}` | engine list |
 | `POST /admin/engines/drain` | `{engine, abort_inflight?: true, timeout_s?}` | `{engine, inflight_at_drain, kv_migration}` |
+| `GET /admin/kv/reroutes` | | `{kv_migration, reroutes: [{rid, kind, source, destination, status, migrated_tokens, served_tokens, recomputed_tokens, ...}]}` (the last 1024 moves) |
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +253,18 @@ def admin_router(proxy) -> APIRouter:
         try:
             await guard(req)
             return {"engines": proxy.pool.engines()}
+        except ProtocolError as e:
+            return _err(e)
+
+    @r.get("/kv/reroutes")
+    async def kv_reroutes(req: Request):
+        try:
+            await guard(req)
+            # one row per moved request or context, oldest first; served/recomputed stay null until its next call
+            return {
+                "kv_migration": dict(proxy.pool.kv_stats),
+                "reroutes": [asdict(x) for x in proxy.pool.reroutes],
+            }
         except ProtocolError as e:
             return _err(e)
 

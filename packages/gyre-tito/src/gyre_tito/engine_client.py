@@ -12,7 +12,9 @@
   An engine without `/kv/pin` (SGLang), a refusal or any failure falls back to a plain abort and a recompute.
   Calls made with a `key` (the proxy passes the execution id) also leave their context behind: `drain` moves the
   reusable prefix of every execution last served by the drained engine to an engine of its current route right away
-  (pin by token ids, takeover), so the execution's next call starts from migrated blocks too.
+  (pin by token ids, takeover), so the execution's next call starts from migrated blocks too: that call goes to
+  the engine holding them whenever its route still includes it. What a moved call was served from is what the
+  engine reports as `migrated_tokens` (torch engines), else its `cached_tokens`.
 - Routing: least in-flight requests among the route's engines that are not draining and not cooling down after a
   failure. Routes are global (`set_engines`) or per execution (the caller passes `route`).
 """
@@ -110,6 +112,7 @@ class _Attempt:
     finish: str | None = None
     matched: Any = None
     cached_tokens: int | None = None
+    migrated_tokens: int | None = None  # of cached_tokens, those from a KV takeover (engines that say so)
     first_at: float | None = None
 
 
@@ -126,17 +129,19 @@ class Reroute:
     """installed | refused | failed | unavailable (no pin: plain abort)."""
     migrated_tokens: int = 0
     recomputed_tokens: int | None = None
-    """Context tokens the destination computed again (prompt - cached/migrated - the last token); None until known."""
+    """Context tokens computed again; None until known. In flight: the retried prompt less what the destination had
+    cached (migrated or its own) less the last token. Prefix: the moved tokens the execution's next call did not get
+    from the migrated blocks (all of them when that call ran on another engine or after a weight update)."""
     nbytes: int = 0
     takeover_s: float = 0.0
     first_token_s: float | None = None
     """From the reroute (the source's abort seen here) to the first token from the destination."""
     reason: str | None = None
     kind: str = "inflight"
+    """inflight (a call cut mid-generation) | prefix (an execution's context moved between its calls)."""
     served_tokens: int | None = None
     """Migrated tokens the next call at the destination was served from (the engine reported them cached); None
     until that call ran (a prefix whose execution's next call landed on another engine stays 0)."""
-    """inflight (a call cut mid-generation) | prefix (an execution's context moved between its calls)."""
 
 
 def _apply(att: _Attempt, obj: dict[str, Any]) -> None:
@@ -165,6 +170,8 @@ def _apply(att: _Attempt, obj: dict[str, Any]) -> None:
                 att.versions[i] = str(s["version"])
     if isinstance(meta.get("cached_tokens"), int):
         att.cached_tokens = meta["cached_tokens"]
+    if isinstance(meta.get("migrated_tokens"), int):
+        att.migrated_tokens = meta["migrated_tokens"]
     fr = meta.get("finish_reason")
     if isinstance(fr, dict):
         att.finish = fr.get("type")
@@ -386,7 +393,8 @@ class EnginePool:
             k["first_token_s"] += rec.first_token_s
             k["first_tokens"] += 1
 
-    def _pick(self, route: list[str] | None) -> _EngineState | None:
+    def _pick(self, route: list[str] | None, prefer: str | None = None) -> _EngineState | None:
+        """The least-loaded available engine of `route`; `prefer` wins when it is one of them (it holds KV)."""
         now = time.time()
         cands = [
             s
@@ -399,7 +407,8 @@ class EnginePool:
                     self._engines[u.rstrip("/")] = _EngineState(u.rstrip("/"))
             cands = [self._engines[u.rstrip("/")] for u in route if not self._engines[u.rstrip("/")].draining]
             cands = [s for s in cands if s.cool_until <= now]
-        return min(cands, key=lambda s: len(s.inflight)) if cands else None
+        held = [s for s in cands if s.url == prefer]
+        return held[0] if held else min(cands, key=lambda s: len(s.inflight)) if cands else None
 
     # ---- generation ------------------------------------------------------------------------------------------
     async def generate(
@@ -426,9 +435,11 @@ class EnginePool:
         moved: tuple[dict[str, Any] | None, float] | None = (
             None  # (KV export, when) of the last drained attempt
         )
+        # an execution whose context moved at a drain goes where the moved blocks are, when its route allows it
+        moved_to = self._prefix_moved[key].destination if key in self._prefix_moved else None
         for attempt in range(self.config.max_attempts):
             res.attempts = attempt + 1
-            st = self._pick(route() if callable(route) else route)
+            st = self._pick(route() if callable(route) else route, moved_to if not attempt else None)
             if st is None:
                 await asyncio.sleep(self.config.retry_backoff_s * (attempt + 1))
                 continue
@@ -458,16 +469,19 @@ class EnginePool:
                 st.inflight.pop(att_rid, None)
                 if st.draining and not st.inflight and st.url in self._engines:
                     self._engines.pop(st.url, None)
+            # served from migrated blocks: what the engine says it took over, else (an engine that does not say)
+            # what it had cached, which may also count its own prefix cache
+            used = att.migrated_tokens if att.migrated_tokens is not None else att.cached_tokens
             moved_prefix = self._prefix_moved.pop(key, None) if key is not None and not attempt else None
             if moved_prefix is not None:  # the execution's first call since its context moved
                 here = moved_prefix.destination == st.url
-                moved_prefix.served_tokens = (
-                    min(att.cached_tokens or 0, moved_prefix.migrated_tokens) if here else 0
-                )
+                moved_prefix.served_tokens = min(used or 0, moved_prefix.migrated_tokens) if here else 0
+                moved_prefix.recomputed_tokens = moved_prefix.migrated_tokens - moved_prefix.served_tokens
                 self.kv_stats["served_tokens"] += moved_prefix.served_tokens
+                self.kv_stats["recomputed_tokens"] += moved_prefix.recomputed_tokens
             if reroute is not None:
-                if att.cached_tokens is not None and reroute.status == "installed":
-                    reroute.served_tokens = min(att.cached_tokens, reroute.migrated_tokens)
+                if used is not None and reroute.status == "installed":
+                    reroute.served_tokens = min(used, reroute.migrated_tokens)
                     self.kv_stats["served_tokens"] += reroute.served_tokens
                 if att.cached_tokens is not None:
                     reroute.recomputed_tokens = max(0, reroute.context_tokens - att.cached_tokens - 1)

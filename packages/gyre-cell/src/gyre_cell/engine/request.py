@@ -99,8 +99,8 @@ class Request:
             "completion_tokens": n,
             "cached_tokens": self.cached_tokens,
         }
-        if self.migrated_tokens:
-            meta["migrated_tokens"] = self.migrated_tokens
+        # of cached_tokens, those taken over from another engine (0 too: a client can tell them from its own cache)
+        meta["migrated_tokens"] = self.migrated_tokens
         if self.version_spans:
             meta["weight_versions"] = [{"version": v, "start": s, "end": e} for v, s, e in self.version_spans]
         if self.return_logprob:
