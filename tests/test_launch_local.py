@@ -60,13 +60,15 @@ def test_ray_placement_binds_each_worker_to_its_node_and_the_rendezvous_to_the_c
         ("elastic", 1, "10.77.0.2", 42001, "10.77.0.2"),
         ("standalone", 0, "10.77.0.2", 43001, "10.77.0.2"),
     ]
+    # KV migration's transfer engine too: a destination on another node reads pinned blocks at this address
+    assert [c.engine.kv_transfer.local_hostname for c in placed] == ["10.77.0.1", "10.77.0.2", "10.77.0.2"]
     # Every elastic cell meets at the core's node: gloo master and coordinator ports chosen there.
     assert {
         (c.training.master_host, c.training.master_port, c.training.coordinator_port) for c in placed[:2]
     } == {("10.77.0.1", 41002, 41003)}
     assert placed[2].training is None
     # Nothing else changes between launchers.
-    strip = {"host", "port", "mooncake", "training"}
+    strip = {"host": True, "port": True, "mooncake": True, "training": True, "engine": {"kv_transfer"}}
     assert [c.model_dump(exclude=strip) for c in placed] == [c.model_dump(exclude=strip) for c in configs]
 
 
