@@ -1,0 +1,129 @@
+"""The launcher's side of the trust model, on real processes: a child reads its token from an inherited pipe (never
+argv, environment or disk), dies with the controller, and its death ends the run with one line naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gyre.launch.base import ServiceError
+from gyre.launch.local import LocalLauncher
+from gyre.launch.tokens import RunTokens
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Reads the token from the fd named by --token-fd, logs its digest, then waits for a signal.
+PROBE = (
+    "import hashlib, os, signal, sys; fd = int(sys.argv[sys.argv.index('--token-fd') + 1]); "
+    "t = os.read(fd, 4096).strip(); os.close(fd); "
+    "print('digest', hashlib.sha256(t).hexdigest(), flush=True); signal.pause()"
+)
+
+
+def _wait(what: str, found, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := found()):
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
+        time.sleep(0.02)
+    return value
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_tokens_are_fresh_and_hidden():
+    a, b = RunTokens(), RunTokens()
+    assert len(set(a.values()) | set(b.values())) == 6 and all(len(t) >= 40 for t in a.values())
+    assert all(t not in repr(a) for t in a.values())
+
+
+def test_child_reads_its_token_from_a_pipe_and_its_death_is_one_line(tmp_path):
+    launcher = LocalLauncher(tmp_path)
+    token = launcher.tokens.eval
+    proc = launcher._spawn("probe", [sys.executable, "-c", PROBE], {"--token-fd": token})
+    log = tmp_path / "logs" / "probe.log"
+    try:
+        line = _wait("digest", lambda: log.exists() and log.read_text().strip())
+        assert line == f"digest {hashlib.sha256(token.encode()).hexdigest()}"
+        for name in ("cmdline", "environ"):
+            assert token.encode() not in Path(f"/proc/{proc.pid}/{name}").read_bytes()
+        assert not any(token.encode() in p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
+        fds = [
+            os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+            for fd in os.listdir(f"/proc/{proc.pid}/fd")
+            if int(fd) > 2
+        ]
+        assert not [f for f in fds if f.startswith("pipe:")], fds  # the child closed the pipe once read
+
+        async def call_the_dead_service() -> None:  # a client that notices first: refused connection
+            os.kill(proc.pid, signal.SIGKILL)
+            _wait("the probe's exit", lambda: proc.poll() is not None)
+            raise httpx.ConnectError("All connection attempts failed")
+
+        with pytest.raises(ServiceError) as failed:
+            asyncio.run(launcher.supervise(call_the_dead_service()))
+        assert str(failed.value) == f"probe exited (killed by SIGKILL); see {log}"
+    finally:
+        launcher.stop(grace_s=1.0)
+
+
+def test_supervise_stops_the_work_when_a_service_dies_and_leaves_cells_to_the_controller(tmp_path):
+    launcher = LocalLauncher(tmp_path)
+    cell = launcher._spawn("cell-0", [sys.executable, "-c", "import signal; signal.pause()"])
+    service = launcher._spawn("proxy", [sys.executable, "-c", "import signal; signal.pause()"])
+    stopped = []
+
+    async def main() -> None:
+        async def forever() -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                stopped.append(True)
+
+        os.kill(cell.pid, signal.SIGKILL)  # a cell's death is the controller's to report (and recover)
+        _wait("the cell's exit", lambda: cell.poll() is not None)
+        assert launcher.dead_service() is None
+        work = asyncio.ensure_future(launcher.supervise(forever()))
+        os.kill(service.pid, signal.SIGKILL)
+        with pytest.raises(
+            ServiceError, match=r"^proxy exited \(killed by SIGKILL\); see .*/logs/proxy\.log$"
+        ):
+            await asyncio.wait_for(work, timeout=10)
+
+    try:
+        asyncio.run(main())
+        assert stopped == [True]
+    finally:
+        launcher.stop(grace_s=1.0)
+
+
+def test_children_die_with_the_controller(tmp_path):
+    code = (
+        "import signal, sys; from pathlib import Path; from gyre.launch.local import LocalLauncher; "
+        f"l = LocalLauncher(Path({str(tmp_path)!r})); "
+        "p = l._spawn('proxy', [sys.executable, '-c', 'import signal; signal.pause()']); "
+        "print(p.pid, flush=True); signal.pause()"
+    )
+    controller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        child = int(controller.stdout.readline())
+        assert _alive(child)
+        controller.kill()
+        controller.wait(timeout=10)
+        _wait("the child's exit after the controller's", lambda: not _alive(child), timeout_s=15.0)
+    finally:
+        controller.kill()
+        controller.wait()
