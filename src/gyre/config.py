@@ -31,6 +31,10 @@ class ModelConfig(_Section):
     path: str | None = None
     """A local Hugging Face checkpoint; None copies the demo policy into RUN/model (a small Qwen3 model built
     offline and briefly trained on the demo's tasks on first use, cached under ~/.cache/gyre: gyre.demo_model)."""
+    builtin: Literal["demo", "long-context"] = "demo"
+    """Without `path`: the demo policy (2048 positions), or `long-context`: a random-init tiny Qwen3 with 65536
+    positions built offline into RUN/model (gyre_cell.tiny_model), for harnesses whose prompts are far longer than
+    the demo's context (Claude Code's real prompt is ~7k tokens with four tools, ~47k with all of them)."""
     temperature: float = Field(1.0, gt=0)
     """Rollout sampling temperature; the trainer computes log-probs at the same temperature."""
 
@@ -199,6 +203,8 @@ class HarnessConfig(_Section):
     """`claude-code`: the CLI (default: the repository's pinned node_modules/.bin/claude)."""
     allowed_tools: list[str] = ["Bash", "Read", "Write", "Edit", "Glob", "Grep"]
     """`claude-code`: --allowedTools."""
+    tools: list[str] | None = None
+    """`claude-code`: --tools, the built-in tools the model is offered (None: the CLI's default set of 24)."""
     max_turns: int = Field(30, ge=1)
     """`claude-code`: --max-turns."""
     max_output_tokens: int | None = Field(None, ge=1)
@@ -212,7 +218,8 @@ class HarnessConfig(_Section):
             return {"kind": "command", "command": list(self.command or [])}
         if self.kind == "claude-code":
             out = {"kind": "claude-code", "allowed_tools": tuple(self.allowed_tools), "max_turns": self.max_turns,
-                   "max_output_tokens": self.max_output_tokens}  # fmt: skip
+                   "max_output_tokens": self.max_output_tokens,
+                   "tools": tuple(self.tools) if self.tools is not None else None}  # fmt: skip
             return out | ({"binary": self.binary} if self.binary else {})
         return {"kind": "builtin"}
 
@@ -221,6 +228,22 @@ class HarnessConfig(_Section):
         if self.kind == "command" and not self.command:
             raise ValueError("[harness] kind = 'command' needs command = [argv...]")
         return self
+
+
+class JudgeSection(_Section):
+    """The model scoring tasks whose scoring rule is a judge rubric (gyre-eval's judge; see gyre.judging)."""
+
+    base_url: str | None = None
+    """An OpenAI-compatible endpoint root (http://host:port/v1). None: the run's own TITO proxy, where the judge is
+    one more execution (id `judge`, its own credential; its calls are recorded and never trained on)."""
+    model: str = "gyre-policy"
+    api_key_env: str | None = None
+    """`base_url`'s key, read from this environment variable."""
+    temperature: float = Field(0.0, ge=0)
+    """Asked of the endpoint (the run's proxy pins every call to the run's temperature)."""
+    max_tokens: int = Field(256, ge=1)
+    max_artifact_chars: int = Field(20_000, ge=100)
+    """Workspace text shown to the judge (larger artifacts are truncated, and the prompt says so)."""
 
 
 class RunConfig(_Section):
@@ -239,6 +262,8 @@ class RunConfig(_Section):
     tasks: TasksConfig = TasksConfig()
     harness: HarnessConfig = HarnessConfig()
     """local subprocesses (default) or a Ray cluster (`gyre run --ray ADDRESS`)."""
+    judge: JudgeSection = JudgeSection()
+    """Scores judge-rubric tasks: the run's proxy (its own execution, never trained) or another endpoint."""
 
     @model_validator(mode="after")
     def _policy_valid(self) -> RunConfig:

@@ -24,6 +24,7 @@ from gyre.config import RunConfig
 from gyre.controller import Controller
 from gyre.datasets import task_queries
 from gyre.demo_model import demo_policy
+from gyre.judging import judge_endpoint, judge_evaluator
 from gyre.launch import Launcher, make_launcher
 from gyre.launch.base import cell_configs
 from gyre.monitor import RunMonitor
@@ -42,22 +43,26 @@ log = logging.getLogger("gyre")
 __all__ = ["RunDirError", "run"]
 
 
+LONG_CONTEXT = 65536
+"""Positions of the `model.builtin = "long-context"` model (the engine's KV pool holds as many tokens)."""
+
+
 class RunDirError(ValueError):
     """The run directory cannot be used (it already holds a run)."""
 
 
-def _assessment_config(run_dir: Path, queries) -> ServiceConfig:
-    """gyre-eval's config for this run: one exec check per task; artifacts only from the run's workspaces."""
+def _assessment_config(run_dir: Path, queries, judge: dict | None = None) -> ServiceConfig:
+    """gyre-eval's config for this run: one exec check or judge (`judge`: its endpoint, gyre.judging) per task;
+    artifacts only from the run's workspaces."""
     sandbox = SandboxConfig(timeout_s=30.0, cpu_s=30, memory_bytes=1 << 30)
     evaluators = {}
     for q in queries:
         if hasattr(q, "evaluator"):  # a task file's scoring rule (gyre.datasets)
             spec = q.evaluator()
-            if spec["kind"] != "exec":
-                raise ValueError(
-                    f"task {q.query_id}: judge scoring is not wired into gyre run yet (exec only)"
-                )
-            evaluators[f"task-{q.query_id}"] = ExecCheckConfig.model_validate(spec)
+            if spec["kind"] == "judge":
+                evaluators[f"task-{q.query_id}"] = judge_evaluator(q.query_id, spec, judge)
+            else:
+                evaluators[f"task-{q.query_id}"] = ExecCheckConfig.model_validate(spec)
             continue
         evaluators[f"task-{q.query_id}"] = ExecCheckConfig(
             command=scoring_command(q), score_from="score_file", sandbox=sandbox
@@ -85,7 +90,13 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
     started = time.monotonic() - process_age_s()  # wall_s counts interpreter start and imports too
     model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
     if cfg.model.path is None and not (model_dir / "config.json").exists():
-        shutil.copytree(demo_policy(), model_dir)  # built on first use, then cached (gyre.demo_model)
+        if cfg.model.builtin == "long-context":  # a seeded random init: the same bytes on every machine
+            from gyre_cell.tiny_model import TinyModelConfig, build_tiny_model  # torch: only when needed
+
+            shape = TinyModelConfig(max_position_embeddings=LONG_CONTEXT, seed=cfg.train.seed)
+            build_tiny_model(model_dir, shape)
+        else:
+            shutil.copytree(demo_policy(), model_dir)  # built on first use, then cached (gyre.demo_model)
 
     params = cfg.policy_params()
     policy = make_policy(params)
@@ -114,7 +125,12 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
                                  cfg.agent.harness_timeout_s, overall_budget_s=cfg.agent.overall_budget_s,
                                  stall_detect_s=cfg.agent.stall_detect_s,
                                  sandbox=LaunchSandbox() if cfg.harness.sandbox else None)  # fmt: skip
-        assessments = await services.start_eval(_assessment_config(run_dir, queries))
+        judged = any(hasattr(q, "evaluator") and q.evaluator()["kind"] == "judge" for q in queries)
+        judge = None
+        if judged:  # the run's proxy (its own execution) or [judge] base_url
+            private = run_dir / "private"
+            judge = await judge_endpoint(cfg.judge, services.proxy_url, runner.admin_call, private)
+        assessments = await services.start_eval(_assessment_config(run_dir, queries, judge))
         published = (await services.cells[0].status()).published
         controller = Controller(cfg, run_dir, policy, trace, runner, services.cells, services.standalone,
                                 assessments, queries, published)  # fmt: skip

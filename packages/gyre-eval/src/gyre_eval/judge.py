@@ -40,6 +40,9 @@ class JudgeConfig(BaseModel):
     """The judge's own key (never an execution's credential)."""
     api_key_env: str | None = None
     """Read the key from this environment variable instead of the config file."""
+    api_key_file: str | None = None
+    """Read the key from this file instead (a private file: the config itself may be written out with the key
+    masked, e.g. when a run hands the service its config as a file)."""
     temperature: float = 0.0
     max_tokens: int = Field(default=1024, ge=1)
     timeout_s: float = Field(default=120.0, gt=0)
@@ -55,6 +58,8 @@ class Judge:
         key = config.api_key.get_secret_value() if config.api_key else None
         if config.api_key_env:
             key = os.environ.get(config.api_key_env) or key
+        if config.api_key_file:
+            key = Path(config.api_key_file).read_text().strip() or key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._client = httpx.AsyncClient(base_url=config.base_url.rstrip("/"), headers=headers)
 

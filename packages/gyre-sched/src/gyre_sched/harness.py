@@ -14,7 +14,9 @@ Adapters (``make_harness(spec)``; ``spec`` is a name or ``{"kind": NAME, ...opti
   ``ANTHROPIC_API_KEY``.
 - ``claude-code``: the pinned Claude Code CLI (``binary``, default ``node_modules/.bin/claude`` of the repository) in
   ``-p`` mode with ``ANTHROPIC_BASE_URL`` and the execution's key, the model name (``--model`` and every model
-  slot), the tool allow-list (``--allowedTools``), ``--max-turns`` and the output-token cap
+  slot), the tool allow-list (``--allowedTools``), optionally the tools the model is offered at all (``--tools``:
+  the full set is 24 tools, ~47k prompt tokens of a byte-level BPE; four of them keep the real prompt at ~7k),
+  ``--max-turns`` and the output-token cap
   (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``); telemetry, auto-update and nonessential traffic off; ``HOME`` is a private
   folder next to the workspace (``<workspace>.home``), so no host settings or credentials are read.
 """
@@ -138,6 +140,8 @@ class ClaudeCodeHarness:
 
     binary: str = field(default_factory=_default_claude)
     allowed_tools: Sequence[str] = ("Bash", "Read", "Write", "Edit", "Glob", "Grep")
+    tools: Sequence[str] | None = None
+    """``--tools``: the built-in tools the model is offered (None: the CLI's default set)."""
     max_turns: int = 30
     max_output_tokens: int | None = None
     output_format: str = "json"
@@ -153,7 +157,8 @@ class ClaudeCodeHarness:
     def argv(self, ctx: HarnessContext) -> list[str]:
         return [
             self.binary, "-p", ctx.task, "--model", ctx.model, "--allowedTools", " ".join(self.allowed_tools),
-            "--max-turns", str(self.max_turns), "--output-format", self.output_format, *self.extra_args,
+            "--max-turns", str(self.max_turns), "--output-format", self.output_format,
+            *(["--tools", ",".join(self.tools)] if self.tools is not None else []), *self.extra_args,
         ]  # fmt: skip
 
     def home(self, ctx: HarnessContext) -> Path:
