@@ -94,6 +94,38 @@ def test_sandbox_has_no_network(workspace):
     assert result.guarantees["no_network"] is True
 
 
+@needs_isolation
+@pytest.mark.parametrize("run_as", ["per-run", None])
+def test_sandbox_cannot_connect_to_a_filesystem_unix_socket(workspace, run_as):
+    """A service's unix socket reachable by path (mode 777, through the read-only mounts) refuses the check: it
+    cannot even create an AF_UNIX socket (issue 15 #11). Anonymous socket pairs still work."""
+    folder = Path(tempfile.mkdtemp(prefix="gyre-unix-"))
+    os.chmod(folder, 0o755)
+    path = folder / "service.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    os.chmod(path, 0o777)
+    listener.listen(1)
+    code = (
+        "import socket\n"
+        "a, b = socket.socketpair(); a.send(b'x'); print('PAIR', b.recv(1).decode())\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        f"s.connect({str(path)!r}); print('CONNECTED')\n"
+    )
+    try:
+        result = run(_sandbox(run_as=run_as).run(["/usr/bin/python3", "-I", "-c", code], workspace))
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing reached the service
+            listener.accept()
+    finally:
+        listener.close()
+        shutil.rmtree(folder)
+    assert "PAIR x" in result.stdout_tail, result.stderr_tail
+    assert "CONNECTED" not in result.stdout_tail
+    assert "PermissionError" in result.stderr_tail, result.stderr_tail
+    assert result.guarantees["no_unix_sockets"] is True
+
+
 def _processes_with(token: str) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():

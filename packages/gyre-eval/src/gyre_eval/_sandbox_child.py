@@ -17,8 +17,10 @@ import contextlib
 import ctypes
 import json
 import os
+import platform
 import resource
 import signal
+import struct
 import sys
 import warnings  # noqa: F401  (os.execvpe imports it lazily; after dropping privileges the stdlib may be unreadable)
 
@@ -131,9 +133,56 @@ def _die_with_parent(parent: int) -> None:
         os._exit(137)
 
 
+# seccomp: (audit arch, socket, io_uring_setup) per machine. Other architectures fail closed (no filter: no check).
+_SYSCALLS = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER, AF_UNIX, EACCES = 22, 2, 1, 13
+RET_ALLOW, RET_ERRNO = 0x7FFF0000, 0x00050000
+
+
+def _deny_unix_sockets() -> None:
+    """A seccomp filter: `socket(AF_UNIX, ...)` fails with EACCES, so the check cannot connect to any filesystem (or
+    abstract) unix socket of the host (a service's socket, another check's) through the read-only mounts. Anonymous
+    pairs (`socketpair`) still work. io_uring (which can open sockets without the syscall) and foreign syscall ABIs
+    (x32, 32-bit) are refused too: the filter could not see their socket calls."""
+    arch = _SYSCALLS.get(platform.machine())
+    if arch is None:
+        raise SetupError(f"no unix-socket filter for {platform.machine()}")
+    audit_arch, nr_socket, nr_io_uring_setup = arch
+    ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06
+    deny = RET_ERRNO | EACCES
+    prog = [
+        (ld_w_abs, 0, 0, 4),  # seccomp_data.arch
+        (jeq_k, 1, 0, audit_arch),
+        (ret_k, 0, 0, deny),  # another ABI
+        (ld_w_abs, 0, 0, 0),  # seccomp_data.nr
+        (jge_k, 0, 1, 0x40000000),  # x32 syscall numbers
+        (ret_k, 0, 0, deny),
+        (jeq_k, 0, 1, nr_io_uring_setup),
+        (ret_k, 0, 0, deny),
+        (jeq_k, 0, 3, nr_socket),
+        (ld_w_abs, 0, 0, 16),  # args[0] (domain), low 32 bits (little-endian)
+        (jeq_k, 0, 1, AF_UNIX),
+        (ret_k, 0, 0, deny),
+        (ret_k, 0, 0, RET_ALLOW),
+    ]
+    raw = b"".join(struct.pack("HBBI", *ins) for ins in prog)
+    buf = ctypes.create_string_buffer(raw, len(raw))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = SockFprog(len(prog), ctypes.cast(buf, ctypes.c_void_p))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise SetupError(f"seccomp filter (no unix sockets): {os.strerror(err)}")
+
+
 def _exec(spec: dict, status_fd: int) -> None:
     os.chdir(spec["cwd"])
     _prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid/setgid bits and file capabilities are ignored from here on
+    if spec["isolate"]:
+        _deny_unix_sockets()  # after no_new_privs (an unprivileged filter needs it), before the check's code
     os.set_inheritable(status_fd, False)
     os.write(status_fd, b"ok")  # exec closes the fd; if exec fails, main() appends the error
     os.execvpe(spec["argv"][0], spec["argv"], spec["env"])

@@ -109,6 +109,7 @@ class Sandbox:
             "rlimits": True,
             "scrubbed_env": True,
             "no_network": iso,
+            "no_unix_sockets": iso,
             "read_only_outside_copy": iso,
             "pid_namespace": iso,
             "privileges": ("uid per run" if per_run else "uid " + str(self.config.run_as))
