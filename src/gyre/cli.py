@@ -61,7 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=text)
         if name == "run":
-            p.add_argument("config", type=Path, help="TOML or JSON config file")
+            p.add_argument("config", type=Path, nargs="?", help="TOML or JSON config file")
+            p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                           help="continue an interrupted run from its last step checkpoint (its own config; "
+                                "--steps may raise the total)")  # fmt: skip
         else:
             p.add_argument("--config", type=Path, default=None, help="TOML or JSON config file")
         p.add_argument(
@@ -85,11 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _run_until_signal(cfg: RunConfig, command: str) -> int:
+async def _run_until_signal(cfg: RunConfig, command: str, resume=None) -> int:
     from gyre.launch import make_launcher
     from gyre.pipeline import RunDirError, run
 
-    services = make_launcher(cfg)
+    services = make_launcher(cfg, resume.run_dir if resume else None)
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     caught: list[int] = []
@@ -102,7 +105,7 @@ async def _run_until_signal(cfg: RunConfig, command: str) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        summary = await run(cfg, services)
+        summary = await run(cfg, services, resume)
     except asyncio.CancelledError:
         if not caught:
             raise
@@ -142,6 +145,22 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             print(write_report(args.run_dir))
             return 0
+        if getattr(args, "resume", None) is not None:
+            from gyre.resume import ResumeError, find_resume_point
+
+            if args.config is not None or args.set or args.run_dir or args.ray:
+                print("gyre run: --resume takes the run's own config; only --steps may be given with it",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            try:
+                resume = find_resume_point(args.resume, args.steps)
+            except ResumeError as exc:
+                print(f"gyre run: cannot resume: {exc}", file=sys.stderr)
+                return 2
+            return asyncio.run(_run_until_signal(resume.cfg, args.command, resume))
+        if args.command == "run" and args.config is None:
+            print("gyre run: a config file is needed (or --resume RUN_DIR)", file=sys.stderr)
+            return 2
         cfg = _resolve(args)
     except ConfigError as exc:
         print(f"gyre {args.command}: {exc}", file=sys.stderr)

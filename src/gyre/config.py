@@ -82,6 +82,9 @@ class TrainConfig(_Section):
     """A satellite holding one micro-step longer than this is dropped and its work requeued."""
     dump_batches: list[int] = []
     """Batches whose micro-steps, weights and summed gradients are written to RUN/metrics/batches (checks)."""
+    checkpoint_keep: int = Field(2, ge=0)
+    """Step checkpoints kept under RUN/checkpoints/trainer (weights, optimizer, HF policy; one per step, the
+    last this many): what `gyre run --resume RUN` continues from. 0: only the final save."""
     loss: LossConfig = LossConfig()
     """The GSPO objective; the loss and its metrics read this one config."""
     hold_core_for_join: int | None = None

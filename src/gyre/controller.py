@@ -79,7 +79,7 @@ class Controller:
         for i, cell in enumerate(self.cells):
             self._spawn(self._pump_cell_events(i, cell))
         await self._initial_roles()
-        self._apply(0.0, start)
+        self._apply(self.policy.now, start)  # 0, or where a resumed run's trace left off
         for i in range(1, len(self.cells)):
             if self.policy.roles[i] is CellRole.TRAINING:
                 self._spawn(self.cells[i].join())

@@ -29,6 +29,7 @@ from gyre.launch import Launcher, make_launcher
 from gyre.launch.base import cell_configs
 from gyre.monitor import RunMonitor
 from gyre.report import write_report
+from gyre.resume import ResumePoint
 from gyre.tasks import demo_queries, scoring_command
 from gyre_eval.config import ServiceConfig
 from gyre_eval.exec_check import ExecCheckConfig
@@ -84,9 +85,10 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
     return cfg, run_dir
 
 
-async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
-    """One run; `services` lets the caller stop the processes from a signal handler (see gyre.cli)."""
-    cfg, run_dir = prepare_run_dir(cfg)
+async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePoint | None = None) -> dict:
+    """One run; `services` lets the caller stop the processes from a signal handler (see gyre.cli); `resume`
+    continues an interrupted one (gyre.resume; `cfg` is then its config)."""
+    cfg, run_dir = (resume.cfg, resume.run_dir) if resume else prepare_run_dir(cfg)
     started = time.monotonic() - process_age_s()  # wall_s counts interpreter start and imports too
     model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
     if cfg.model.path is None and not (model_dir / "config.json").exists():
@@ -99,21 +101,29 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
             shutil.copytree(demo_policy(), model_dir)  # built on first use, then cached (gyre.demo_model)
 
     params = cfg.policy_params()
-    policy = make_policy(params)
+    policy = make_policy(params) if resume is None else resume.policy(make_policy(params))
     queries = (
         task_queries(cfg.tasks.file, cfg.tasks.limit) if cfg.tasks.file else demo_queries(cfg.train.seed)
     )
     services = services or make_launcher(cfg, run_dir)
     services.run_dir = run_dir
-    start = policy.start(0.0)  # Async assigns its training cells here: the header records the initial roles
+    # Async assigns its training cells here: the header records the initial roles. A resumed run starts where its
+    # trace left off.
+    start = policy.start(resume.t_end if resume else 0.0)
     header = {**policy_header(params), "real": True, "initial_roles": [r.value for r in policy.roles]}
     # Unbuffered: every trace line reaches the file when written, so a crash loses no event.
-    trace = TraceWriter((run_dir / "trace.jsonl").open("wb", buffering=0), header)
+    if resume is None:
+        trace = TraceWriter((run_dir / "trace.jsonl").open("wb", buffering=0), header)
+    else:
+        trace = resume.trace(header["initial_roles"])
     monitor: RunMonitor | None = None
     try:
         log.info("starting %d cell worker(s), %d standalone engine(s) and the TITO proxy",
                  cfg.cluster.cells, cfg.cluster.standalone_engines)  # fmt: skip
-        await services.start_cells(cell_configs(cfg, run_dir, model_dir))
+        if resume is None:
+            await services.start_cells(cell_configs(cfg, run_dir, model_dir))
+        else:
+            await services.start_cells(resume.cell_configs(cell_configs(cfg, run_dir, resume.model_dir)))
         await services.start_proxy(model_dir, temperature=cfg.model.temperature)
         # -I -S: the built-in agent needs only the standard library, so it starts without site-packages (~30 ms)
         agent_argv = [sys.executable, "-I", "-S", agent.__file__, "--workspace", "{workspace}", "--task", "{task}",
@@ -134,6 +144,8 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
         published = (await services.cells[0].status()).published
         controller = Controller(cfg, run_dir, policy, trace, runner, services.cells, services.standalone,
                                 assessments, queries, published)  # fmt: skip
+        if resume is not None:
+            resume.continue_clock(controller)
         monitor = RunMonitor(cfg, run_dir, controller)  # metrics sink, live dashboard, progress bar
         controller.on_step = monitor.on_step
         await monitor.start()
@@ -142,7 +154,8 @@ async def run(cfg: RunConfig, services: Launcher | None = None) -> dict:
         try:
             steps = await services.supervise(controller.run(cfg.train.steps, start))
             final = await services.supervise(controller.finish())
-            state = json.dumps(controller.scheduler_state(), indent=1)
+            state = controller.scheduler_state()
+            state = json.dumps(resume.scheduler_state(state) if resume else state, indent=1)
             (run_dir / "metrics" / "scheduler.json").write_text(state + "\n")
         finally:
             await monitor.end_run()

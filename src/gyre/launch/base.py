@@ -98,7 +98,7 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
                 claim_timeout_s=t.claim_timeout_s, snapshot=cfg.weights.snapshot, dump_batches=t.dump_batches,
                 hold_core_for_join=t.hold_core_for_join, backend=t.backend, tensor_parallel=t.tensor_parallel,
                 pipeline_parallel=t.pipeline_parallel, context_parallel=t.context_parallel,
-                expert_parallel=t.expert_parallel,
+                expert_parallel=t.expert_parallel, checkpoint_keep=t.checkpoint_keep,
             )  # fmt: skip
         out.append(
             CellWorkerConfig(

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from gyre_cell.roles import TorchTrainingState
+from gyre_cell.step_checkpoint import load_step_checkpoint, write_step_checkpoint
 from gyre_cell.transfer.publisher import WeightPublisher
 from gyre_cell.worker_types import CellWorkerConfig, PublishedWeights
 from gyre_train.backends import build_backend
@@ -77,16 +78,23 @@ class CellTraining:
             tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
             context_parallel=t.context_parallel, expert_parallel=t.expert_parallel,
         )  # fmt: skip
+        # A resumed run: weights (also the engine's model_path) and optimizer state of the last checkpointed step.
+        self.version = 0
+        if self.is_core and t.resume_from is not None:
+            self.version = load_step_checkpoint(Path(t.resume_from), self.backend)
         self.state = TorchTrainingState(self.backend.model, self.backend.optimizer)
         self.worker = CellWorker(cfg.cell, self.backend, t.loss)
-        self.version = 0
         self.publisher: WeightPublisher | None = None
-        self.published = PublishedWeights(version=0, path=cfg.engine.model_path)
+        self.published = PublishedWeights(version=self.version, path=cfg.engine.model_path)
         if self.is_core and cfg.weights == "mooncake":
-            # Layout fixed now, from the initial model (version 0); refreshed in place at each publication.
-            self.publisher = WeightPublisher(self.backend.hf_state_dict(), version=0, config=cfg.mooncake)
+            # Layout fixed now, from the initial model; refreshed in place at each publication.
+            self.publisher = WeightPublisher(
+                self.backend.hf_state_dict(), version=self.version, config=cfg.mooncake
+            )
             url = self.publisher.serve_manifest(cfg.host)
-            self.published = PublishedWeights(version=0, manifest_url=url, path=cfg.engine.model_path)
+            self.published = PublishedWeights(
+                version=self.version, manifest_url=url, path=cfg.engine.model_path
+            )
         self.state.offload_blocking()  # every cell starts in rollout: the engine has the memory
         self.snapshots = _snapshot_channel(cfg)
         self.abort = threading.Event()
@@ -107,6 +115,7 @@ class CellTraining:
                 packing=packing, loss=t.loss, max_grad_norm=t.max_grad_norm, queue_ahead=t.queue_ahead
             )
             self.trainer = Trainer(trainer_cfg, self.worker, self.buffer)
+            self.trainer.version = self.version
             self.trainer.on_event = self._on_trainer_event
             self.core = CoreRunner(mc, self.trainer, self.groups, snapshots=self.snapshots)
         else:
@@ -156,7 +165,13 @@ class CellTraining:
                 before_core_item=self._hold_for_join, final=final, abort=self.abort, dump_dir=dump_dir
             )
             self.version = report.policy_version
-            self.emit("step_end", report=report.model_dump(mode="json"))
+            row = report.model_dump(mode="json")
+            # Before step_end: a step the controller recorded always has its checkpoint.
+            if self.cfg.training.checkpoint_keep:
+                root = Path(self.cfg.run_dir) / "checkpoints" / "trainer"
+                write_step_checkpoint(root, self.trainer, self._save_hf_to, row,
+                                      self.cfg.training.checkpoint_keep)  # fmt: skip
+            self.emit("step_end", report=row)
 
         self._background(f"step-{version}", run)
 
@@ -202,6 +217,11 @@ class CellTraining:
 
     def _save_hf(self, version: int) -> Path:
         out = Path(self.cfg.run_dir) / "checkpoints" / f"policy-v{version}"
+        self._save_hf_to(out)
+        return out
+
+    def _save_hf_to(self, out: Path) -> None:
+        """The policy as a checkpoint engines and backends load: weights + the tokenizer files of the model."""
         self.backend.save_hf_pretrained(out)
         src = Path(self.cfg.engine.model_path)
         for name in _TOKENIZER_FILES:
@@ -213,7 +233,9 @@ class CellTraining:
         """The final save: the policy as a checkpoint engines can load, and the trainer state."""
         with self._resident():
             path = self._save_hf(version)
-            save_checkpoint(Path(self.cfg.run_dir) / "checkpoints" / "trainer", self.trainer)
+            root = Path(self.cfg.run_dir) / "checkpoints" / "trainer"
+            if not (root / f"step-{self.trainer.version}" / "meta.json").exists():  # else: the step's own
+                save_checkpoint(root, self.trainer)
         return PublishedWeights(version=version, path=str(path))
 
     def published_tensors(self) -> dict[str, torch.Tensor] | None:

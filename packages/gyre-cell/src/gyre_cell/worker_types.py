@@ -85,6 +85,11 @@ class CellTrainingConfig(_Wire):
     context_parallel: int = Field(1, ge=1)
     expert_parallel: int = Field(1, ge=1)
     """Parallel sizes inside the cell (megatron; 1 for a one-process cell)."""
+    checkpoint_keep: int = Field(2, ge=0)
+    """The core writes RUN/checkpoints/trainer/step-V (weights, optimizer, HF policy) after every step and keeps the
+    last this many (0: only the final save); `gyre run --resume` continues from the newest."""
+    resume_from: str | None = None
+    """A step checkpoint directory: the core restores its weights, optimizer state and version from it."""
 
 
 class CellWorkerConfig(_Wire):
