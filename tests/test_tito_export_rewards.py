@@ -13,7 +13,9 @@ from gyre_tito.records import ExecutionRecords, encode_line, log_path
 from gyre_tito.synthetic import SessionDriver
 
 
-def _run_dir(tmp_path):
+def _run_dir(tmp_path, groups=None):
+    """`groups`: execution -> group (default: all four in g0)."""
+    groups = {"e0": "g0", "e1": "g0", "e2": "g0", "e3": "g0"} | (groups or {})
     run = tmp_path / "run"
     recs = run / "records" / "records"
     for eid in ("e0", "e1", "e2", "e3"):
@@ -30,7 +32,8 @@ def _run_dir(tmp_path):
     store = AssessmentStore(run)
     store.close()
     con = sqlite3.connect(run / "assessments.sqlite")
-    con.execute("INSERT INTO groups VALUES ('g0', 4, 4)")
+    for gid in sorted(set(groups.values())):
+        con.execute("INSERT INTO groups VALUES (?, 4, 4)", (gid,))
     rows = [
         ("e0", "valid", 0.75, 1),
         ("e1", "no_work", 0.0, 1),
@@ -38,7 +41,7 @@ def _run_dir(tmp_path):
         ("e3", "valid", 1.0, 1),
     ]
     for i, (eid, status, score, final) in enumerate(rows):
-        con.execute("INSERT INTO executions VALUES (?, 'g0', ?)", (eid, i))
+        con.execute("INSERT INTO executions VALUES (?, ?, ?)", (eid, groups[eid], i))
         con.execute(
             "INSERT INTO assessments (id, execution_id, branch, artifact_version, evaluator, designated, submission,"
             " submitted_at, deadline, status, score, final, provenance) VALUES (?, ?, 'main', 'final', 'task', 1,"
@@ -84,3 +87,30 @@ def test_export_joins_rewards(tmp_path):
         [*cmd[:-3], str(tmp_path / "nothing"), "--out", str(out)], capture_output=True, text=True
     )
     assert r.returncode == 2 and r.stderr.startswith("gyre-tito export: ") and r.stderr.count("\n") == 1
+
+
+def test_export_per_step_groups_rows_by_the_step_that_trained_them(tmp_path):
+    run = _run_dir(tmp_path, {"e3": "g1", "e1": "g2"})
+    (run / "metrics").mkdir()
+    steps = [{"policy_version": 1, "group_ids": ["g1"]}, {"policy_version": 2, "group_ids": ["g0"]}]
+    (run / "metrics" / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    out = tmp_path / "steps"
+    r = subprocess.run([sys.executable, "-m", "gyre_tito.cli", "export", str(run), "--out", str(out), "--per-step"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert sorted(p.name for p in out.iterdir()) == ["step-00001.parquet", "step-00002.parquet"]
+    one = pq.read_table(out / "step-00001.parquet").to_pylist()
+    two = pq.read_table(out / "step-00002.parquet").to_pylist()
+    assert {(t["execution_id"], t["group_id"], t["step"], t["reward"]) for t in one} == {("e3", "g1", 1, 1.0)}
+    assert {(t["execution_id"], t["group_id"], t["step"], t["reward"]) for t in two} == {
+        ("e0", "g0", 2, 0.75)
+    }
+    # e1's group was never trained, e2 has no final reward
+    assert summary["skipped"] == {
+        "e1": "group g2 was not trained in any step",
+        "e2": "no reward (assessment unresolved)",
+    }
+    r = subprocess.run([sys.executable, "-m", "gyre_tito.cli", "export", str(run / "records"), "--out", str(out),
+                        "--per-step"], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "steps.jsonl" in r.stderr

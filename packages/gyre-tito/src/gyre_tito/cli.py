@@ -7,8 +7,8 @@
   the store or a `--export-dir DIR` (repeatable).
 - `gyre-tito tiny-tokenizer DIR`: write the tiny offline Qwen3-style tokenizer (tests, demos).
 - `gyre-tito scripted-engine --tokenizer DIR --script FILE --port N`: serve a scripted `/generate` engine.
-- `gyre-tito export SOURCE --out PATH [--format parquet|dataset] [--rewards DB]`: selected trajectories of a run or
-  store with their rewards joined (`gyre_tito.dataset_export`).
+- `gyre-tito export SOURCE --out PATH [--format parquet|dataset] [--rewards DB] [--per-step]`: selected trajectories
+  of a run or store with their rewards joined, optionally one file per optimizer step (`gyre_tito.dataset_export`).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _export(a: argparse.Namespace) -> int:
     try:
         summary = export_dataset(
             a.source, a.out, fmt=a.format, rewards=a.rewards, executions=a.execution or None,
-            j_max=a.j_max, seed=a.seed, include_unrewarded=a.include_unrewarded,
+            j_max=a.j_max, seed=a.seed, include_unrewarded=a.include_unrewarded, per_step=a.per_step,
         )  # fmt: skip
     except (FileNotFoundError, ValueError) as e:
         print(f"gyre-tito export: {e}", file=sys.stderr)
@@ -219,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--j-max", type=int, default=5)
     x.add_argument("--seed", type=int, default=0)
     x.add_argument("--include-unrewarded", action="store_true", help="also executions without a final reward")
+    x.add_argument(
+        "--per-step",
+        action="store_true",
+        help="a run's rows in one file per optimizer step (step-NNNNN.parquet)",
+    )
     x.set_defaults(fn=_export)
     a = ap.parse_args(argv)
     return a.fn(a)

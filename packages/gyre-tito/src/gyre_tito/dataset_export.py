@@ -11,6 +11,12 @@ Columns: the trajectory columns of ``gyre_tito.export`` plus ``reward`` (float64
 ``assessment_status`` (``valid`` / ``no_work`` / ``unresolved`` / ``none``). ``format="parquet"`` writes one file;
 ``format="dataset"`` writes ``OUT/data/train-00000-of-00001.parquet`` and ``OUT/README.md`` (loadable with
 ``datasets.load_dataset("parquet", data_dir="OUT/data")`` or plain pyarrow).
+
+``per_step=True`` (a run directory only) groups the rows by the optimizer step that trained them, read from the run's
+``metrics/steps.jsonl`` (each step lists its groups; the step number is the policy version it produced): one file
+per step, ``OUT/step-00001.parquet`` (``format="parquet"``: OUT is a folder) or ``OUT/data/step-00001.parquet``,
+with a ``step`` column (int32). Executions of groups no step trained (cancelled, or still running at the end) are
+left out and counted in ``skipped``.
 """
 
 from __future__ import annotations
@@ -87,6 +93,20 @@ def _rewards(db: Path | None) -> tuple[dict[str, tuple[str, float | None]], dict
     return out, groups
 
 
+def _steps(run: Path) -> dict[str, int]:
+    """Group id -> the optimizer step (policy version it produced) that trained it, from RUN/metrics/steps.jsonl."""
+    path = run / "metrics" / "steps.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: per-step export needs a run directory with its step metrics")
+    out: dict[str, int] = {}
+    for line in path.read_bytes().splitlines():
+        if line.strip():
+            step = orjson.loads(line)
+            for gid in step["group_ids"]:
+                out[gid] = int(step["policy_version"])
+    return out
+
+
 def _rows(trajs: Iterable[Any], reward: float | None, status: str) -> list[dict[str, Any]]:
     return [{**t.model_dump(mode="json"), "reward": reward, "assessment_status": status} for t in trajs]
 
@@ -101,6 +121,7 @@ def export_dataset(
     j_max: int = 5,
     seed: int = 0,
     include_unrewarded: bool = False,
+    per_step: bool = False,
 ) -> ExportSummary:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -115,6 +136,7 @@ def export_dataset(
         raise FileNotFoundError(f"{db}: no such assessments store")
     by_exec, eval_groups = _rewards(db)
     groups = {**_groups_from_registry(registry), **eval_groups}
+    step_of = _steps(Path(source)) if per_step else None
     wanted = set(executions) if executions is not None else None
     config = SelectionConfig(j_max=j_max, seed=seed)
     rows: list[dict[str, Any]] = []
@@ -131,6 +153,9 @@ def export_dataset(
             skipped[eid] = f"no reward (assessment {status})"
             continue
         gid = groups.get(eid, eid)
+        if step_of is not None and gid not in step_of:
+            skipped[eid] = f"group {gid} was not trained in any step"
+            continue
         if status == "no_work":
             rows += _rows([placeholder_trajectory(eid, gid)], 0.0, status)
             n_exec += 1
@@ -143,17 +168,30 @@ def export_dataset(
         rows += _rows(select_trajectories(tree, gid, config), reward, status)
         n_exec += 1
     base = parquet_schema()
-    schema = pa.schema(
-        [*base, pa.field("reward", pa.float64()), pa.field("assessment_status", pa.string(), nullable=False)],
-        metadata=base.metadata,
-    )
-    table = pa.Table.from_pylist(rows, schema=schema)
+    fields = [
+        *base,
+        pa.field("reward", pa.float64()),
+        pa.field("assessment_status", pa.string(), nullable=False),
+    ]
     out = Path(out)
-    target = out if fmt == "parquet" else out / "data" / "train-00000-of-00001.parquet"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, target)
+    folder = out if fmt == "parquet" else out / "data"
+    if step_of is None:
+        parts = {folder / "train-00000-of-00001.parquet" if fmt == "dataset" else out: rows}
+    else:
+        fields.append(pa.field("step", pa.int32(), nullable=False))
+        parts = {}
+        for row in rows:
+            row["step"] = step_of[row["group_id"]]
+            parts.setdefault(folder / f"step-{row['step']:05d}.parquet", []).append(row)
+    schema = pa.schema(fields, metadata=base.metadata)
+    if step_of is not None:
+        folder.mkdir(parents=True, exist_ok=True)  # even when no step has rows
+    for target, part in sorted(parts.items()):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        pq.write_table(pa.Table.from_pylist(part, schema=schema), tmp)
+        os.replace(tmp, target)
+    target = next(iter(parts)) if step_of is None else folder
     if fmt == "dataset":
         (out / "README.md").write_text(
             "# Gyre trajectories\n\nOne row per selected trajectory (gyre-tito export): token_ids, target_mask, "
