@@ -22,6 +22,7 @@ from pathlib import Path
 
 import orjson
 
+from gyre.cell_loss import CellLosses
 from gyre.config import RunConfig
 from gyre.tasks import Query
 from gyre_cell.worker_client import CellCommandError, CellWorkerClient
@@ -68,6 +69,7 @@ class Controller:
         self.steps_done = 0
         self.target_steps = 0
         self.on_step: Callable[[dict], None] | None = None  # the run monitor: metrics, dashboard, progress
+        self.losses = CellLosses(self)  # satellites whose worker died (gyre.cell_loss)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -77,12 +79,12 @@ class Controller:
         """Run until `steps` optimizer steps are done; `start` = the decisions of `policy.start(0.0)`."""
         self.target_steps = steps
         for i, cell in enumerate(self.cells):
-            self._spawn(self._pump_cell_events(i, cell))
+            self._spawn(self._pump_cell_events(i, cell), cell=i)
         await self._initial_roles()
         self._apply(self.policy.now, start)  # 0, or where a resumed run's trace left off
         for i in range(1, len(self.cells)):
             if self.policy.roles[i] is CellRole.TRAINING:
-                self._spawn(self.cells[i].join())
+                self._spawn(self.cells[i].join(), cell=i)
         last_progress = 0.0
         while self.steps_done < steps:
             item = await self._next_event(idle_timeout_s)
@@ -159,14 +161,17 @@ class Controller:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
-    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task:
+    def _spawn(self, coro: Awaitable[None], cell: int | None = None) -> asyncio.Task:
+        """`cell`: the work talks to that cell; if it failed because the (satellite) cell died, the run goes on."""
+
         async def guarded() -> None:
             try:
                 await coro
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # surfaces in run(): a failed part must stop the run loudly
-                self.events.put_nowait(exc)
+                if not await self.losses.absorb(cell, exc):
+                    self.events.put_nowait(exc)
 
         def finished(task: asyncio.Task) -> None:
             self.tasks.discard(task)
@@ -194,7 +199,7 @@ class Controller:
                 case ev.Cancel(eid, _reason):
                     self.runner.cancel(eid)
                 case ev.BeginTransition(cell, _src, dst):
-                    self._spawn(self._transition(cell, dst, moved))
+                    self._spawn(self._transition(cell, dst, moved), cell=cell)
                 case ev.Publish(version):
                     self._spawn(self._publish(version))
                 case ev.OpenBatch(version) if (
@@ -305,7 +310,8 @@ class Controller:
     def _after_transition(self, cell: int, decisions: list[ev.Decision]) -> None:
         leaving = any(isinstance(d, ev.BeginTransition) and d.cell == cell for d in decisions)
         if cell > 0 and self.policy.roles[cell] is CellRole.TRAINING and not leaving:
-            self._spawn(self.cells[cell].join())  # after TransitionDone: its claims find it in training
+            # after TransitionDone: its claims find it in training
+            self._spawn(self.cells[cell].join(), cell=cell)
 
     async def _transition(self, cell: int, dst: CellRole, reroutes: Awaitable) -> None:
         client = self.cells[cell]
@@ -353,10 +359,11 @@ class Controller:
         t0 = time.perf_counter()
         ref = await self.cells[0].publish(version)
         targets = [c for i, c in enumerate(self.cells) if self._serving(i)] + self.standalone
-        loads = await asyncio.gather(*(c.load_weights(ref) for c in targets))
+        loads = await asyncio.gather(*(c.load_weights(ref) for c in targets), return_exceptions=True)
+        loads = await self.losses.check(targets, loads)  # a satellite that died meanwhile: left out
         self.published = ref
         row = {"version": version, "transport": self.cfg.weights.transport, "core_s": round(ref.seconds, 4),
-               "load_s": [round(x.seconds, 4) for x in loads], "engines": len(targets),
+               "load_s": [round(x.seconds, 4) for x in loads], "engines": len(loads),
                "total_s": round(time.perf_counter() - t0, 4), "t": round(self.now(), 3)}  # fmt: skip
         with (self.run_dir / "metrics" / "publish.jsonl").open("ab") as out:
             out.write(orjson.dumps(row) + b"\n")
