@@ -25,6 +25,8 @@ factor is 1): the per-token coefficients stay exact (DESIGN §7.2). Partial grad
 embeddings under PP) and the data-parallel reduce-scatter are finalized once, by ``finalize_model_grads`` in the
 core's ``optimizer_step``; ``flat_grads`` / ``set_flat_grads`` move this rank's raw fp32 main grads (sums are linear,
 so satellites' raw gradients added before the finalization give the same total).
+Checkpoints (``state_dict``) are per rank: on the bf16 path the bf16 model and this rank's optimizer shard (fp32
+main parameters and Adam moments), restored on the same layout.
 
 Streaming several micro-steps through one 1F1B pipeline (PP > 1) is :mod:`gyre_train.megatron.pipeline`; this
 module's ``forward_backward`` runs one micro-step per schedule call.
@@ -503,21 +505,69 @@ class MegatronBackend:
         return total
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's checkpoint. fp32: model + torch Adam. bf16: the bf16 model and this rank's optimizer shard
+        (its fp32 main parameters and Adam state: with the distributed optimizer each data-parallel rank saves only
+        its own part), restorable on the same layout (:meth:`load_state_dict` checks it)."""
         if self.mixed:
-            raise NotImplementedError(
-                "checkpoints of the bf16 path (megatron's sharded optimizer state) are not implemented"
-            )
+            shards = self._optimizer_shards()
+            return {"model": self.model.state_dict(), "layout": self._layout(), "shards": shards}
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.mixed != ("shards" in state):
+            raise ValueError(
+                f"a {'bf16' if 'shards' in state else 'fp32'} checkpoint cannot load into a "
+                f"{self.cfg.params_dtype} backend"
+            )
         if self.mixed:
-            raise NotImplementedError("checkpoints of the bf16 path are not implemented")
+            if state["layout"] != self._layout():
+                raise ValueError(f"checkpoint of layout {state['layout']}, this rank has {self._layout()}")
+            self.model.load_state_dict(state["model"])
+            self._load_optimizer_shards(state["shards"])
+            return
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+
+    def _layout(self) -> dict[str, int | bool]:
+        """What a bf16 checkpoint's optimizer shard depends on: the parallel sizes, this rank's place, sharding."""
+        ps = parallel_state
+        return {
+            "tp": ps.get_tensor_model_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "dp": self.dp_size, "dp_rank": self.dp_rank, "distributed_optimizer": self.cfg.distributed_optimizer,
+            "optimizer": self.optimizer is not None,
+        }  # fmt: skip
+
+    def _inner_optimizers(self) -> list:
+        """The torch optimizers inside megatron's (one per chained optimizer): their parameters are this rank's
+        fp32 main parameters (a shard of them with the distributed optimizer), their state the Adam moments."""
+        if self.optimizer is None:
+            return []
+        return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+
+    def _optimizer_shards(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "state": inner.state_dict(),
+                "main": [[p.detach().cpu().clone() for p in g["params"]] for g in inner.param_groups],
+            }
+            for inner in self._inner_optimizers()
+        ]
+
+    def _load_optimizer_shards(self, shards: list[dict[str, Any]]) -> None:
+        inners = self._inner_optimizers()
+        if len(shards) != len(inners):
+            raise ValueError(f"checkpoint has {len(shards)} optimizer shards, this rank {len(inners)}")
+        for inner, shard in zip(inners, shards, strict=True):
+            with torch.no_grad():
+                for group, saved in zip(inner.param_groups, shard["main"], strict=True):
+                    for p, v in zip(group["params"], saved, strict=True):
+                        p.copy_(v.to(p.device))
+            inner.load_state_dict(shard["state"])
 
     # --- publication -------------------------------------------------------------------------------------------
 
