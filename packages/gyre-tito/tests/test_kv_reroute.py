@@ -186,46 +186,119 @@ def test_migration_off_sends_a_plain_abort() -> None:
     asyncio.run(case_migration_off_sends_a_plain_abort())
 
 
-async def case_moved_context_draws_the_next_call_to_its_engine() -> None:
-    """An idle execution's context moves at the drain to the engine of its route that is free then (C, while B is
-    busy); its next call goes to C although B is as free by then, and is served from the moved blocks (the engine's
-    `migrated_tokens`, not its own prefix cache)."""
-    C = "http://c"
-    seen: list[tuple[str, str, Any]] = []
-    moved = PROMPT + FIRST  # the first call's context, whole blocks of it cached at A
+C = "http://c"
+MOVED = PROMPT + FIRST  # the first call's context: A holds its KV
 
-    async def handler(request: httpx.Request) -> httpx.Response:
+
+class ContextEngines:
+    """Engines for moves of an idle execution's context: A serves the first call and pins its context, B and C take
+    it over (optionally held at `gate`) and report on each call how many tokens came from a takeover
+    (`migrated_tokens`, 8 when the call starts with the moved context there); B also has the prompt in its own
+    prefix cache (`cached_tokens` 5, not migrated)."""
+
+    def __init__(self, gate: asyncio.Event | None = None) -> None:
+        self.gate, self.takeover_started = gate, asyncio.Event()
+        self.installed: set[str] = set()
+        self.generated: list[str] = []
+        client = httpx.AsyncClient(transport=httpx.MockTransport(self.handler))
+        self.pool = EnginePool(
+            EnginePoolConfig(engines=[A, B, C], retry_backoff_s=0.0, stream=False), client=client
+        )
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
         host, path = f"http://{request.url.host}", request.url.path
         body = orjson.loads(request.content) if request.content else None
-        seen.append((host, path, body))
         if path == "/kv/pin":
-            return httpx.Response(200, json={"migration_id": "m2", "peer": "x:1", "token_ids": moved})
+            return httpx.Response(200, json={"migration_id": "m2", "peer": "x:1", "token_ids": MOVED})
         if path == "/kv/takeover":
+            self.takeover_started.set()
+            if self.gate is not None:
+                await self.gate.wait()  # the move is under way until the test opens the gate
+            self.installed.add(host)
             return httpx.Response(
                 200, json={"migration_id": "m2", "status": "installed", "migrated_tokens": 8, "nbytes": 64}
             )
-        ids = body["input_ids"]
-        taken = 8 if host == C and ids[:8] == moved else 0  # C admits the call on the adopted sequence
-        own = 5 if host == B else 0  # B has the task prompt in its own prefix cache: not migrated KV
+        self.generated.append(host)
+        taken = 8 if host in self.installed and body["input_ids"][:8] == MOVED else 0
+        own = 5 if host == B else 0
         meta = {"finish_reason": {"type": "stop"}, "completion_tokens": 3, "cached_tokens": taken or own,
                 "migrated_tokens": taken, "weight_version": "1", "output_token_logprobs": [[-0.5, 11 + i, None] for i in range(3)]}  # fmt: skip
         return httpx.Response(200, json={"output_ids": [11, 12, 13], "meta_info": meta})
 
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    pool = EnginePool(EnginePoolConfig(engines=[A, B, C], retry_backoff_s=0.0, stream=False), client=client)
-    route = [A]
+
+async def case_moved_context_draws_the_next_call_to_its_engine() -> None:
+    """An idle execution's context moves at the drain to the engine of its route that is free then (C, while B is
+    busy); its next call goes to C although B is as free by then, and is served from the moved blocks (the engine's
+    `migrated_tokens`, not its own prefix cache)."""
+    e = ContextEngines()
+    pool, route = e.pool, [A]
     await pool.generate(PROMPT, {"max_new_tokens": 3}, route=lambda: route, key="x")
     route[:] = [B, C]  # the execution moves; B is busy with another call while A drains
     pool._engines[B].inflight["other"] = 0
     await pool.drain(A, timeout_s=10)
     del pool._engines[B].inflight["other"]
-    await pool.generate([*moved, 30, 31], {"max_new_tokens": 3}, route=lambda: route, key="x")
+    await pool.generate([*MOVED, 30, 31], {"max_new_tokens": 3}, route=lambda: route, key="x")
     await pool.aclose()
     (rec,) = pool.reroutes
     assert (rec.kind, rec.status, rec.destination, rec.migrated_tokens) == ("prefix", "installed", C, 8)
-    assert [h for h, p, _ in seen if p == "/generate"] == [A, C]
+    assert e.generated == [A, C]
     assert rec.served_tokens == 8 and rec.recomputed_tokens == 0
+
+
+async def case_next_call_waits_for_its_contexts_move() -> None:
+    """A call of an execution whose context is still being moved at a drain waits for that move to end, then goes
+    where the context landed (it does not race the move and recompute)."""
+    gate = asyncio.Event()
+    e = ContextEngines(gate)
+    pool, route, reads = e.pool, [A], []
+
+    def current_route() -> list[str]:
+        reads.append(gate.is_set())  # when the call picks its engine: before or after the move ended
+        return route
+
+    await pool.generate(PROMPT, {"max_new_tokens": 3}, route=current_route, key="x")
+    route[:] = [B, C]
+    pool._engines[B].inflight["other"] = 0  # B busy while A drains: the context goes to C
+    drain = asyncio.create_task(pool.drain(A, timeout_s=10))
+    await asyncio.wait_for(e.takeover_started.wait(), 10)
+    del pool._engines[B].inflight["other"]
+    reads.clear()
+    nxt = asyncio.create_task(
+        pool.generate([*MOVED, 30], {"max_new_tokens": 3}, route=current_route, key="x")
+    )
+    await asyncio.sleep(0)  # one yield: the new call runs up to its first suspension (not a timed wait)
+    gate.set()
+    await asyncio.wait_for(drain, 10)
+    await asyncio.wait_for(nxt, 10)
+    await pool.aclose()
+    assert reads and reads[0] is True  # it picked its engine only once the move had ended
+    assert e.generated == [A, C]
+    (rec,) = pool.reroutes
+    assert rec.served_tokens == 8 and rec.recomputed_tokens == 0
+
+
+async def case_rerouted_execution_takes_its_context_along() -> None:
+    """An execution moved to another engine before its old one drains (the controller reroutes first): its next
+    call moves its context there first (pin at A, takeover at C) and is served from it; no drain needed."""
+    e = ContextEngines()
+    pool, route = e.pool, [A]
+    await pool.generate(PROMPT, {"max_new_tokens": 3}, route=lambda: route, key="x")
+    route[:] = [C]
+    await pool.generate([*MOVED, 30], {"max_new_tokens": 3}, route=lambda: route, key="x")
+    await pool.generate([*MOVED, 30, 11, 12, 13, 31], {"max_new_tokens": 3}, route=lambda: route, key="x")
+    await pool.aclose()
+    (rec,) = pool.reroutes  # one move: the call after it finds its context at C already
+    assert (rec.kind, rec.source, rec.destination, rec.status) == ("prefix", A, C, "installed")
+    assert e.generated == [A, C, C] and rec.served_tokens == 8 and rec.recomputed_tokens == 0
 
 
 def test_moved_context_draws_the_next_call_to_its_engine() -> None:
     asyncio.run(case_moved_context_draws_the_next_call_to_its_engine())
+
+
+def test_next_call_waits_for_its_contexts_move() -> None:
+    asyncio.run(case_next_call_waits_for_its_contexts_move())
+
+
+def test_rerouted_execution_takes_its_context_along() -> None:
+    asyncio.run(case_rerouted_execution_takes_its_context_along())

@@ -12,9 +12,11 @@
   An engine without `/kv/pin` (SGLang), a refusal or any failure falls back to a plain abort and a recompute.
   Calls made with a `key` (the proxy passes the execution id) also leave their context behind: `drain` moves the
   reusable prefix of every execution last served by the drained engine to an engine of its current route right away
-  (pin by token ids, takeover), so the execution's next call starts from migrated blocks too: that call goes to
-  the engine holding them whenever its route still includes it. What a moved call was served from is what the
-  engine reports as `migrated_tokens` (torch engines), else its `cached_tokens`.
+  (pin by token ids, takeover), so the execution's next call starts from migrated blocks too: that call waits for
+  its context's move if one runs, and goes to the engine holding the blocks whenever its route still includes it.
+  An execution whose route no longer includes the engine holding its context (the controller reroutes before it
+  drains) takes the context along on its next call: pin there, takeover at the new engine, then the call. What a
+  moved call was served from is what the engine reports as `migrated_tokens` (torch engines), else `cached_tokens`.
 - Routing: least in-flight requests among the route's engines that are not draining and not cooling down after a
   failure. Routes are global (`set_engines`) or per execution (the caller passes `route`).
 """
@@ -22,7 +24,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 import uuid
@@ -34,6 +35,8 @@ from typing import Any
 import httpx
 import orjson
 from pydantic import BaseModel, Field
+
+from gyre_tito.kv_moves import KVMoves, Reroute
 
 __all__ = [
     "EngineError",
@@ -116,34 +119,6 @@ class _Attempt:
     first_at: float | None = None
 
 
-@dataclass
-class Reroute:
-    """One request moved off a drained engine: what the destination got from the source's KV, what it recomputed."""
-
-    rid: str
-    source: str
-    destination: str
-    context_tokens: int
-    """Tokens of the retried prompt."""
-    status: str
-    """installed | refused | failed | unavailable (no pin: plain abort)."""
-    migrated_tokens: int = 0
-    recomputed_tokens: int | None = None
-    """Context tokens computed again; None until known. In flight: the retried prompt less what the destination had
-    cached (migrated or its own) less the last token. Prefix: the moved tokens the execution's next call did not get
-    from the migrated blocks (all of them when that call ran on another engine or after a weight update)."""
-    nbytes: int = 0
-    takeover_s: float = 0.0
-    first_token_s: float | None = None
-    """From the reroute (the source's abort seen here) to the first token from the destination."""
-    reason: str | None = None
-    kind: str = "inflight"
-    """inflight (a call cut mid-generation) | prefix (an execution's context moved between its calls)."""
-    served_tokens: int | None = None
-    """Migrated tokens the next call at the destination was served from (the engine reported them cached); None
-    until that call ran (a prefix whose execution's next call landed on another engine stays 0)."""
-
-
 def _apply(att: _Attempt, obj: dict[str, Any]) -> None:
     meta = obj.get("meta_info") or {}
     lps = meta.get("output_token_logprobs")
@@ -188,7 +163,7 @@ def _error_message(raw: bytes) -> str:
         return raw[:500].decode(errors="replace")
 
 
-class EnginePool:
+class EnginePool(KVMoves):
     """Least-loaded routing and retrying `/generate` calls over a set of engines."""
 
     def __init__(
@@ -213,6 +188,8 @@ class EnginePool:
         self._prefix_moved: dict[
             str, Reroute
         ] = {}  # key -> its installed prefix migration, until its next call
+        # key -> its prefix move at a drain, until that move ended (its next call waits for it)
+        self._prefix_pending: dict[str, asyncio.Future[None]] = {}
         self.max_context_tokens = 8_000_000  # bounds the token lists kept (LRU by execution)
         self._context_tokens = 0
         self.kv_stats: dict[str, float] = dict.fromkeys(
@@ -259,108 +236,26 @@ class EnginePool:
             raise KeyError(url)
         st.draining = True
         n = len(st.inflight)
-        if abort_inflight:
-            for rid in list(st.inflight):
-                await self._pin_or_abort(url, rid)
+        # contexts left here are claimed first: from now on their executions' next calls wait for their moves
+        claims = {}
         if self.config.kv_migration:
-            await self._migrate_prefixes(url)
+            idle = [k for k, (served, _, _) in reversed(list(self._contexts.items())) if served == url]
+            claims = {k: self._claim(k) for k in idle if k not in self._prefix_pending}
+        try:
+            if abort_inflight:
+                for rid in list(st.inflight):
+                    await self._pin_or_abort(url, rid)
+            if self.config.kv_migration:
+                await self._migrate_prefixes(url, claims)
+        finally:  # however the drain ends, no call keeps waiting for a move that will not come
+            for key, fut in claims.items():
+                self._unclaim(key, fut)
         deadline = time.time() + timeout_s
         while st.inflight and time.time() < deadline:
             await asyncio.sleep(0.02)
         if not st.inflight:
             self._engines.pop(url, None)
         return n
-
-    async def _pin_or_abort(self, url: str, rid: str) -> None:
-        """End `rid` at `url`: pin its KV for a takeover (the engine ends the request), else a plain abort."""
-        fut: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
-        self._pins[rid] = fut  # registered first: the retry may see the abort before the pin's answer arrives
-        export = None
-        if self.config.kv_migration:
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                r = await self._client.post(f"{url}/kv/pin", json={"rid": rid}, timeout=5.0)
-                if r.status_code == 200:
-                    export = dict(r.json(), source_url=url)
-        if not fut.done():
-            fut.set_result(export)
-        if export is None:
-            self._pins.pop(rid, None)
-            with contextlib.suppress(httpx.HTTPError):
-                await self._client.post(
-                    f"{url}/abort_request", json={"rid": rid, "abort_all": False}, timeout=5.0
-                )
-
-    async def _migrate_prefixes(self, url: str) -> None:
-        """Move the reusable prefix of each execution whose last call `url` served to an engine of its route (most
-        recently active first, within `kv_prefix_budget_s`)."""
-        deadline = time.monotonic() + self.config.kv_prefix_budget_s
-        for key, (served, tokens, route) in reversed(list(self._contexts.items())):
-            if served != url:
-                continue
-            if time.monotonic() > deadline:
-                break
-            dest = self._pick(route() if callable(route) else route)
-            if dest is None or dest.url == url:
-                continue
-            try:
-                r = await self._client.post(
-                    f"{url}/kv/pin", json={"token_ids": tokens, "abort": False}, timeout=5.0
-                )
-            except httpx.HTTPError:
-                break  # the engine is gone: nothing more to move from it
-            if r.status_code != 200:
-                if r.status_code == 404:
-                    break  # no KV migration on this engine
-                continue  # nothing cached for this execution
-            rec = await self._takeover(dest, dict(r.json(), source_url=url), None, key)
-            rec.context_tokens, rec.kind = len(tokens), "prefix"
-            self._record(rec)
-            if rec.status == "installed":
-                self._contexts[key] = (dest.url, tokens, route)
-                self._prefix_moved[key] = rec
-
-    async def _export_for(self, rid: str) -> dict[str, Any] | None:
-        fut = self._pins.pop(rid, None)
-        if fut is None:
-            return None
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), 10.0)
-        except TimeoutError:
-            return None
-
-    async def _takeover(
-        self, st: _EngineState, export: dict[str, Any], ids: list[int] | None, rid: str
-    ) -> Reroute:
-        """Ask `st` to take over the source's pinned KV; any failure releases the pin (the retry recomputes)."""
-        src = str(export.get("source_url"))
-        rec = Reroute(rid, src, st.url, len(ids or ()), "failed")
-        t0 = time.perf_counter()
-        if st.url == src:
-            rec.status, rec.reason = "refused", "same engine"
-        else:
-            try:
-                r = await self._client.post(
-                    f"{st.url}/kv/takeover",
-                    content=orjson.dumps({"export": export, "token_ids": ids}),
-                    headers={"content-type": "application/json"},
-                    timeout=self.config.kv_takeover_timeout_s + 5.0,
-                )
-                body = r.json() if r.status_code in (200, 409, 502) else {}
-                rec.status = str(body.get("status", "failed"))
-                rec.reason = body.get("reason") or (None if body else f"HTTP {r.status_code}")
-                if rec.status == "installed":
-                    rec.migrated_tokens, rec.nbytes = int(body["migrated_tokens"]), int(body["nbytes"])
-            except (httpx.HTTPError, ValueError, KeyError) as e:
-                rec.status, rec.reason = "failed", repr(e)
-        rec.takeover_s = time.perf_counter() - t0
-        if (
-            rec.status != "installed"
-        ):  # the source may still hold the pin: give it back now instead of at expiry
-            with contextlib.suppress(httpx.HTTPError):
-                await self._client.post(
-                    f"{src}/kv/release", json={"migration_id": export.get("migration_id")}, timeout=5.0
-                )
-        return rec
 
     def _remember(self, key: str | None, url: str, tokens: list[int], route: Any) -> None:
         if key is None:
@@ -380,18 +275,6 @@ class EnginePool:
         old = self._contexts.pop(key, None)
         if old is not None:
             self._context_tokens -= len(old[1])
-
-    def _record(self, rec: Reroute) -> None:
-        self.reroutes.append(rec)
-        k = self.kv_stats
-        k["reroutes"] += 1
-        k["migrated"] += rec.status == "installed"
-        k["migrated_tokens"] += rec.migrated_tokens
-        k["recomputed_tokens"] += rec.recomputed_tokens or 0
-        k["bytes"] += rec.nbytes
-        if rec.first_token_s is not None:
-            k["first_token_s"] += rec.first_token_s
-            k["first_tokens"] += 1
 
     def _pick(self, route: list[str] | None, prefer: str | None = None) -> _EngineState | None:
         """The least-loaded available engine of `route`; `prefer` wins when it is one of them (it holds KV)."""
@@ -435,6 +318,8 @@ class EnginePool:
         moved: tuple[dict[str, Any] | None, float] | None = (
             None  # (KV export, when) of the last drained attempt
         )
+        if key is not None:  # its context may be (or have to be) moved first: start where it lands
+            await self._follow(key, input_ids, route)
         # an execution whose context moved at a drain goes where the moved blocks are, when its route allows it
         moved_to = self._prefix_moved[key].destination if key in self._prefix_moved else None
         for attempt in range(self.config.max_attempts):
