@@ -1,6 +1,12 @@
 """`gyre run` role switches with KV-cache migration (issue 17): when an elastic cell leaves rollout, the proxy's drain
 pins its in-flight calls and its executions' cached contexts, and the engines on their new routes take them over.
-The controller writes the proxy's migration totals after each drain into RUN/metrics/switches.jsonl."""
+The controller writes the proxy's migration totals after each drain into RUN/metrics/switches.jsonl, and every move
+(with what the moved execution's next call was served from) into RUN/metrics/kv_reroutes.jsonl at the end.
+
+The executions run `turns_harness.py`: a fixed number of chat turns, each extending the previous call's context, so
+an execution moved at a drain keeps calling the model after its KV moved. Three steps: the first burst's executions
+end together, before any group is ready, so its switches may move nothing; the second burst starts with a ready group
+left over, so the core leaves rollout as soon as the other cells can hold what still runs, and its executions move."""
 
 from __future__ import annotations
 
@@ -18,12 +24,25 @@ pytestmark = pytest.mark.slow
 
 def test_role_switch_moves_kv_and_the_moved_executions_are_served_from_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    harness = [sys.executable, "-I", str(ROOT / "tests" / "turns_harness.py"), "--task", "{task}"]
+    harness += ["--turns", "12", "--max-tokens", "16"]
     argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml")]
-    argv += ["--run-dir", str(run_dir), "--set", "train.steps=3"]
+    argv += ["--run-dir", str(run_dir), "--set", "train.steps=3", "--set", "dashboard.enabled=false"]
+    argv += ["--set", "harness.kind=command", "--set", f"harness.command={json.dumps(harness)}"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(x) for x in (run_dir / "metrics" / "switches.jsonl").read_text().splitlines()]
+    metrics = run_dir / "metrics"
+    rows = [json.loads(x) for x in (metrics / "switches.jsonl").read_text().splitlines()]
     drains = [r["kv_migration"] for r in rows if "kv_migration" in r]
     assert drains, rows  # at least one cell went rollout -> training through a proxy drain
     last = drains[-1]  # totals: monotone over the run
     assert last["migrated"] > 0 and last["migrated_tokens"] > 0 and last["bytes"] > 0, drains
+    moves = [json.loads(x) for x in (metrics / "kv_reroutes.jsonl").read_text().splitlines()]
+    installed = [m for m in moves if m["status"] == "installed"]
+    assert installed and all(m["migrated_tokens"] > 0 and m["nbytes"] > 0 for m in installed), moves
+    # a moved execution called the model again on its new engine: that call was served from the migrated blocks
+    served = [m for m in installed if m["served_tokens"]]
+    assert served, moves
+    for m in served:
+        assert m["served_tokens"] == m["migrated_tokens"] and m["recomputed_tokens"] == 0, m
+        assert m["destination"] != m["source"], m

@@ -153,7 +153,15 @@ class Controller:
         version = self.policy.version
         if self.published.version < version:
             await self._publish_to_engines(version)
+        await self._write_kv_reroutes()
         return await self.cells[0].save(version)
+
+    async def _write_kv_reroutes(self) -> None:
+        """RUN/metrics/kv_reroutes.jsonl: one row per request or context the proxy moved at a drain, with what the
+        moved execution's next call was served from (issue 17); written once, at the end of the run."""
+        moved = await self.runner.admin_call("GET", "/kv/reroutes")
+        with (self.run_dir / "metrics" / "kv_reroutes.jsonl").open("wb") as out:
+            out.writelines(orjson.dumps(r) + b"\n" for r in moved.get("reroutes", []))
 
     async def shutdown(self) -> None:
         self.runner.cancel_all()
