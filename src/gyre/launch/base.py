@@ -3,7 +3,7 @@ stopping processes.
 
 Every service of a run needs a token made for this run (`RunTokens`: the engines' API key, gyre-eval's token, the
 proxy's admin token); each child gets the ones it uses through an inherited pipe (`gyre.launch.tokens`), and every
-client the controller holds sends them. A child dies with the controller (PR_SET_PDEATHSIG), so a killed controller
+client the controller holds sends them. A child dies with the controller (PR_SET_PDEATHSIG, SIGKILL), so a killed controller
 leaves no process behind. While the run goes on, `supervise` turns the death of a service into one `ServiceError`
 line naming it and its log; RUN/services.json says where each service listens and its pid (no tokens).
 """
@@ -55,11 +55,15 @@ def bin_path(name: str) -> str:
 
 
 def _die_with_parent(parent: int) -> None:
-    """In the child before exec: SIGTERM when the controller dies (also if it died before this line ran)."""
+    """In the child before exec: SIGKILL when the controller dies (also if it died before this line ran).
+
+    SIGKILL, not SIGTERM: with the controller gone the run is over and nobody escalates, while a graceful shutdown
+    can wait on requests the dead controller left open (a cell's event long-poll). What a service acknowledged is
+    already on disk (records, assessments)."""
     with contextlib.suppress(OSError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _how(returncode: int) -> str:

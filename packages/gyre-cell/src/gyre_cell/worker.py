@@ -323,10 +323,11 @@ class CellWorkerProcess:
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGTERM this process when the controller that started it dies (no orphaned cells)."""
+    """Linux: SIGKILL this process when the controller that started it dies (no orphaned cells). Not SIGTERM: nobody
+    is left to escalate, and a graceful shutdown waits on requests the dead controller left open (its event poll)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
