@@ -1,5 +1,5 @@
 """`gyre run --resume RUN`: a real run killed (SIGKILL of the controller's process group) after its second step,
-then resumed from its last step checkpoint to the configured four steps.
+with executions of the next dispatch in flight, then resumed from its last step checkpoint to the configured four steps.
 
 One kill and one resume serve every assertion: contiguous step versions, the final checkpoint, the optimizer state
 carried over (Adam's step count), the interrupted part's records untouched, its trace kept and settled by one
@@ -33,6 +33,23 @@ def _versions(steps: Path) -> list[int]:
     return [json.loads(line)["policy_version"] for line in steps.read_text().splitlines() if line.strip()]
 
 
+def _running_after_publish(trace: Path, version: int) -> bool:
+    """Version `version` is published and an execution of the next dispatch has been launched: steps 1-2 are done
+    and checkpointed, step 3 cannot be (its groups are still rolling out), and executions are in flight."""
+    if not trace.exists():
+        return False
+    published = False
+    for raw in trace.read_bytes().splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            return False  # a line being written
+        published |= line["ev"] == "publish" and line["version"] == version
+        if published and line["ev"] == "launch":
+            return True
+    return False
+
+
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--steps", "4",
@@ -43,9 +60,9 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     steps = run_dir / "metrics" / "steps.jsonl"
     deadline = time.monotonic() + 600
     try:
-        while 2 not in _versions(steps):  # the gate: step 2 recorded by the controller
+        while not _running_after_publish(run_dir / "trace.jsonl", 2):  # the gate, see _running_after_publish
             assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
-            assert time.monotonic() < deadline, "step 2 not reached in 600 s"
+            assert time.monotonic() < deadline, "no execution launched after publishing version 2 in 600 s"
             time.sleep(0.1)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -88,7 +105,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     before = lines[: lines.index(resume)]
     launched = {x["execution"] for x in before if x["ev"] == "launch"}
     ended = {x["execution"] for x in before if x["ev"] == "terminate"}
-    assert set(resume["cancelled"]) == launched - ended
+    assert set(resume["cancelled"]) == launched - ended and resume["cancelled"]  # executions were in flight
     after = lines[lines.index(resume) + 1 :]
     assert [x["t"] for x in after] == sorted(x["t"] for x in after) and after[0]["t"] >= resume["t"]
     # Group ids never reused; no group trained twice; nothing of the killed part trained after the resume.
