@@ -57,9 +57,12 @@ class CellLosses:
         roles = self.c.policy.roles
         serving = [c.base_url for i, c in enumerate(self.c.cells)
                    if i not in self.lost and roles[i] is CellRole.ROLLOUT]  # fmt: skip
-        await self.c.runner.admin_call(
-            "PUT", "/routes", {"engines": serving + [s.base_url for s in self.c.standalone]}
-        )
+        try:
+            await self.c.runner.admin_call(
+                "PUT", "/routes", {"engines": serving + [s.base_url for s in self.c.standalone]}
+            )
+        except Exception as routes_failed:  # the proxy refused: that stops the run, as any failed part does
+            self.c.events.put_nowait(routes_failed)
         return True
 
     async def check(self, targets: Sequence, results: Sequence) -> list:
