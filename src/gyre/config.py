@@ -93,9 +93,10 @@ class TrainConfig(_Section):
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend of every cell: Hugging Face torch, or megatron-core (`gyre-train[megatron]`)."""
     tensor_parallel: int = Field(1, ge=1)
-    """TP inside a cell (megatron). A `gyre run` cell is one process: all four sizes stay 1 there."""
+    """TP inside a cell (megatron). `gyre run` cells keep TP, CP and EP at 1 (torchrun layouts only)."""
     pipeline_parallel: int = Field(1, ge=1)
-    """PP inside a cell (megatron; one continuous 1F1B per cell, see gyre_train.megatron.pipeline)."""
+    """PP inside a cell (megatron, float32): the cell worker is stage 0 and starts one process per other stage;
+    the cell runs its claimed micro-steps through one continuous 1F1B (gyre_train.megatron.cell)."""
     context_parallel: int = Field(1, ge=1)
     """CP inside a cell (megatron, Transformer Engine spec, bf16)."""
     expert_parallel: int = Field(1, ge=1)

@@ -18,6 +18,7 @@ def test_check_backend_accepts_what_runs() -> None:
     check_backend("megatron", dtype="bfloat16", pipeline_parallel=2, tensor_parallel=2, expert_parallel=2)
     check_backend("megatron", dtype="bfloat16", context_parallel=2)
     check_backend("megatron", one_process_cells=True)
+    check_backend("megatron", pipeline_parallel=2, one_process_cells=True)  # stage processes per cell
 
 
 @pytest.mark.parametrize(
@@ -29,7 +30,7 @@ def test_check_backend_accepts_what_runs() -> None:
         ({"kind": "megatron", "tensor_parallel": 0}, ["train.tensor_parallel"]),
         ({"kind": "megatron", "dtype": "float64"}, ["train.dtype"]),
         ({"kind": "megatron", "context_parallel": 2}, ["train.context_parallel", "train.dtype"]),
-        ({"kind": "megatron", "pipeline_parallel": 2, "one_process_cells": True}, ["train.pipeline_parallel"]),
+        ({"kind": "megatron", "tensor_parallel": 2, "one_process_cells": True}, ["train.tensor_parallel"]),
         ({"kind": "megatron", "dtype": "bfloat16", "one_process_cells": True}, ["train.dtype"]),
     ],
 )  # fmt: skip

@@ -21,6 +21,7 @@ import torch
 from gyre_cell.roles import TorchTrainingState
 from gyre_cell.step_checkpoint import load_step_checkpoint, write_step_checkpoint
 from gyre_cell.transfer.publisher import WeightPublisher
+from gyre_cell.worker_stages import CellStages
 from gyre_cell.worker_types import CellWorkerConfig, PublishedWeights
 from gyre_train.backends import build_backend
 from gyre_train.buffer import TrajectoryBuffer
@@ -72,18 +73,24 @@ class CellTraining:
         )  # fmt: skip
         # gloo rendezvous of all K cells, prefix groups built once; before the backend, because a megatron
         # backend builds its groups over this world (collectively, every cell at this point).
-        self.groups = init_cell_process(mc, cfg.cell)
+        # A multi-rank cell (megatron, PP > 1): this process is stage 0; its children, started now, the others.
+        self.stages = CellStages(cfg) if t.backend == "megatron" and t.pipeline_parallel > 1 else None
+        self.groups = init_cell_process(mc, cfg.cell) if self.stages is None else self.stages.rendezvous()
         self.backend = build_backend(
             t.backend, model_path=cfg.engine.model_path, dtype=t.dtype, lr=t.lr, optimizer=self.is_core,
             tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
             context_parallel=t.context_parallel, expert_parallel=t.expert_parallel,
         )  # fmt: skip
+        if self.stages is not None:  # the whole cell as one backend (gyre_train.megatron.cell)
+            self.backend = self.stages.attach(self.backend, t.loss)
         # A resumed run: weights (also the engine's model_path) and optimizer state of the last checkpointed step.
         self.version = 0
         if self.is_core and t.resume_from is not None:
             self.version = load_step_checkpoint(Path(t.resume_from), self.backend)
         self.state = TorchTrainingState(self.backend.model, self.backend.optimizer)
         self.worker = CellWorker(cfg.cell, self.backend, t.loss)
+        if self.stages is not None:  # items through the cell's pipeline; offload/restore on every stage
+            self.worker, self.state = self.stages.worker, self.stages.state
         self.publisher: WeightPublisher | None = None
         self.published = PublishedWeights(version=self.version, path=cfg.engine.model_path)
         if self.is_core and cfg.weights == "mooncake":
@@ -280,3 +287,5 @@ class CellTraining:
             self.snapshots.close()
         if self.publisher is not None:
             self.publisher.close()
+        if self.stages is not None:
+            self.stages.close()

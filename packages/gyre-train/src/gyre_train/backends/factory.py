@@ -35,9 +35,9 @@ def check_backend(
 ) -> None:
     """Raise ``ValueError`` (naming the fields, with ``prefix`` such as ``"train."``) if the combination cannot run.
 
-    ``one_process_cells``: every cell is one process (``gyre run``'s cell workers): megatron then runs with all
-    parallel sizes 1 and fp32 (its bf16 path reduces gradients over the data-parallel group, which would span the
-    cells instead of one cell's ranks).
+    ``one_process_cells``: the cells are ``gyre run``'s cell workers: megatron then runs in fp32 with one process
+    per pipeline stage (the worker and its stage processes, ``gyre_train.megatron.cell``) and the other sizes 1
+    (its bf16 path reduces gradients over the data-parallel group, which would span the cells).
     """
     sizes = {
         "tensor_parallel": tensor_parallel,
@@ -61,15 +61,17 @@ def check_backend(
             raise ValueError(
                 f"{prefix}backend = 'megatron' trains in float32 or bfloat16, not {prefix}dtype = {dtype!r}"
             )
-        if one_process_cells and multi:
+        inner = {k: v for k, v in multi.items() if k != "pipeline_parallel"}
+        if one_process_cells and inner:
             raise ValueError(
-                f"{prefix}backend = 'megatron' with one process per cell: {', '.join(prefix + k for k in multi)} "
-                f"must be 1 (got {multi}); multi-rank cells run under torchrun (gyre_train.megatron.pipeline)"
+                f"{prefix}backend = 'megatron' in cell workers: {', '.join(prefix + k for k in inner)} must be 1 "
+                f"(got {inner}); a cell's ranks there are its pipeline stages only (pipeline_parallel), other "
+                "layouts run under torchrun (gyre_train.megatron.pipeline)"
             )
         if one_process_cells and dtype == "bfloat16":
             raise ValueError(
-                f"{prefix}backend = 'megatron' with one process per cell trains in float32: {prefix}dtype = "
-                "'bfloat16' needs megatron's data-parallel groups inside a cell (multi-rank cells)"
+                f"{prefix}backend = 'megatron' in cell workers trains in float32: {prefix}dtype = "
+                "'bfloat16' needs megatron's data-parallel groups inside a cell (torchrun)"
             )
         if context_parallel > 1 and dtype != "bfloat16":
             raise ValueError(f"{prefix}context_parallel > 1 needs {prefix}dtype = 'bfloat16' (megatron DDP)")
