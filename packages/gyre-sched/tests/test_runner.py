@@ -48,6 +48,7 @@ class FakeProxy:
         self.registration_gate: threading.Event | None = None  # set: registrations wait on it
         self.export_reply_trajectories = True
         self.calls: dict[str, int] = {}  # execution -> model calls recorded (GET /admin/executions/{id})
+        self.active: dict[str, int] = {}  # execution -> model calls running now
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -111,7 +112,8 @@ class FakeProxy:
                 if self.headers.get("Authorization", "") != f"Bearer {ADMIN_TOKEN}":
                     return self._reply(401, {"error": "admin token"})
                 eid = self.path.rstrip("/").split("/")[3]
-                return self._reply(200, {"execution_id": eid, "calls": proxy.calls.get(eid, 0)})
+                calls, active = proxy.calls.get(eid, 0), proxy.active.get(eid, 0)
+                return self._reply(200, {"execution_id": eid, "calls": calls, "active_calls": active})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -385,8 +387,8 @@ class Looks:
 
 
 def test_stall_watchdog_stops_an_execution_without_progress(tmp_path, proxy):
-    """Model calls and output reset the watchdog; stall_detect_s without either ends the execution `stalled`, its
-    process group killed and the execution ended at the proxy once."""
+    """Model calls (recorded or running) and output reset the watchdog; stall_detect_s without any ends the execution
+    `stalled`, its process group killed and the execution ended at the proxy once."""
     clock, looks = FakeClock(), Looks()
 
     async def main():
@@ -405,6 +407,12 @@ def test_stall_watchdog_stops_an_execution_without_progress(tmp_path, proxy):
                 out.write(b"still working\n")
             clock.t += 60
             await looks.look()
+            proxy.active["e"] = 1  # a model call runs for 150 s: nothing recorded, no output, but progress
+            clock.t += 100
+            await looks.look()
+            clock.t += 50
+            await looks.look()
+            proxy.active["e"] = 0  # it returned at +390 (say it was not recorded: the harness then hangs)
             clock.t += 99  # 99 s without progress: not yet
             await looks.look()
             clock.t += 1

@@ -267,9 +267,11 @@ async def case_next_call_waits_for_its_contexts_move() -> None:
         pool.generate([*MOVED, 30], {"max_new_tokens": 3}, route=current_route, key="x")
     )
     await asyncio.sleep(0)  # one yield: the new call runs up to its first suspension (not a timed wait)
+    assert pool.active == {"x": 1}  # a call of x runs (what a stall watchdog reads as progress)
     gate.set()
     await asyncio.wait_for(drain, 10)
     await asyncio.wait_for(nxt, 10)
+    assert not pool.active
     await pool.aclose()
     assert reads and reads[0] is True  # it picked its engine only once the move had ended
     assert e.generated == [A, C]

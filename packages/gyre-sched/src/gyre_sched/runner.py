@@ -6,10 +6,10 @@ non-zero), `harness_timeout` (the task's own deadline passed: the harness is sto
 
 Stall watchdog (``stall_detect_s``; off when None): an execution that makes no progress for that long is stopped
 and ends `stalled`, which the scheduler's exclusion model excludes without assessment (a hang is known when it is
-detected, not when the overall budget runs out). Progress is a new model call recorded by the proxy (the admin API's
-``calls``) or new harness output (its log grows). The watchdog looks every ``stall_poll_s`` (default: a tenth of
-``stall_detect_s``, at least 1 s), so a hang is detected within one poll after ``stall_detect_s``; a single model
-call longer than ``stall_detect_s`` that prints nothing meanwhile would read as a stall, so choose it above that. The harness is a black box in its own process group (its own session);
+detected, not when the overall budget runs out). Progress is a model call running or newly recorded at the proxy (the
+admin API's ``active_calls`` and ``calls``) or new harness output (its log grows): a long model call is not a stall,
+a harness stuck in its own tool or loop is. The watchdog looks every ``stall_poll_s`` (default: a tenth of
+``stall_detect_s``, at least 1 s), so a hang is detected within one poll after ``stall_detect_s``. The harness is a black box in its own process group (its own session);
 the runner only sees its exit status and the workspace it leaves behind. When the harness ends, however it ends, the
 whole process group is killed, so nothing it started outlives the execution.
 
@@ -314,28 +314,33 @@ class ExecutionRunner:
     async def _watch_stall(self, execution_id: str, log: Path) -> None:
         """Returns once the execution has made no progress (model call, output) for `stall_detect_s`."""
         assert self.stall_detect_s is not None
-        seen, since = await self._progress(execution_id, log, None), self.clock()
+        seen, _ = await self._progress(execution_id, log, None)
+        since = self.clock()
         while True:
             await self.stall_wait(self.stall_poll_s)
-            progress, now = await self._progress(execution_id, log, seen), self.clock()
-            if progress != seen:
+            progress, calling = await self._progress(execution_id, log, seen)
+            now = self.clock()
+            if progress != seen or calling:  # a model call still running is progress too
                 seen, since = progress, now
             elif now - since >= self.stall_detect_s:
                 return
 
-    async def _progress(self, execution_id: str, log: Path, last: tuple[int, int] | None) -> tuple[int, int]:
-        """(model calls the proxy recorded, bytes of harness output); a proxy that does not answer keeps the count
-        seen last (the harness's own calls fail then, and it ends on its own)."""
-        calls = last[0] if last is not None else 0
+    async def _progress(
+        self, execution_id: str, log: Path, last: tuple[int, int] | None
+    ) -> tuple[tuple[int, int], bool]:
+        """((model calls the proxy recorded, bytes of harness output), whether a model call of it runs now); a proxy
+        that does not answer keeps the count seen last (the harness's own calls fail then, and it ends by itself)."""
+        calls, calling = (last[0] if last is not None else 0), False
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
             r = await self.admin.get(f"/executions/{execution_id}")
             if r.status_code == 200:
-                calls = int(r.json()["calls"])
+                body = r.json()
+                calls, calling = int(body["calls"]), bool(body.get("active_calls"))
         try:
             size = log.stat().st_size
         except OSError:
             size = last[1] if last is not None else 0
-        return calls, size
+        return (calls, size), calling
 
     def cancel(self, execution_id: str) -> None:
         """Stop an execution's harness (or keep it from starting); its run() returns with outcome `cancelled`."""

@@ -3,7 +3,7 @@
 | method + path | body | answer |
 |---|---|---|
 | `POST /admin/executions` | `{execution_id?, group_id?, route?: [url], metadata?}` | `{execution_id, group_id, credential}` |
-| `GET /admin/executions/{id}` | | `{execution_id, group_id, ended, calls, route}` |
+| `GET /admin/executions/{id}` | | `{execution_id, group_id, ended, calls, active_calls, route}` |
 | `POST /admin/executions/{id}/end` | | `{execution_id, ended: true}` |
 | `PUT /admin/executions/{id}/route` | `{engines: [url] \\| null}` | `{execution_id, route}` |
 | `POST /admin/executions/{id}/export` | `{j_max?, seed?, include_other?, path?}` | `{trajectories: [...]}` (and JSONL/Parquet at `path`, which must resolve under STORE/exports or an `--export-dir`) |
@@ -175,6 +175,7 @@ def admin_router(proxy) -> APIRouter:
             "group_id": ex.group_id,
             "ended": ex.ended,
             "calls": proxy.calls(ex.id),
+            "active_calls": proxy.pool.active.get(ex.id, 0),  # model calls of it running now
             "route": ex.route,
         }
 

@@ -27,7 +27,7 @@ import asyncio
 import math
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,6 +180,8 @@ class EnginePool(KVMoves):
             timeout=httpx.Timeout(config.request_timeout_s, connect=5.0), limits=limits, headers=headers
         )
         self.retries = 0  # attempts beyond the first, over the pool's life (for /metrics)
+        # key (execution) -> its calls running now: what a stall watchdog counts as progress besides finished calls
+        self.active: Counter[str] = Counter()
         self._pins: dict[str, asyncio.Future[dict[str, Any] | None]] = {}  # attempt rid -> KV export (drain)
         self.reroutes: deque[Reroute] = deque(maxlen=1024)
         # key (execution) -> (engine that served its last call, its full context, its route): for prefix migration
@@ -308,8 +310,28 @@ class EnginePool(KVMoves):
         `route` may be a callable: it is read again before every attempt, so a call interrupted because its engine
         left rollout continues on the execution's *new* route, never back on the engine being drained.
         `on_accept` is called once, when an engine first answers the request with a success status (it accepted it).
-        `key` (an execution id) remembers where the call's context lives, for prefix migration when that engine drains.
+        `key` (an execution id) remembers where the call's context lives, for prefix migration when that engine drains,
+        and counts the call in `active` while it runs.
         """
+        if key is None:
+            return await self._generate(input_ids, sampling, route, rid, on_accept, key)
+        self.active[key] += 1
+        try:
+            return await self._generate(input_ids, sampling, route, rid, on_accept, key)
+        finally:
+            self.active[key] -= 1
+            if not self.active[key]:
+                del self.active[key]
+
+    async def _generate(
+        self,
+        input_ids: list[int],
+        sampling: dict[str, Any],
+        route: list[str] | Callable[[], list[str] | None] | None,
+        rid: str | None,
+        on_accept: Callable[[], None] | None,
+        key: str | None,
+    ) -> GenerateResult:
         if not isinstance(input_ids, list):
             input_ids = list(input_ids)
         res = GenerateResult()
