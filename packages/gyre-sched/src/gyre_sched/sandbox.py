@@ -218,7 +218,9 @@ class LaunchSandbox:
         made: list[Path] = []
         self.limits_applied = {}
         for ctrl, root in _cgroup_roots().items():
-            cg = root / "gyre" / name
+            # Named per controller process: two runs on one machine reuse execution ids, and removing one run's
+            # cgroup kills what is in it.
+            cg = root / "gyre" / f"{os.getpid()}-{name}"
             try:
                 cg.mkdir(parents=True, exist_ok=True)
                 if ctrl in ("pids", "v2") and self.max_processes:
