@@ -6,7 +6,10 @@ The controller writes the proxy's migration totals after each drain into RUN/met
 The executions run `turns_harness.py`: a fixed number of chat turns, each extending the previous call's context, so
 an execution moved at a drain keeps calling the model after its KV moved. Three steps: the first burst's executions
 end together, before any group is ready, so its switches may move nothing; the second burst starts with a ready group
-left over, so the core leaves rollout as soon as the other cells can hold what still runs, and its executions move."""
+left over, so the core leaves rollout as soon as the other cells can hold what still runs, and its executions move.
+
+The same run checks the stall watchdog (issue 18): one execution's harness hangs; with `[agent] stall_detect_s` it
+ends `stalled`, is never assessed, its group is dropped (N = N_d) and the run still completes its steps."""
 
 from __future__ import annotations
 
@@ -25,10 +28,11 @@ pytestmark = pytest.mark.slow
 def test_role_switch_moves_kv_and_the_moved_executions_are_served_from_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     harness = [sys.executable, "-I", str(ROOT / "tests" / "turns_harness.py"), "--task", "{task}"]
-    harness += ["--turns", "12", "--max-tokens", "16"]
+    harness += ["--turns", "12", "--max-tokens", "16", "--hang-in", "g1.e3"]
     argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml")]
     argv += ["--run-dir", str(run_dir), "--set", "train.steps=3", "--set", "dashboard.enabled=false"]
     argv += ["--set", "harness.kind=command", "--set", f"harness.command={json.dumps(harness)}"]
+    argv += ["--set", "agent.stall_detect_s=15"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = run_dir / "metrics"
@@ -46,3 +50,9 @@ def test_role_switch_moves_kv_and_the_moved_executions_are_served_from_it(tmp_pa
     for m in served:
         assert m["served_tokens"] == m["migrated_tokens"] and m["recomputed_tokens"] == 0, m
         assert m["destination"] != m["source"], m
+    # the hung execution: stopped by the watchdog, excluded without an assessment, its group dropped
+    trace = [json.loads(x) for x in (run_dir / "trace.jsonl").read_text().splitlines()[1:]]
+    ends = {e["execution"]: e["outcome"] for e in trace if e["ev"] == "terminate"}
+    assert ends["g1.e3"] == "stalled" and list(ends.values()).count("stalled") == 1, ends
+    assert not [e for e in trace if e["ev"] == "assessed" and e["execution"] == "g1.e3"]
+    assert [e for e in trace if e["ev"] == "group_dropped" and e["group"] == "g1"]

@@ -6,6 +6,9 @@ its calls finds its context in the KV blocks that moved with it. The last reply 
 artifact the demo tasks score). Standard library only:
 
     python -I turns_harness.py --turns N --max-tokens M --task TEXT   (OPENAI_BASE_URL, OPENAI_API_KEY set)
+
+`--hang-in NAME`: in the workspace named NAME the harness hangs instead (no call, no output after one line), the
+case a stall watchdog must end.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import urllib.request
 
 
@@ -21,7 +25,11 @@ def main() -> int:
     p.add_argument("--task", required=True)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--hang-in", default=None)
     args = p.parse_args()
+    if args.hang_in is not None and os.path.basename(os.getcwd()) == args.hang_in:
+        print("hanging", flush=True)
+        signal.pause()  # stuck for good: only the watchdog (or the harness timeout) ends it
     url = os.environ["OPENAI_BASE_URL"].rstrip("/") + "/chat/completions"
     headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}", "Content-Type": "application/json"}
     messages = [{"role": "user", "content": args.task}]
