@@ -127,3 +127,58 @@ def test_children_die_with_the_controller(tmp_path):
     finally:
         controller.kill()
         controller.wait()
+
+
+def test_supervise_restarts_a_restartable_service_then_gives_up(tmp_path):
+    """gyre-eval's case: restarted on its port (its state is on disk); after MAX_RESTARTS the next death is one line."""
+    from gyre.launch.base import MAX_RESTARTS, free_port
+
+    launcher = LocalLauncher(tmp_path)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    argv = [
+        sys.executable,
+        "-m",
+        "http.server",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--directory",
+        str(tmp_path),
+    ]
+    launcher._restartable["web"] = (argv, {}, url)
+
+    def pid() -> int:
+        return dict(launcher._procs)["web"].pid
+
+    async def answers(http: httpx.AsyncClient) -> bool:
+        try:
+            return (await http.get(url)).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def main() -> None:
+        await launcher._wait_healthy("web", launcher._spawn("web", argv), url, 120.0)
+
+        async def kill_and_wait_for_restart(times: int) -> int:
+            async with httpx.AsyncClient(timeout=5.0) as http:
+                for n in range(1, times + 1):
+                    before = pid()
+                    os.kill(before, signal.SIGKILL)
+                    deadline = time.monotonic() + 120
+                    while launcher.restarts.get("web") != n:  # gate: counted once the new process answered
+                        assert time.monotonic() < deadline, f"restart {n} not done"
+                        await asyncio.sleep(0.02)
+                    assert pid() != before and await answers(http)  # a new process, on the same port
+            return n
+
+        assert await launcher.supervise(kill_and_wait_for_restart(MAX_RESTARTS)) == MAX_RESTARTS
+        os.kill(pid(), signal.SIGKILL)
+        with pytest.raises(ServiceError, match=r"^web exited \(killed by SIGKILL\); see .*/logs/web\.log$"):
+            await asyncio.wait_for(launcher.supervise(asyncio.Event().wait()), timeout=60)
+        assert launcher.service_died
+
+    try:
+        asyncio.run(main())
+    finally:
+        launcher.stop()

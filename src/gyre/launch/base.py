@@ -4,8 +4,9 @@ stopping processes.
 Every service of a run needs a token made for this run (`RunTokens`: the engines' API key, gyre-eval's token, the
 proxy's admin token); each child gets the ones it uses through an inherited pipe (`gyre.launch.tokens`), and every
 client the controller holds sends them. A child dies with the controller (PR_SET_PDEATHSIG, SIGKILL), so a killed controller
-leaves no process behind. While the run goes on, `supervise` turns the death of a service into one `ServiceError`
-line naming it and its log; RUN/services.json says where each service listens and its pid (no tokens).
+leaves no process behind. While the run goes on, `supervise` restarts a dead gyre-eval (same port and token; its
+assessments live in RUN/assessments.sqlite and unfinished ones resume; the controller's client retries meanwhile)
+and turns the death of any other service into one `ServiceError` line naming it and its log; RUN/services.json says where each service listens and its pid (no tokens).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -36,6 +38,10 @@ from gyre_eval.client import EvalClient
 from gyre_eval.config import ServiceConfig
 
 __all__ = ["Launcher", "ServiceError", "cell_configs", "free_port"]
+
+log = logging.getLogger("gyre")
+MAX_RESTARTS = 3
+"""Restarts of one service per run before its death ends the run (a crash loop is not recovered)."""
 
 
 class ServiceError(RuntimeError):
@@ -135,7 +141,11 @@ class Launcher:
     proxy_url: str = ""
     eval_url: str = ""
     tokens: RunTokens = field(default_factory=RunTokens)
+    restarts: dict[str, int] = field(default_factory=dict)
+    service_died: bool = False
+    """Set when a dead service ended the run: `stop` then gives the others a short grace (the run is failing)."""
     _procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    _restartable: dict[str, tuple[list[str], dict[str, str], str]] = field(default_factory=dict)
 
     kind = "base"
 
@@ -224,9 +234,12 @@ class Launcher:
         argv = [bin_path("gyre-eval"), "serve", "--store", str(self.run_dir), "--port", str(port),
                 "--config", str(config_file)]  # fmt: skip
         self.eval_url = f"http://127.0.0.1:{port}"
-        proc = self._spawn("gyre-eval", argv, {"--token-fd": self.tokens.eval})
+        tokens = {"--token-fd": self.tokens.eval}
+        # its state is on disk (RUN/assessments.sqlite): a dead gyre-eval is started again on the same port
+        self._restartable["gyre-eval"] = (argv, tokens, f"{self.eval_url}/healthz")
+        proc = self._spawn("gyre-eval", argv, tokens)
         await self._wait_healthy("gyre-eval", proc, f"{self.eval_url}/healthz", timeout_s)
-        return EvalClient(self.eval_url, token=self.tokens.eval)
+        return EvalClient(self.eval_url, token=self.tokens.eval, retry_s=60.0)
 
     async def _wait_healthy(self, name: str, proc: subprocess.Popen, url: str, timeout_s: float) -> None:
         log_file = self.log_path(name)
@@ -256,8 +269,25 @@ class Launcher:
                 return f"{name} exited ({_how(proc.returncode)}); see {self.log_path(name)}"
         return None
 
+    async def _restart_dead(self) -> bool:
+        """Start again each dead restartable service (same argv, port and token); False if one cannot be."""
+        for i, (name, proc) in enumerate(self._procs):
+            if not self.watched(name) or proc.poll() is None:
+                continue
+            if name not in self._restartable or self.restarts.get(name, 0) >= MAX_RESTARTS:
+                return False
+            log.warning("%s exited (%s); restarted (%d of at most %d); see %s", name, _how(proc.returncode),
+                        self.restarts.get(name, 0) + 1, MAX_RESTARTS, self.log_path(name))  # fmt: skip
+            argv, tokens, health = self._restartable[name]
+            del self._procs[i]
+            await self._wait_healthy(name, self._spawn(name, argv, tokens), health, 60.0)
+            self.restarts[name] = self.restarts.get(name, 0) + 1  # counted once it answers again
+            return True
+        return True
+
     async def supervise[T](self, work: Awaitable[T], poll_s: float = 0.2, settle_s: float = 1.0) -> T:
-        """Await `work` while watching the services: a dead one cancels it and raises ServiceError naming it.
+        """Await `work` while watching the services: a dead gyre-eval is restarted; any other dead one cancels the
+        work and raises ServiceError naming it.
 
         When `work` fails first (a client of a service that just died sees a refused connection before the
         watcher looks), the dead service is what is reported, not the client's error.
@@ -271,10 +301,12 @@ class Launcher:
                         settle = time.monotonic() + settle_s
                         while time.monotonic() < settle:
                             if (dead := self.dead_service()) is not None:
+                                self.service_died = True
                                 raise ServiceError(dead) from None
                             await asyncio.sleep(0.05)
                     return task.result()
-                if (dead := self.dead_service()) is not None:
+                if (dead := self.dead_service()) is not None and not await self._restart_dead():
+                    self.service_died = True
                     raise ServiceError(dead)
         finally:
             if not task.done():
@@ -285,8 +317,11 @@ class Launcher:
         for client in self.cells + self.standalone:
             await client.aclose()
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM every process group, SIGKILL what is still alive after `grace_s`; idempotent."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM every process group, SIGKILL what is still alive after `grace_s` (default 5 s, 1 s once a dead
+        service ended the run: it must fail within seconds); idempotent."""
+        if grace_s is None:
+            grace_s = 1.0 if self.service_died else 5.0
         for _, proc in reversed(self._procs):
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -270,7 +270,7 @@ class RayLauncher(Launcher):
         ready, _ = ray.wait([self._exits[i]], timeout=0)
         return not ready
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         super().stop(grace_s)
         if not self._actors and not self._groups:
             return

@@ -39,7 +39,11 @@ class EvalClient:
         timeout: float = 30.0,
         client: httpx.AsyncClient | None = None,
         token: str | None = None,
+        retry_s: float = 0.0,
     ) -> None:
+        """`retry_s`: how long a call keeps retrying when the service cannot be reached (a restart in progress);
+        every call is safe to repeat (submissions are idempotent)."""
+        self.retry_s = retry_s
         headers = (
             {"authorization": f"Bearer {token}"} if token else None
         )  # the service's token, if it has one
@@ -57,7 +61,17 @@ class EvalClient:
         await self._http.aclose()
 
     async def _call(self, method: str, path: str, adapter: TypeAdapter[T], **kw: Any) -> T:
-        response = await self._http.request(method, path, **kw)
+        end = time.monotonic() + self.retry_s
+        pause = 0.05
+        while True:
+            try:
+                response = await self._http.request(method, path, **kw)
+                break
+            except httpx.TransportError:
+                if time.monotonic() + pause > end:
+                    raise
+                await asyncio.sleep(pause)  # back-off while the service restarts
+                pause = min(pause * 2, 1.0)
         if response.status_code >= 400:
             try:
                 body = response.json()
