@@ -6,7 +6,8 @@ follows the tokens the worker's stage 0 appends (pipeline items, drains, whole-c
 gathers, optimizer steps, offload/restore), until ``stop``. Children die with their worker: each holds the read end
 of a pipe whose only write end the worker holds (a lifeline: end of file when the worker is gone, however it died;
 PDEATHSIG would follow the worker's set-up thread, which ends once the cell is built), and they stay in the worker's
-process group.
+process group. The other way round, a stage that exits before the worker closes the cell takes the worker down (its
+leader would wait on it for good): the controller sees a dead cell.
 
 A child logs to RUN/logs/cell-C-stage-S.log; every stage appends one line per drained batch (its pipeline counts
 and pid) to RUN/metrics/pipeline/cell-C-stage-S.jsonl.
@@ -101,6 +102,9 @@ class CellStages:
                     subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, pass_fds=(lifeline,))
                 )
         os.close(lifeline)
+        self._closing = threading.Event()
+        for stage, proc in enumerate(self.procs, start=1):
+            _exit_if_stage_dies(proc, stage, cfg.cell, self._closing)
         self.backend = None  # PipelinedBackend, after attach
         self.worker = None
         self.state: PipelinedTrainingState | None = None
@@ -126,6 +130,7 @@ class CellStages:
         return self.backend
 
     def close(self, timeout_s: float = 10.0) -> None:
+        self._closing.set()
         if self.backend is not None:
             with contextlib.suppress(Exception):
                 self.backend.stop()
@@ -134,6 +139,21 @@ class CellStages:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _exit_if_stage_dies(proc: subprocess.Popen, stage: int, cell: int, closing: threading.Event) -> None:
+    """The other direction: a cell cannot train without one of its stages (its leader would wait on it for good),
+    so a stage that ends before ``closing`` takes its worker down; the controller then sees a dead cell."""
+
+    def watch() -> None:
+        code = proc.wait()
+        if not closing.is_set():
+            log.error("cell %d: stage %d exited with %s; the cell cannot train without it: exiting", cell, stage,
+                      code)  # fmt: skip
+            logging.shutdown()
+            os._exit(1)
+
+    threading.Thread(target=watch, name=f"stage-{stage}-watch", daemon=True).start()
 
 
 def _die_with_worker(fd: int) -> None:
