@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ class TorchTrainingState:
         self._file: str | None = None
         self._home: dict[str, torch.device] = {}
         self._offloaded: dict[str, tuple[object, str]] = {}
+        # Offload and restore run on worker threads (a role switch, the core's final save): a restore must never
+        # read the file of an offload still writing it ("header too small"), so one runs at a time.
+        self._moving = threading.Lock()
 
     def _slots(self) -> dict[str, tuple[object, str]]:
         """Every tensor of the state as (holder, attribute or key): params, grads, optimizer state."""
@@ -86,6 +90,10 @@ class TorchTrainingState:
         return sum(self._get(h, k).nbytes for h, k in self._slots().values())
 
     def _offload(self) -> None:
+        with self._moving:
+            self._offload_locked()
+
+    def _offload_locked(self) -> None:
         if self._home:
             return
         slots = self._slots()
@@ -107,6 +115,10 @@ class TorchTrainingState:
             torch.cuda.empty_cache()
 
     def _restore(self) -> None:
+        with self._moving:
+            self._restore_locked()
+
+    def _restore_locked(self) -> None:
         if not self._home:
             return
         saved = load_file(self._file) if self._file is not None else None
