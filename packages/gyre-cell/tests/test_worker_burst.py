@@ -75,3 +75,44 @@ def test_concurrent_join_and_leave_never_leave_a_burst_running():
         training.wait_idle()  # a burst started before the leave has returned; none starts after it
         assert training._thread is None or not training._thread.is_alive()
         assert training.leave.is_set()
+
+
+class _GatedCore:
+    """A core step that reports its new version, then holds (the step thread returning after its step_end) until
+    `returned` is set."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer, self.reported, self.returned, self.steps = (
+            trainer,
+            threading.Event(),
+            threading.Event(),
+            0,
+        )
+
+    def step(self, **_):
+        self.steps += 1
+        self.trainer.version += 1
+        self.reported.set()
+        self.returned.wait(timeout=30)
+        return type(
+            "Report", (), {"policy_version": self.trainer.version, "model_dump": lambda self, **_: {}}
+        )()
+
+
+def test_the_next_batch_waits_for_the_previous_step_thread_to_return(tmp_path):
+    training, _, events = _training()
+    training.trainer = type("Trainer", (), {"version": 0})()
+    training.core = _GatedCore(training.trainer)
+    training.cfg = type("Cfg", (), {"cell": 0, "run_dir": str(tmp_path), "training": type("T", (), {
+        "dump_batches": [], "checkpoint_keep": 0})()})()  # fmt: skip
+    training._hold_for_join = lambda done: None
+    training.abort = threading.Event()
+    training.open_batch(0, final=False)
+    assert training.core.reported.wait(timeout=30)  # version 1 reported; its thread has not returned yet
+    opened = threading.Thread(target=training.open_batch, args=(1, False))
+    opened.start()  # the controller asks for the next batch within that window: it waits, never refuses
+    training.core.returned.set()
+    opened.join(timeout=30)
+    training.wait_idle()
+    assert training.core.steps == 2 and training.trainer.version == 2
+    assert [kind for kind, _ in events] == ["step_end", "step_end"]

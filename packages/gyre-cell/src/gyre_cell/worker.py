@@ -277,7 +277,7 @@ class CellWorkerProcess:
             if (bad := need_ready(core=True)) is not None:
                 return bad
             cmd = await body(request, OpenBatchCommand)
-            worker.training.open_batch(cmd.version, cmd.final)
+            await asyncio.to_thread(worker.training.open_batch, cmd.version, cmd.final)
             return {"ok": True}
 
         @r.post("/publish")

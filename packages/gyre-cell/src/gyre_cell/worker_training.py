@@ -164,6 +164,9 @@ class CellTraining:
             raise ValueError(
                 f"batch for version {version}, but the trainer is at version {self.trainer.version}"
             )
+        # The trainer is at `version`: the previous step's thread has emitted its step_end and is only returning
+        # (the controller can ask for the next batch within that window).
+        self.wait_idle()
         dump = Path(self.cfg.run_dir) / "metrics" / "batches" / f"batch-{version}"
         dump_dir = str(dump) if version in self.cfg.training.dump_batches else None
 
@@ -234,7 +237,6 @@ class CellTraining:
         for name in _TOKENIZER_FILES:
             if (src / name).exists():
                 shutil.copy2(src / name, out / name)
-        return out
 
     def save(self, version: int) -> PublishedWeights:
         """The final save: the policy as a checkpoint engines can load, and the trainer state."""
