@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 def test_gyre_run_with_two_stage_cells_matches_the_reference(tmp_path):
     run_dir = tmp_path / "run"
     sets = [
-        "train.steps=2", "train.backend=megatron", "train.pipeline_parallel=2", "train.dump_batches=[0,1]",
+        "train.steps=2", "train.dump_batches=[0,1]",
         "train.hold_core_for_join=1", "train.checkpoint_keep=0",
     ]  # fmt: skip
     argv = [
@@ -35,7 +35,7 @@ def test_gyre_run_with_two_stage_cells_matches_the_reference(tmp_path):
         "-m",
         "gyre.cli",
         "run",
-        str(ROOT / "configs" / "demo.toml"),
+        str(ROOT / "configs" / "megatron-pp2.toml"),
         "--run-dir",
         str(run_dir),
     ]
