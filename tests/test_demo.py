@@ -282,6 +282,8 @@ def test_summary_wall_time_counts_the_whole_process():
         "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 0.3: pass\n"
         "from gyre.pipeline import process_age_s\nprint(process_age_s(), time.monotonic() - t)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
     age, since_loop = float(out[0]), float(out[1])
     assert since_loop - 0.05 <= age <= since_loop + 30.0
