@@ -263,9 +263,9 @@ class RunConfig(_Section):
     dashboard: DashboardConfig = DashboardConfig()
     metrics: MetricsConfig = MetricsConfig()
     launcher: LauncherConfig = LauncherConfig()
+    """local subprocesses (default) or a Ray cluster (`gyre run --ray ADDRESS`)."""
     tasks: TasksConfig = TasksConfig()
     harness: HarnessConfig = HarnessConfig()
-    """local subprocesses (default) or a Ray cluster (`gyre run --ray ADDRESS`)."""
     judge: JudgeSection = JudgeSection()
     """Scores judge-rubric tasks: the run's proxy (its own execution, never trained) or another endpoint."""
 
