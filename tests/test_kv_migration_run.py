@@ -4,12 +4,14 @@ The controller writes the proxy's migration totals after each drain into RUN/met
 (with what the moved execution's next call was served from) into RUN/metrics/kv_reroutes.jsonl at the end.
 
 The executions run `turns_harness.py`: a fixed number of chat turns, each extending the previous call's context, so
-an execution moved at a drain keeps calling the model after its KV moved. Three steps: the first burst's executions
+an execution moved at a drain keeps calling the model after its KV moved. Four steps: the first burst's executions
 end together, before any group is ready, so its switches may move nothing; the second burst starts with a ready group
 left over, so the core leaves rollout as soon as the other cells can hold what still runs, and its executions move.
 
 The same run checks the stall watchdog (issue 18): one execution's harness hangs; with `[agent] stall_detect_s` it
-ends `stalled`, is never assessed, its group is dropped (N = N_d) and the run still completes its steps."""
+ends `stalled`, is never assessed, its group is dropped (N = N_d) and the run still completes its steps. The hang
+starts at t=0 (its group is dispatched first); the watchdog must fire before the run ends, which 3 steps with a 15 s
+window did not on an idle machine (the run ended at t=15 s)."""
 
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ def test_role_switch_moves_kv_and_the_moved_executions_are_served_from_it(tmp_pa
     harness = [sys.executable, "-I", str(ROOT / "tests" / "turns_harness.py"), "--task", "{task}"]
     harness += ["--turns", "12", "--max-tokens", "16", "--hang-in", "g1.e3"]
     argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml")]
-    argv += ["--run-dir", str(run_dir), "--set", "train.steps=3", "--set", "dashboard.enabled=false"]
+    argv += ["--run-dir", str(run_dir), "--set", "train.steps=4", "--set", "dashboard.enabled=false"]
     argv += ["--set", "harness.kind=command", "--set", f"harness.command={json.dumps(harness)}"]
-    argv += ["--set", "agent.stall_detect_s=15"]
+    # Fires at ~9 s; 4 steps end past 20 s even on an idle machine.
+    argv += ["--set", "agent.stall_detect_s=8"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = run_dir / "metrics"
