@@ -107,7 +107,14 @@ def test_ended_execution_is_unloaded_and_exports_the_same(tok_dir, tmp_path, eng
         assert _export(srv, e1, path=str(out)) == before
         assert [t.token_ids for t in read_jsonl(out)] == [t["token_ids"] for t in before]
         info = srv.admin("GET", f"/admin/executions/{e1}").json()
-        assert info == {"execution_id": "e1", "group_id": "g", "ended": True, "calls": 3, "route": None}
+        assert info == {
+            "execution_id": "e1",
+            "group_id": "g",
+            "ended": True,
+            "calls": 3,
+            "route": None,
+            "active_calls": 0,
+        }
         _assert_ended_401(srv, c1)
         assert srv.admin("POST", f"/admin/executions/{e1}/end").status_code == 200  # idempotent
         assert srv.admin("POST", "/admin/executions", {"execution_id": "e1"}).status_code == 409
