@@ -30,7 +30,9 @@ pytestmark = pytest.mark.slow
 def test_role_switch_moves_kv_and_the_moved_executions_are_served_from_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     harness = [sys.executable, "-I", str(ROOT / "tests" / "turns_harness.py"), "--task", "{task}"]
-    harness += ["--turns", "12", "--max-tokens", "16", "--hang-in", "g1.e3"]
+    # 30 turns: an execution moved at a switch is mid-way and calls again (with 12, a CI run moved only executions
+    # that were in their last turn, and no move was served).
+    harness += ["--turns", "30", "--max-tokens", "16", "--hang-in", "g1.e3"]
     argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml")]
     argv += ["--run-dir", str(run_dir), "--set", "train.steps=4", "--set", "dashboard.enabled=false"]
     argv += ["--set", "harness.kind=command", "--set", f"harness.command={json.dumps(harness)}"]
