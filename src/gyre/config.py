@@ -89,7 +89,7 @@ class TrainConfig(_Section):
     """The GSPO objective; the loss and its metrics read this one config."""
     hold_core_for_join: int | None = None
     """Test gate: before its second micro-step of a batch the core waits (at most 30 s) for this satellite to
-    join, until it has joined once; makes a mid-batch join certain in short runs."""
+    join and claim an item, until it has once; makes a mid-batch join that trains certain in short runs."""
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend of every cell: Hugging Face torch, or megatron-core (`gyre-train[megatron]`)."""
     tensor_parallel: int = Field(1, ge=1)

@@ -188,3 +188,25 @@ def test_satellite_runner_leaves_while_waiting_and_after_a_stale_snapshot(tiny_m
     finally:
         runner.conn.close()
         coord.close()
+
+
+def test_wait_claimed_holds_until_the_satellite_claimed_not_just_joined(tiny_model, tmp_path):
+    # the gate tests put before the core's second item: a joined satellite may still be loading the snapshot
+    trainer = _trainer(tiny_model, loss=LossConfig(ratio_reference="proximal"))
+    cfg = MultiCellConfig(num_cells=2, master_port=1, control_port=free_port(), snapshot_dir=str(tmp_path))
+    coord = Coordinator(cfg, trainer)
+    try:
+        coord.open_batch(0, "ref-0")
+        trainer.open_batch()
+        assert coord.handle(CellRequest(op="join", cell=1)).status == "joined"
+        coord.wait_joined(1, timeout=1)
+        with pytest.raises(TimeoutError, match="cell 1 claimed no item"):
+            coord.wait_claimed(1, timeout=0.01)
+        assert coord.handle(CellRequest(op="claim", cell=1)).status == "item"
+        coord.wait_claimed(1, timeout=0)  # returns at once
+        coord.close_window(broadcast=False)
+        coord.open_batch(1, "ref-1")  # a new batch forgets the claims of the last one
+        with pytest.raises(TimeoutError):
+            coord.wait_claimed(1, timeout=0.01)
+    finally:
+        coord.close()

@@ -2,8 +2,9 @@
 
 The core cell's leader claims through its trainer while the satellite cell's leader claims through the core's
 coordinator, both from the one shared micro-step queue; each leader runs its items through its cell's continuous
-1F1B (its stage-1 process follows the tokens). The satellite joins mid-batch (the core waits for it before its
-second item: a gate, not a sleep). Checked: the step's summed gradient and loss equal the single-process float64
+1F1B (its stage-1 process follows the tokens). The satellite joins mid-batch (before its second item the core waits
+until the satellite has claimed one: a gate, not a sleep; waiting for the join alone let a fast core claim all six
+items while the satellite loaded the snapshot). Checked: the step's summed gradient and loss equal the single-process float64
 replay of the dumped batch, both cells trained, each cell filled and drained its pipeline exactly once per batch
 in which it trained, and every stage process counted the same.
 """
@@ -79,7 +80,7 @@ RANK = (
         for step in range(%(STEPS)d):
             def hold(n):
                 if step == 0 and n == 1:
-                    core.coordinator.wait_joined(1, timeout=120)
+                    core.coordinator.wait_claimed(1, timeout=120)
             report = core.step(before_core_item=hold, dump_dir=str(out / f"dump-{step}"))
             f.write(report.model_dump_json() + "\\n")
     whole.save_hf_pretrained(out / "policy")

@@ -191,7 +191,7 @@ class CellTraining:
         if cell is None or done_by_core != 1 or self._held_until_joined:
             return
         try:
-            self.core.coordinator.wait_joined(cell, timeout=self.cfg.training.hold_timeout_s)
+            self.core.coordinator.wait_claimed(cell, timeout=self.cfg.training.hold_timeout_s)
             self._held_until_joined = True
         except TimeoutError:
             log.info("cell %d did not join batch %d within the hold; going on", cell, self.trainer.version)

@@ -76,7 +76,7 @@ class CellTrainingConfig(_Wire):
     """Batches whose micro-steps, weights before and summed gradients the core dumps (exactness checks)."""
     hold_core_for_join: int | None = None
     """Test gate: before its second micro-step of a batch the core waits (at most hold_timeout_s) for this
-    satellite to join, until it has joined once; makes a mid-batch join certain in short runs."""
+    satellite to join and claim an item, until it has once; makes a mid-batch join that trains certain in short runs."""
     hold_timeout_s: float = Field(30.0, gt=0)
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend (gyre_train.backends.build_backend)."""

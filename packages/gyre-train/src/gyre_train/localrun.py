@@ -69,7 +69,7 @@ class LocalRunSpec:
     steps_per_burst: int = 1
     """mu."""
     wait_join_at: int | None = None
-    """If set, the core waits for the last cell to join before its item number ``wait_join_at`` (mid-batch join)."""
+    """If set, the core waits for the last cell to join and claim before its item number ``wait_join_at``."""
     save_grads: bool = False
     """Write each step's summed gradient."""
     threads: int = 1
@@ -170,10 +170,10 @@ def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int, events: dict 
                 if spec.wait_join_at is None or n != spec.wait_join_at:
                     return
                 if step == 0:
-                    core.coordinator.wait_joined(spec.num_cells - 1, timeout=_SIGNAL_S)
+                    core.coordinator.wait_claimed(spec.num_cells - 1, timeout=_SIGNAL_S)
                 elif rejoin and step == 1:
                     events["rejoin"].set()
-                    core.coordinator.wait_joined(1, timeout=_SIGNAL_S)
+                    core.coordinator.wait_claimed(1, timeout=_SIGNAL_S)
 
             def save(g: torch.Tensor, step: int = step) -> None:
                 if spec.save_grads:

@@ -150,6 +150,7 @@ class Coordinator:
         self._dead: set[int] = set()  # control connection closed: gone for the rest of the run
         self._dropped: set[int] = set()  # dropped (lease expired), not yet told
         self._leases: dict[int, float] = {}  # cell -> monotonic deadline of its current claim
+        self._claimed: set[int] = set()  # cells that claimed an item of the open batch
         self.lost: list[tuple[int | None, int, str, int]] = []
         """(batch, cell, reason, items requeued) of every drop, in order."""
         self._listener = Listener((cfg.host, cfg.control_port), authkey=cfg.authkey.encode())
@@ -165,6 +166,7 @@ class Coordinator:
             self._carry = set()
             self._done = None
             self._acked = set()
+            self._claimed = set()
             self._window_open = True
             self._lock.notify_all()
 
@@ -220,6 +222,13 @@ class Coordinator:
         with self._lock:
             if not self._lock.wait_for(lambda: cell in self._participants, timeout):
                 raise TimeoutError(f"cell {cell} did not join within {timeout} s")
+
+    def wait_claimed(self, cell: int, timeout: float) -> None:
+        """Block until ``cell`` has claimed an item of the open batch: joined is not enough (a joining satellite
+        still loads the snapshot, and a fast core can claim every item meanwhile). Tests gate on it."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: cell in self._claimed, timeout):
+                raise TimeoutError(f"cell {cell} claimed no item within {timeout} s")
 
     def stop(self) -> None:
         with self._lock:
@@ -308,6 +317,8 @@ class Coordinator:
             if item is None:
                 return CoordinatorReply(status="wait")
             self._leases[req.cell] = self._clock() + self.cfg.claim_timeout_s
+            self._claimed.add(req.cell)
+            self._lock.notify_all()
             return CoordinatorReply(status="item", batch=item.microstep.batch, item=item)
 
     def _batch_done(self, cell: int) -> CoordinatorReply | None:
