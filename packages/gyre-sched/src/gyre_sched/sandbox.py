@@ -13,8 +13,8 @@
 - **network only to the proxy**: the network namespace has a loopback and nothing else; a forwarder inside listens
   on the proxy's own ``127.0.0.1:PORT`` and relays each connection over a Unix socket (bound into the sandbox) to
   the proxy, so the harness's base URL is unchanged and no other address is reachable;
-- **limits**: a cgroup per execution (v1 or v2 where writable: ``pids``, ``memory``, ``cpu`` quota), else the
-  rlimits that apply; ``limits_applied`` says which held.
+- **limits**: a cgroup per execution under ``cgroup_root`` (its v1 hierarchies, or the v2 tree where it is a cgroup2
+  mount: ``pids``, ``memory``, ``cpu`` quota), else the rlimits that apply; ``limits_applied`` says which held.
 
 Requires ``bwrap`` (Debian package ``bubblewrap``).
 """
@@ -145,13 +145,31 @@ class ProxyRelay:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _cgroup_roots() -> dict[str, Path]:
-    """Writable cgroup controllers: v1 hierarchies (pids, memory, cpu) or the v2 unified tree."""
-    base = Path("/sys/fs/cgroup")
-    roots = {c: base / c for c in ("pids", "memory", "cpu") if (base / c / "cgroup.procs").exists()}
-    if not roots and (base / "cgroup.controllers").exists():
+LIMITED = ("pids", "memory", "cpu")
+"""The controllers an execution's cgroup limits."""
+
+
+def _cgroup_roots(base: Path) -> dict[str, Path]:
+    """Writable cgroup trees under `base`: a cgroup2 mount (``cgroup.controllers`` at its root) as ``v2``, else the
+    v1 hierarchies ``base/{pids,memory,cpu}``."""
+    if (base / "cgroup.controllers").exists():
         roots = {"v2": base}
+    else:
+        roots = {c: base / c for c in LIMITED if (base / c / "cgroup.procs").exists()}
     return {c: p for c, p in roots.items() if os.access(p, os.W_OK)}
+
+
+def _v2_enable(parent: Path) -> set[str]:
+    """Delegate the limited controllers `parent` has to its children (cgroup v2: a child's ``pids.max`` etc. exist
+    only when the parent lists the controller in ``cgroup.subtree_control``); returns those enabled."""
+    offered = set((parent / "cgroup.controllers").read_text().split())
+    enabled = set((parent / "cgroup.subtree_control").read_text().split())
+    for ctrl in [c for c in LIMITED if c in offered and c not in enabled]:
+        # A parent with processes of its own refuses (v2's no-internal-process rule): that controller is not limited.
+        with contextlib.suppress(OSError):
+            (parent / "cgroup.subtree_control").write_text(f"+{ctrl}")
+            enabled.add(ctrl)
+    return enabled & set(LIMITED)
 
 
 @dataclass
@@ -165,7 +183,12 @@ class LaunchSandbox:
     ro_paths: Sequence[str] = field(default_factory=default_ro_paths)
     uid: int = 65534
     bwrap: str = "bwrap"
+    cgroup_root: Path = Path("/sys/fs/cgroup")
+    """Where executions' cgroups are made: a cgroup2 mount (the v2 tree, e.g. ``/sys/fs/cgroup`` on a pure v2 host
+    or ``/sys/fs/cgroup/unified`` on a hybrid one), or the folder holding the v1 hierarchies."""
     limits_applied: dict[str, str] = field(default_factory=dict)
+    """The limits that held for the last execution (controller -> what was set); a controller missing here is not
+    limited by a cgroup (not offered, or not writable)."""
 
     def check(self) -> None:
         if shutil.which(self.bwrap) is None:
@@ -217,32 +240,48 @@ class LaunchSandbox:
         """One cgroup per execution under each writable controller (empty when none is writable)."""
         made: list[Path] = []
         self.limits_applied = {}
-        for ctrl, root in _cgroup_roots().items():
+        for ctrl, root in _cgroup_roots(Path(self.cgroup_root)).items():
             # Named per controller process: two runs on one machine reuse execution ids, and removing one run's
             # cgroup kills what is in it.
             cg = root / "gyre" / f"{os.getpid()}-{name}"
             try:
-                cg.mkdir(parents=True, exist_ok=True)
-                if ctrl in ("pids", "v2") and self.max_processes:
-                    (cg / "pids.max").write_text(str(self.max_processes))
-                    self.limits_applied["pids"] = f"cgroup pids.max={self.max_processes}"
-                if ctrl == "memory" and self.memory_bytes:
-                    (cg / "memory.limit_in_bytes").write_text(str(self.memory_bytes))
-                    self.limits_applied["memory"] = f"cgroup memory.limit_in_bytes={self.memory_bytes}"
-                if ctrl == "v2" and self.memory_bytes:
-                    (cg / "memory.max").write_text(str(self.memory_bytes))
-                    self.limits_applied["memory"] = f"cgroup memory.max={self.memory_bytes}"
-                if ctrl == "cpu" and self.cpu_cores:
-                    (cg / "cpu.cfs_period_us").write_text("100000")
-                    (cg / "cpu.cfs_quota_us").write_text(str(int(self.cpu_cores * 100000)))
-                    self.limits_applied["cpu"] = f"cgroup cpu quota {self.cpu_cores} cores"
-                if ctrl == "v2" and self.cpu_cores:
-                    (cg / "cpu.max").write_text(f"{int(self.cpu_cores * 100000)} 100000")
-                    self.limits_applied["cpu"] = f"cgroup cpu.max {self.cpu_cores} cores"
+                if ctrl == "v2":
+                    self._make_v2(cg)
+                else:
+                    self._make_v1(ctrl, cg)
                 made.append(cg)
             except OSError:
                 continue
         return made
+
+    def _make_v1(self, ctrl: str, cg: Path) -> None:
+        cg.mkdir(parents=True, exist_ok=True)
+        if ctrl == "pids" and self.max_processes:
+            (cg / "pids.max").write_text(str(self.max_processes))
+            self.limits_applied["pids"] = f"cgroup pids.max={self.max_processes}"
+        if ctrl == "memory" and self.memory_bytes:
+            (cg / "memory.limit_in_bytes").write_text(str(self.memory_bytes))
+            self.limits_applied["memory"] = f"cgroup memory.limit_in_bytes={self.memory_bytes}"
+        if ctrl == "cpu" and self.cpu_cores:
+            (cg / "cpu.cfs_period_us").write_text("100000")
+            (cg / "cpu.cfs_quota_us").write_text(str(int(self.cpu_cores * 100000)))
+            self.limits_applied["cpu"] = f"cgroup cpu quota {self.cpu_cores} cores"
+
+    def _make_v2(self, cg: Path) -> None:
+        # Controllers reach a cgroup only through its ancestors' subtree_control: root -> gyre -> the execution's.
+        _v2_enable(cg.parent.parent)
+        cg.parent.mkdir(exist_ok=True)
+        enabled = _v2_enable(cg.parent)
+        cg.mkdir(exist_ok=True)
+        if "pids" in enabled and self.max_processes:
+            (cg / "pids.max").write_text(str(self.max_processes))
+            self.limits_applied["pids"] = f"cgroup v2 pids.max={self.max_processes}"
+        if "memory" in enabled and self.memory_bytes:
+            (cg / "memory.max").write_text(str(self.memory_bytes))
+            self.limits_applied["memory"] = f"cgroup v2 memory.max={self.memory_bytes}"
+        if "cpu" in enabled and self.cpu_cores:
+            (cg / "cpu.max").write_text(f"{int(self.cpu_cores * 100000)} 100000")
+            self.limits_applied["cpu"] = f"cgroup v2 cpu.max {self.cpu_cores} cores"
 
     @staticmethod
     def enter(cgroups: Sequence[Path]) -> None:
@@ -253,10 +292,16 @@ class LaunchSandbox:
 
     @staticmethod
     def remove_cgroups(cgroups: Sequence[Path]) -> None:
-        """Kill whatever is left in the execution's cgroups and remove them (waits up to 2 s for the exits)."""
+        """Kill whatever is left in the execution's cgroups and remove them (waits up to 2 s for the exits).
+
+        v2 has ``cgroup.kill``: the kernel kills the whole cgroup at once, forks racing the kill included; v1 is
+        killed pid by pid until the cgroup is empty."""
         import time
 
         for cg in cgroups:
+            if (cg / "cgroup.kill").exists():
+                with contextlib.suppress(OSError):
+                    (cg / "cgroup.kill").write_text("1")
             for _ in range(100):
                 try:
                     pids = (cg / "cgroup.procs").read_text().split()
