@@ -1,4 +1,5 @@
-"""A satellite cell lost mid-run (CellLost), and a policy resumed at a checkpointed version (resume_at)."""
+"""A satellite cell lost mid-run (CellLost), restarted (CellRestored), and a policy resumed at a checkpointed version
+(resume_at)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import orjson
 import pytest
 
 from gyre_sched.config import PolicyParams
-from gyre_sched.events import BeginTransition, CellLost, Dispatch, Launch, Reroute, Tick, TransitionDone
+from gyre_sched.events import (
+    BeginTransition,
+    CellLost,
+    CellRestored,
+    Dispatch,
+    Launch,
+    Reroute,
+    Tick,
+    TransitionDone,
+)
 from gyre_sched.ledger import InvariantError
 from gyre_sched.policies import make_policy
 from gyre_sched.trace import TraceWriter, summarize_trace
@@ -57,6 +67,31 @@ def test_elastic_prefix_skips_the_lost_cell(driver):
     assert d.send(TransitionDone(1)) == []  # a lost cell's late report is ignored
 
 
+def test_a_restored_cell_serves_again_and_trains_only_once_trainable(driver):
+    d = driver(make_policy(params(phi=1.0), deep_checks=True))  # 8 executions, 6 slots: all full
+    d.send(CellLost(1), dt=1.0)
+    d.settle_cancels()  # its executions were cancelled (no free slot); their groups' refills queue
+    assert d.policy.capacity() == 4 and d.policy.ledger.queued > 0
+    out = d.send(CellRestored(1), dt=1.0)  # rollout-only: back in the capacity, queued work launches on it
+    assert d.policy.roles[1] is CellRole.ROLLOUT and d.policy.capacity() == 6
+    assert [x.spec.engine for x in out if isinstance(x, Launch)] == ["cell:1", "cell:1"]
+    assert d.policy.trainable() == [0, 2]
+    for eid in list(d.running):  # every group ready: the core joins, then cell 2 (1 cannot train)
+        d.finish(eid)
+        d.finish_transitions()
+    for _ in range(3):
+        d.send(Tick(), dt=1.0)
+        d.finish_transitions()
+    joined = [x.cell for x in d.of(BeginTransition) if x.to_role is CellRole.TO_TRAINING]
+    assert 1 not in joined
+    d.send(CellRestored(1, trains=True), dt=1.0)  # its training side rejoined: trainable once cell 2 is out
+    assert d.policy.trainable() == [0, 2] and d.policy.roles[2] is CellRole.TRAINING
+    d.send(CellLost(2), dt=1.0)
+    assert d.policy.trainable() == [0, 1]
+    with pytest.raises(InvariantError, match="restored"):
+        d.send(CellRestored(0))  # never lost
+
+
 def test_the_core_cannot_be_lost(driver):
     d = driver(make_policy(params()))
     with pytest.raises(InvariantError, match="core"):
@@ -80,9 +115,11 @@ def test_trace_counts_the_resume_settlement_and_the_lost_cell():
     w.write(1.0, "dispatch", group="g0", executions=["g0.e0", "g0.e1"], v_d=0)
     w.write(1.0, "launch", execution="g0.e0")
     w.event(2.0, CellLost(1))
+    w.event(2.5, CellRestored(1))
+    w.event(2.6, CellLost(1))
     appended = TraceWriter.append_to(buf)
     appended.write(3.0, "resume", version=1, cancelled=["g0.e0"], withdrawn=["g0.e1"], roles=["rollout"] * 2)
     s = summarize_trace(orjson.loads(x) for x in buf.getvalue().splitlines())
     assert (s.d, s.p, s.f, s.x) == (2, 1, 1, 1)  # nothing of the interrupted part stays outstanding
-    assert [r for _, _, r in s.roles[1]] == ["rollout", "lost", "rollout"]
+    assert [r for _, _, r in s.roles[1]] == ["rollout", "lost", "rollout", "lost", "rollout"]
     assert s.role_share()["lost"] > 0

@@ -81,6 +81,18 @@ class CellLost:
 
 
 @dataclass(frozen=True, slots=True)
+class CellRestored:
+    """A lost satellite's worker was restarted and serves the current policy version: it takes rollout work again.
+
+    ``trains``: it may also train (its training side rejoined the gloo world). While False the cell is rollout-only:
+    no role decision sends it to training (the training set stays a prefix of the cells that can train). Sent again
+    with ``trains=True`` for a cell restored rollout-only, it makes that cell trainable."""
+
+    cell: int
+    trains: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Clock tick (the supply-check timer may have expired)."""
 
@@ -95,6 +107,7 @@ Event = (
     | TransitionDone
     | PublishDone
     | CellLost
+    | CellRestored
     | Tick
 )
 

@@ -21,7 +21,7 @@ class ElasticPolicy(PolicyCore):
             return False
         if any(r in (CellRole.TO_TRAINING, CellRole.TO_ROLLOUT) for r in self.roles):
             return False  # transitions are serial
-        if self.k == self.live_cells:
+        if self.k == len(self.trainable()):
             return False
         rest = (self.live_cells - self.k - 1) * p.C_e + p.C_s
         if self.effective_waterlevel() > rest:
@@ -31,8 +31,8 @@ class ElasticPolicy(PolicyCore):
 
     def _maybe_transition(self, out: list[Decision]) -> None:
         if self.join_allowed() and self._supply_held():
-            nxt = next(i for i, r in enumerate(self.roles) if r is CellRole.ROLLOUT)
-            self._begin([nxt], out)  # the next cell of the prefix (core first; lost cells skipped)
+            nxt = next(i for i in self.trainable() if self.roles[i] is CellRole.ROLLOUT)
+            self._begin([nxt], out)  # the next cell of the prefix (core first; lost/rollout-only skipped)
 
     def _core_persists(self, pending: int) -> bool:
         """Equation 6 (+ supply): ready >= rho_min*B and w + pending + refills <= (K-1)*C_e + C_s."""
@@ -86,7 +86,8 @@ class ColocatePolicy(PolicyCore):
         p = self.params
         if self.burst_ending or self.publishing:
             return
-        live = [i for i in range(p.K) if i not in self.lost]
+        # the pool (a restarted rollout-only cell serves on, like a standalone engine)
+        live = self.trainable()
         if all(self.roles[i] is CellRole.TRAINING for i in live):
             if self._starved():
                 self._begin(live, out)
@@ -94,7 +95,7 @@ class ColocatePolicy(PolicyCore):
         if any(self.roles[i] is not CellRole.ROLLOUT for i in live):
             return
         led = self.ledger
-        if led.running > p.C_s or led.queued:
+        if led.running > p.C_s + len(self.rollout_only) * p.C_e or led.queued:
             return
         if p.streaming:
             if min(len(led.ready), self.burst_need()) < min(p.rho_min * p.B, self.burst_need()) - 1e-9:
@@ -113,10 +114,11 @@ class ColocatePolicy(PolicyCore):
         )
 
     def _pool_switching(self) -> bool:
-        return all(r in (CellRole.TO_TRAINING, CellRole.TRAINING, CellRole.LOST) for r in self.roles)
+        pool = self.trainable()
+        return all(self.roles[i] in (CellRole.TO_TRAINING, CellRole.TRAINING) for i in pool)
 
     def _on_training(self, cell: int, out: list[Decision]) -> None:
-        if self.batch is None and all(r in (CellRole.TRAINING, CellRole.LOST) for r in self.roles):
+        if self.batch is None and all(self.roles[i] is CellRole.TRAINING for i in self.trainable()):
             self._open_batch(out)
 
 

@@ -16,6 +16,7 @@ from gyre_sched.events import (
     BurstPlanned,
     Cancel,
     CellLost,
+    CellRestored,
     Decision,
     EndTransition,
     Event,
@@ -81,6 +82,8 @@ class PolicyCore:
         self.claims_while_running = 0  # micro-steps claimed while an execution ran on an elastic cell
         self.started = False
         self.lost: set[int] = set()  # satellites whose worker died (CellLost)
+        self.rollout_only: set[int] = set()  # restarted satellites that serve but cannot train (CellRestored)
+        self._trainable_pending: set[int] = set()  # rollout-only, may train once no later cell trains
 
     # ---- public -----------------------------------------------------------------------------------------------
     def resume_at(self, version: int, next_group: int) -> None:
@@ -138,6 +141,8 @@ class PolicyCore:
                 pass  # reported just before the cell died: its claims are requeued by the trainer
             case CellLost(cell):
                 out += self._cell_lost(cell)
+            case CellRestored(cell, trains):
+                self._cell_restored(cell, trains)
             case TransitionDone(cell):
                 out += self._transition_done(cell)
             case PublishDone(version):
@@ -250,6 +255,7 @@ class PolicyCore:
         if cell in self.lost:
             return []
         self.lost.add(cell)
+        self.rollout_only.discard(cell)
         self.roles[cell] = CellRole.LOST
         self._roles_changed()
         out: list[Decision] = []
@@ -266,10 +272,41 @@ class PolicyCore:
         self._maybe_publish(out)  # a burst end may have waited for this cell's transition
         return out
 
+    def _cell_restored(self, cell: int, trains: bool) -> None:
+        """A lost satellite's worker runs again with the current weights: back in rollout (launches fill it).
+
+        ``trains`` False: rollout-only (out of every training decision, like a lost cell there); an already restored
+        rollout-only cell with ``trains`` True becomes trainable (its training side rejoined) as soon as no later
+        cell trains (the training set stays a prefix)."""
+        if cell not in self.lost:
+            if trains and cell in self.rollout_only:
+                self._trainable_pending.add(cell)
+                return
+            raise InvariantError(f"cell {cell} restored, but it is {self.roles[cell].value}")
+        self.lost.discard(cell)
+        if not trains:
+            self.rollout_only.add(cell)
+        self.roles[cell] = CellRole.ROLLOUT
+        self._roles_changed()
+        self._reset_supply()
+
+    def _admit_trainable(self) -> None:
+        for cell in sorted(self._trainable_pending):
+            if cell in self.lost or cell not in self.rollout_only:
+                self._trainable_pending.discard(cell)
+            elif all(
+                self.roles[i] in (CellRole.ROLLOUT, CellRole.LOST) for i in range(cell + 1, len(self.roles))
+            ):
+                self._trainable_pending.discard(cell)
+                self.rollout_only.discard(cell)
+
+    def trainable(self) -> list[int]:
+        """Cells that may train: neither lost nor restored rollout-only."""
+        return [i for i in range(self.params.K) if i not in self.lost and i not in self.rollout_only]
+
     def _live_prefix(self, cells: list[int]) -> bool:
-        """``cells`` are the first live cells (the training set is a prefix, up to lost cells)."""
-        live = [i for i in range(self.params.K) if i not in self.lost]
-        return cells == live[: len(cells)]
+        """``cells`` are the first trainable cells (the training set is a prefix, up to lost/rollout-only cells)."""
+        return cells == self.trainable()[: len(cells)]
 
     # ---- batches, steps, bursts ---------------------------------------------------------------------------------
     def _open_batch(self, out: list[Decision]) -> None:
@@ -404,6 +441,8 @@ class PolicyCore:
 
     # ---- the loop and invariants --------------------------------------------------------------------------------
     def _progress(self, out: list[Decision]) -> None:
+        if self._trainable_pending:
+            self._admit_trainable()
         for _ in range(self.params.K + 2):  # a transition can enable a launch and vice versa; bounded
             before = len(out)
             self._launch(out)

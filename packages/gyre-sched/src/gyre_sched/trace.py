@@ -16,6 +16,7 @@ from gyre_sched.events import (
     BeginTransition,
     BurstPlanned,
     CellLost,
+    CellRestored,
     Decision,
     Dispatch,
     EndTransition,
@@ -91,6 +92,8 @@ class TraceWriter:
                 self.write(t, "publish", version=v)
             case CellLost(cell):
                 self.write(t, "cell_lost", cell=cell)
+            case CellRestored(cell, trains):
+                self.write(t, "cell_restored", cell=cell, trains=trains)
             case _:
                 pass
 
@@ -232,6 +235,11 @@ def summarize_trace(lines: Iterable[dict[str, Any]]) -> TraceSummary:
             c = int(obj["cell"])
             s.roles[c].append((since[c], t, role[c]))
             role[c], since[c] = CellRole.LOST.value, t
+        elif ev == "cell_restored":  # a restarted worker: back in rollout (trainable-again changes no role)
+            c = int(obj["cell"])
+            if role[c] == CellRole.LOST.value:
+                s.roles[c].append((since[c], t, role[c]))
+                role[c], since[c] = CellRole.ROLLOUT.value, t
         elif ev == "resume":  # the interrupted part's outstanding executions end here; roles restart
             s.f += len(obj["cancelled"])
             s.x += len(obj["withdrawn"])

@@ -31,7 +31,7 @@ class CellRole(StrEnum):
     TRAINING = "training"
     TO_ROLLOUT = "to_rollout"
     LOST = "lost"
-    """The cell's worker died (CellLost): it serves and trains no more for the rest of the run."""
+    """The cell's worker died (CellLost): it serves and trains no more, unless it is restarted (CellRestored)."""
 
 
 _NEXT_ROLE = {
@@ -138,6 +138,7 @@ TraceEventName = Literal[
     "burst_plan",
     "resume",
     "cell_lost",
+    "cell_restored",
 ]
 
 # Fields each event must carry (more are allowed: a real run may add its own context).
@@ -164,6 +165,7 @@ TRACE_REQUIRED: dict[str, tuple[str, ...]] = {
     # queued (withdrawn) are settled here, and every cell restarts in the role of the resumed policy's start.
     "resume": ("version", "cancelled", "withdrawn", "roles"),
     "cell_lost": ("cell",),
+    "cell_restored": ("cell",),
 }
 
 
