@@ -248,13 +248,28 @@ def _count_sleepers() -> int:
 
 
 @needs_isolation
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a setuid-root binary needs root")
 def test_setuid_binaries_do_not_gain_privileges(workspace):
-    """Before: setuid binaries still ran with their owner's privileges inside the sandbox."""
-    script = "grep NoNewPrivs /proc/self/status; id -u"
-    result = run(_sandbox().run(["bash", "-c", script], workspace))
-    assert result.returncode == 0, result.stderr_tail
-    assert "NoNewPrivs:\t1" in result.stdout_tail
-    assert result.guarantees["no_new_privileges"] is True
+    """Before: setuid binaries still ran with their owner's privileges inside the sandbox. A setuid-root copy of `id`
+    (outside the copy, on a mount that honours setuid) reports euid=0 when the bit takes effect; in the check it runs
+    with the check's own uid: no_new_privs and the nosuid remounts each neutralize it."""
+    outside = Path(tempfile.mkdtemp(prefix="gyre-setuid-"))
+    os.chmod(outside, 0o755)
+    setuid_id = outside / "id"
+    shutil.copy(shutil.which("id"), setuid_id)
+    os.chown(setuid_id, 0, 0)
+    os.chmod(setuid_id, 0o4755)
+    try:
+        script = f"grep NoNewPrivs /proc/self/status; id -u; {setuid_id}"
+        result = run(_sandbox().run(["bash", "-c", script], workspace))
+        assert result.returncode == 0, result.stderr_tail
+        assert "euid=" not in result.stdout_tail, "the setuid bit took effect"
+        uid = result.stdout_tail.splitlines()[1]
+        assert uid != "0" and result.stdout_tail.splitlines()[2].startswith(f"uid={uid} ")
+        assert "NoNewPrivs:\t1" in result.stdout_tail
+        assert result.guarantees["no_new_privileges"] is True
+    finally:
+        shutil.rmtree(outside)
 
 
 def test_stale_sandbox_copies_of_a_dead_service_are_swept(tmp_path):

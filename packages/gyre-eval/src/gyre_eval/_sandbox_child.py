@@ -19,7 +19,9 @@ import json
 import os
 import platform
 import resource
+import shutil
 import signal
+import stat
 import struct
 import sys
 import warnings  # noqa: F401  (os.execvpe imports it lazily; after dropping privileges the stdlib may be unreadable)
@@ -43,11 +45,13 @@ class SetupError(Exception):
     pass
 
 
-def _mount(libc: ctypes.CDLL, src: str | None, target: str, fstype: str | None, flags: int) -> None:
+def _mount(
+    libc: ctypes.CDLL, src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
     def enc(s: str | None) -> bytes | None:
         return s.encode() if s is not None else None
 
-    if libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), None) != 0:
+    if libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
@@ -76,7 +80,16 @@ def _isolate(spec: dict) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     root = spec["root"]
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do propagates back to the host
-    _mount(libc, root, root, None, MS_BIND | MS_REC)
+    if spec.get("disk_bytes"):
+        # The copy, tmp, home and score file share one tmpfs: what the check writes in total, over any number of
+        # files, is bounded by its size (and its inode count), and its pages are charged to the check's cgroup.
+        size = int(spec["disk_bytes"])
+        opts = f"size={size},nr_inodes={max(1024, size // 4096)},mode=0700"
+        if spec.get("chown"):
+            opts += f",uid={spec['run_as']},gid={spec['run_as']}"
+        _mount(libc, "gyre-check", root, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+    else:
+        _mount(libc, root, root, None, MS_BIND | MS_REC)
     # Some containers forbid a new procfs; the host /proc is then made read-only below.
     with contextlib.suppress(OSError):
         _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -89,6 +102,48 @@ def _isolate(spec: dict) -> None:
             if not os.path.exists(point):
                 continue  # covered by a later mount on a parent; unreachable from inside
             raise SetupError(f"cannot make {point} read-only: {e}") from e
+
+
+def _prepare(spec: dict) -> None:
+    """The private copy of the workspace, and tmp, home and out beside it (in the tmpfs, when there is one)."""
+    root = spec["root"]
+    for sub in ("tmp", "home", "out"):
+        os.mkdir(os.path.join(root, sub), 0o700)
+    work = os.path.join(root, "work")
+    if spec.get("workspace"):
+        try:
+            # symlinks stay links (pointing outside is harmless under read-only mounts)
+            shutil.copytree(spec["workspace"], work, symlinks=True, copy_function=_copy_regular)
+        except (OSError, shutil.Error) as e:
+            full = "No space left" in str(e)
+            raise SetupError(
+                f"the workspace does not fit the disk cap (disk_bytes={spec['disk_bytes']})"
+                if full and spec.get("disk_bytes")
+                else f"cannot copy the workspace: {str(e)[:500]}"
+            ) from None
+    else:
+        os.mkdir(work, 0o700)
+    if spec.get("chown"):
+        uid = spec["run_as"]
+        for dirpath, dirnames, filenames in os.walk(root):
+            os.lchown(dirpath, uid, uid)
+            for name in dirnames + filenames:
+                os.lchown(os.path.join(dirpath, name), uid, uid)
+
+
+def _copy_regular(src: str, dst: str) -> None:
+    """Copy regular files only: opening a FIFO or device left in an artifact would block or read a device."""
+    if stat.S_ISREG(os.lstat(src).st_mode):
+        shutil.copy2(src, dst)
+
+
+def _join_cgroups(spec: dict) -> None:
+    """Enter the check's cgroup before anything of the check exists: every later process is inside it."""
+    for procs in spec.get("cgroups", []):
+        try:
+            _write(procs, str(os.getpid()))
+        except OSError as e:
+            raise SetupError(f"cannot join the check's cgroup {procs}: {e}") from e
 
 
 def _drop_privileges(spec: dict, in_userns: bool) -> None:
@@ -200,16 +255,41 @@ def _forward_exit(pid: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def _init(pid: int, status_fd: int) -> None:
-    """PID 1 of the namespace: wait for the check and report a fatal signal on the status fd.
+def _init(pid: int, status_fd: int, spec: dict) -> None:
+    """PID 1 of the namespace: wait for the check and report on the status fd what the service cannot see once the
+    namespace is gone: a fatal signal, the score file, and whether the tmpfs copy was full.
 
     The check is not PID 1 itself because PID 1 ignores signals it has no handler for (SIGXCPU, SIGTERM, ...).
     PID 1 cannot re-raise a signal on itself either, hence the report."""
     _, status = os.waitpid(pid, 0)
+    report = []
     if os.WIFSIGNALED(status):
-        os.write(status_fd, f"\nsignal:{os.WTERMSIG(status)}".encode())
+        report.append(f"signal:{os.WTERMSIG(status)}")
+    score = _read_score(spec.get("score_path"))
+    if score is not None:
+        report.append(f"score:{score.hex()}")
+    if spec.get("disk_bytes"):
+        fs = os.statvfs(spec["root"])
+        if fs.f_bavail == 0 or fs.f_favail == 0:
+            report.append("disk_full")
+    os.write(status_fd, "".join("\n" + line for line in report).encode())
+    if os.WIFSIGNALED(status):
         os._exit(128 + os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _read_score(path: str | None) -> bytes | None:
+    """The first 4000 bytes of the score file: as the check's uid, never through a symlink, never a FIFO."""
+    if not path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 4000) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    finally:
+        os.close(fd)
 
 
 def main() -> None:
@@ -221,10 +301,12 @@ def main() -> None:
         resource.RLIMIT_CORE, (0, 0)
     )  # mirroring a fatal signal must not dump this process's core
     try:
+        _join_cgroups(spec)
         if spec["isolate"]:
             in_userns = os.geteuid() != 0
             uid, gid = os.geteuid(), os.getegid()
-            flags = os.CLONE_NEWNS | os.CLONE_NEWNET | os.CLONE_NEWPID
+            # A cgroup namespace rooted at the check's own cgroup (joined above): it sees no host cgroup path.
+            flags = os.CLONE_NEWNS | os.CLONE_NEWNET | os.CLONE_NEWPID | os.CLONE_NEWCGROUP
             os.unshare(flags | (os.CLONE_NEWUSER if in_userns else 0))
             if in_userns:
                 _write("/proc/self/setgroups", "deny")
@@ -239,13 +321,16 @@ def main() -> None:
                 outer
             )  # the namespace's init (PID 1) dies with the outer process: so does the namespace
             _isolate(spec)
+            _prepare(spec)
             _drop_privileges(spec, in_userns)
             _die_with_parent(outer)  # a uid change clears the parent-death signal: set it again
             init = os.getpid()
             pid = os.fork()
             if pid:
-                _init(pid, status_fd)
+                _init(pid, status_fd, spec)
             _die_with_parent(init)
+        else:
+            _prepare(spec)
         _limits(spec)
         _exec(spec, status_fd)
     except Exception as e:  # report, never run the check half-isolated

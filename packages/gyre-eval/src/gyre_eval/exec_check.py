@@ -38,7 +38,8 @@ class ExecCheckConfig(BaseModel):
 
 
 class ExecutableCheck:
-    """Runs ``config.command`` sandboxed; a crash, signal, unknown exit code, timeout or bad score file is a failure."""
+    """Runs ``config.command`` sandboxed; a crash, signal, unknown exit code, timeout, bad score file, or a total limit
+    of the sandbox broken (memory, disk, processes) is a failure."""
 
     kind = "exec"
 
@@ -72,7 +73,11 @@ class ExecutableCheck:
             "stdout_tail": result.stdout_tail[-1000:],
             "stderr_tail": result.stderr_tail[-1000:],
             "sandbox": result.guarantees,
+            "memory_peak_bytes": result.usage.memory_peak_bytes,
         }
+        violation = result.limit_violation()
+        if violation is not None:  # whatever the exit code: a worker killed for memory can end in a fail code
+            raise EvaluatorError(f"{violation}: {result.stderr_tail[-300:]}")
         if result.timed_out:
             raise EvaluatorError(f"check timed out after {result.wall_s:.1f}s (process group killed)")
         code = result.returncode

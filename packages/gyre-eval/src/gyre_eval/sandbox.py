@@ -7,6 +7,8 @@ With namespace isolation (root, or unprivileged user namespaces): no network (an
 mount read-only except the sandbox directory, a private PID namespace whose processes all die with the check, and no
 privileges (root drops to ``run_as``; otherwise a nested user namespace). ``isolation="auto"`` uses it when a probe
 succeeds and records which guarantees held in every result; ``"required"`` refuses to run without it.
+Where the service may write cgroups (root): a cgroup per check bounds the total memory and processes of all its
+processes. With isolation, the copy lives in a tmpfs of ``disk_bytes``: the total the check can write is bounded.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gyre_eval.cgroup import CgroupUnavailable, CgroupUsage, CheckCgroup
 
 _TAIL = 4000
 
@@ -55,10 +59,30 @@ class SandboxConfig(BaseModel):
     fixed uid for every run; None keeps uid 0 without capabilities."""
     uid_range: tuple[int, int] = (200_000, 4096)
     """(first uid, count) of the per-run uid pool; leases are flock'ed files, so several services share it safely."""
+    memory_total_bytes: int | None = Field(default=8 << 30, ge=16 << 20)
+    """Total resident memory of all the check's processes and its tmpfs copy (a cgroup per check, swap off). Past it
+    the kernel kills processes of this check only, and the attempt fails (never a score)."""
+    pids_total: int | None = Field(default=512, ge=8)
+    """Total processes and threads of the check, whatever their uid (the check's cgroup; 3 are the sandbox's own)."""
+    disk_bytes: int | None = Field(default=2 << 30, ge=1 << 20)
+    """Size of the tmpfs holding the private copy, its tmp, home and score file (needs isolation): the total the check
+    can write, over any number of files. Filling it fails the attempt. Its pages count against memory_total_bytes."""
+    cgroup: Literal["auto", "required", "off"] = "auto"
+    """The per-check cgroup: made where the service may write one (else the results say the totals do not hold),
+    insisted on, or never made."""
     scratch_dir: str | None = None
     """Where private copies are made (default: the system temp directory)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for the check (the parent's environment is never inherited)."""
+
+    @model_validator(mode="after")
+    def _copy_fits_in_memory(self) -> SandboxConfig:
+        if self.disk_bytes and self.memory_total_bytes and self.disk_bytes >= self.memory_total_bytes:
+            raise ValueError(
+                f"disk_bytes ({self.disk_bytes}) must be below memory_total_bytes ({self.memory_total_bytes}): "
+                "the tmpfs copy's pages count against the check's total memory"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -72,6 +96,34 @@ class SandboxResult:
     """Contents of $GYRE_SCORE_FILE if the check wrote one."""
     wall_s: float
     guarantees: dict[str, bool | str] = field(default_factory=dict)
+    usage: CgroupUsage = field(default_factory=CgroupUsage)
+    """The check's cgroup events (OOM kills, refused forks) and peak memory; zeros without a cgroup."""
+    disk_full: bool = False
+    """The tmpfs copy was full when the check ended (a write failed with ENOSPC)."""
+    limits: dict[str, int] = field(default_factory=dict)
+    """The configured totals the violations below refer to."""
+    cgroups: tuple[str, ...] = ()
+    """The check's cgroup directories (removed when it ended)."""
+
+    def limit_violation(self) -> str | None:
+        """Why the check broke a total limit of its sandbox, or None: such a run is a failed attempt, never a score
+        (a check whose worker was OOM-killed may still exit with a fail code)."""
+        if self.usage.oom_kills:
+            return (
+                f"check exceeded its total memory (memory_total_bytes={self.limits.get('memory_total_bytes')}): "
+                f"the kernel killed {self.usage.oom_kills} of its processes (out of memory)"
+            )
+        if self.disk_full:
+            return (
+                f"check filled its disk (disk_bytes={self.limits.get('disk_bytes')}): "
+                "writes failed with ENOSPC (No space left on device)"
+            )
+        if self.usage.pids_limit_hits:
+            return (
+                f"check reached its process limit (pids_total={self.limits.get('pids_total')}): "
+                f"{self.usage.pids_limit_hits} forks refused"
+            )
+        return None
 
 
 class SandboxError(Exception):
@@ -117,6 +169,7 @@ class Sandbox:
             else ("no capabilities" if iso else "as service"),
             "no_new_privileges": True,
             "dies_with_service": True,
+            "disk_cap": f"tmpfs size={self.config.disk_bytes}" if iso and self.config.disk_bytes else False,
             **({"isolation_unavailable": self._probe_error} if not iso and self._probe_error else {}),
         }
 
@@ -135,37 +188,55 @@ class Sandbox:
         await asyncio.to_thread(sweep_stale_sandboxes, self.config.scratch_dir)
         root, owner = await asyncio.to_thread(_new_root, self.config.scratch_dir)
         lease = None
+        cgroup = None
         try:
-            work = root / "work"
-            await asyncio.to_thread(_private_copy, workspace, work)
-            for sub in ("tmp", "home", "out"):
-                (root / sub).mkdir()
             drop = isolate and os.geteuid() == 0 and self.config.run_as is not None
             uid = self.config.run_as
             if drop and uid == "per-run":
                 lease = await asyncio.to_thread(_lease_uid, *self.config.uid_range, self.config.scratch_dir)
                 uid = lease[0]
-            if drop:
-                await asyncio.to_thread(_chown_tree, root, uid)
-            return await self._spawn(argv, root, work, timeout, isolate, drop, uid if drop else None)
+            cgroup, totals = await asyncio.to_thread(self._cgroup, root.name)
+            return await self._spawn(
+                argv, workspace, root, timeout, isolate, uid if drop else None, cgroup, totals
+            )
         finally:
+            if cgroup is not None:
+                await asyncio.to_thread(cgroup.remove)  # kills what is left in it first
             await asyncio.to_thread(shutil.rmtree, root, True)
             os.close(owner)  # after the copy is gone: a sweep never removes a live sandbox
             if lease is not None:
                 os.close(lease[1])
 
+    def _cgroup(self, name: str) -> tuple[CheckCgroup | None, dict[str, bool | str]]:
+        """The check's cgroup and what it guarantees (or why the totals do not hold)."""
+        cfg = self.config
+        if cfg.cgroup == "off" or not (cfg.memory_total_bytes or cfg.pids_total):
+            return None, {"total_memory": False, "total_processes": False}
+        try:
+            cg = CheckCgroup.create(name, cfg.memory_total_bytes, cfg.pids_total)
+        except CgroupUnavailable as e:
+            if cfg.cgroup == "required":
+                raise SandboxError(f"a cgroup per check is required but unavailable: {e}") from None
+            return None, {"total_memory": f"unavailable: {e}", "total_processes": f"unavailable: {e}"}
+        return cg, {
+            "total_memory": cg.limits.get("memory", False),
+            "total_processes": cg.limits.get("pids", False),
+        }
+
     async def _spawn(
         self,
         argv: list[str],
+        workspace: Path,
         root: Path,
-        work: Path,
         timeout: float,
         isolate: bool,
-        drop: bool,
         uid: int | None,
+        cgroup: CheckCgroup | None,
+        totals: dict[str, bool | str],
     ) -> SandboxResult:
         cfg = self.config
         score_path = root / "out" / "score"
+        work = root / "work"
         env = {
             "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
             "LANG": "C.UTF-8",
@@ -175,18 +246,24 @@ class Sandbox:
             "GYRE_SCORE_FILE": str(score_path),
             **cfg.env,
         }
+        tmpfs = isolate and cfg.disk_bytes is not None
         spec = {
             "argv": argv,
             "cwd": str(work),
             "env": env,
             "root": str(root),
+            "workspace": str(workspace),
+            "score_path": str(score_path),
             "isolate": isolate,
-            "run_as": uid if drop else (None if cfg.run_as == "per-run" else cfg.run_as),
+            "run_as": uid if uid is not None else (None if cfg.run_as == "per-run" else cfg.run_as),
+            "chown": uid is not None,
+            "disk_bytes": cfg.disk_bytes if tmpfs else None,
+            "cgroups": cgroup.procs_files() if cgroup else [],
             "limits": {
                 "cpu_s": cfg.cpu_s,
                 "memory_bytes": cfg.memory_bytes,
                 "file_bytes": cfg.file_bytes,
-                "nproc": cfg.max_processes if drop else None,
+                "nproc": cfg.max_processes if uid is not None else None,
             },
         }
         status_r, status_w = os.pipe()
@@ -226,15 +303,21 @@ class Sandbox:
                 os.close(status_w)
         if "error:" in setup:
             raise SandboxError(f"sandbox could not start the check: {setup.split('error:', 1)[1].strip()}")
+        # The first line is the setup result; the namespace's init adds "key:value" lines about the ended check.
+        head, *lines = setup.split("\n")
+        report = dict(line.partition(":")[::2] for line in lines)
         returncode = proc.returncode
-        if "signal:" in setup:  # the namespace's init reports a check killed by a signal
-            returncode = -int(setup.rsplit("signal:", 1)[1].strip() or 0)
-            setup = setup.split("\n", 1)[0]
-        if not timed_out and setup != "ok":
+        if "signal" in report:  # init reports a check killed by a signal (it cannot re-raise it on itself)
+            returncode = -int(report["signal"] or 0)
+        if not timed_out and head != "ok":
             raise SandboxError(
                 f"sandbox child exited {proc.returncode} before running the check: {_tail(err_path)}"
             )
-        score = score_path.read_text(errors="replace")[:_TAIL] if score_path.is_file() else None
+        if "score" in report:  # read by init inside the namespace, as the check's uid
+            score = bytes.fromhex(report["score"]).decode(errors="replace") or None
+        else:
+            score = None if isolate else _read_score(score_path)
+        usage = await asyncio.to_thread(cgroup.usage) if cgroup else CgroupUsage()
         return SandboxResult(
             returncode=None if timed_out else returncode,
             timed_out=timed_out,
@@ -242,7 +325,19 @@ class Sandbox:
             stderr_tail=_tail(err_path),
             score_file=score,
             wall_s=wall,
-            guarantees=self.guarantees(),
+            guarantees={**self.guarantees(), **totals},
+            usage=usage,
+            disk_full="disk_full" in report,
+            limits={
+                k: v
+                for k, v in (
+                    ("memory_total_bytes", cfg.memory_total_bytes),
+                    ("pids_total", cfg.pids_total),
+                    ("disk_bytes", cfg.disk_bytes),
+                )
+                if v
+            },
+            cgroups=tuple(str(p) for p in cgroup.paths) if cgroup else (),
         )
 
 
@@ -302,22 +397,18 @@ def _child_command() -> list[str]:
     return [sys.executable, "-I", "-S", str(Path(__file__).with_name("_sandbox_child.py"))]
 
 
-def _private_copy(src: Path, dst: Path) -> None:
-    # symlinks=True: a link in the artifact stays a link (pointing outside is harmless under read-only mounts).
-    shutil.copytree(src, dst, symlinks=True, copy_function=_copy_regular)
-
-
-def _copy_regular(src: str, dst: str) -> None:
-    """Copy regular files only: opening a FIFO or device left in an artifact would block or read a device."""
-    if stat.S_ISREG(os.lstat(src).st_mode):
-        shutil.copy2(src, dst)
-
-
-def _chown_tree(root: Path, uid: int) -> None:
-    for dirpath, dirnames, filenames in os.walk(root):
-        os.lchown(dirpath, uid, uid)
-        for name in dirnames + filenames:
-            os.lchown(os.path.join(dirpath, name), uid, uid)
+def _read_score(path: Path) -> str | None:
+    """The score file without isolation: never through a symlink, never a FIFO (it could block the service)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, _TAIL).decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 def _read_all(fd: int) -> str:
@@ -349,6 +440,8 @@ def _probe(config: SandboxConfig) -> tuple[bool, str | None]:
             "root": str(root),
             "isolate": True,
             "run_as": 65534 if config.run_as == "per-run" else config.run_as,
+            "disk_bytes": config.disk_bytes and 1 << 20,  # the tmpfs mount is probed too
+            "chown": os.geteuid() == 0 and config.run_as is not None,
             "limits": {},
         }
         r, w = os.pipe()
