@@ -54,6 +54,7 @@ from gyre_train.megatron.model import (
     read_hf_state_dict,
 )
 from gyre_train.megatron.thd import cp_assemble, cp_partition
+from gyre_train.megatron.weights import write_hf_checkpoint
 from gyre_train.types import IGNORE_LABEL, TokenStats
 
 from megatron.core import parallel_state, tensor_parallel  # isort: skip  (after model.py applied compat)
@@ -588,16 +589,3 @@ class MegatronBackend:
     def save_hf_pretrained(self, out_dir: str | Path) -> None:
         """Write model.safetensors + config.json loadable by transformers / SGLang (copies the source config)."""
         write_hf_checkpoint(self.export_hf_weights(), self.cfg.model_path, out_dir)
-
-
-def write_hf_checkpoint(weights: dict[str, torch.Tensor], model_path: str, out_dir: str | Path) -> None:
-    """``weights`` (HF names) as model.safetensors in ``out_dir``, with the config files of ``model_path``."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
-    src = Path(model_path)
-    for name in ("config.json", "generation_config.json"):
-        if (src / name).exists():
-            (out / name).write_bytes((src / name).read_bytes())

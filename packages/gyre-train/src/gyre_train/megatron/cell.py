@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 
 from gyre_train.loss import LossConfig
-from gyre_train.megatron.backend import MegatronBackend, write_hf_checkpoint
+from gyre_train.megatron.backend import MegatronBackend
 from gyre_train.megatron.control import ControlChannel
 from gyre_train.megatron.model import load_hf_weights
 from gyre_train.megatron.pipeline import StreamingPipeline, combine_results
+from gyre_train.megatron.weights import write_hf_checkpoint
 from gyre_train.multicell import MultiCellConfig, PrefixGroups
 from gyre_train.types import PrepassResult, TrainResult, WorkItem
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -319,3 +320,16 @@ def hf_layer_index(name: str) -> int | None:
     """Layer index of a HF tensor name (None for embedding, final norm, lm_head)."""
     m = _HF_LAYER.match(name)
     return int(m.group(1)) if m else None
+
+
+def write_hf_checkpoint(weights: dict[str, torch.Tensor], model_path: str, out_dir: str | Path) -> None:
+    """``weights`` (HF names) as model.safetensors in ``out_dir``, with the config files of ``model_path``."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    src = Path(model_path)
+    for name in ("config.json", "generation_config.json"):
+        if (src / name).exists():
+            (out / name).write_bytes((src / name).read_bytes())
