@@ -224,3 +224,59 @@ def _running(arg: str) -> bool:
             except OSError:
                 pass
     return False
+
+
+@needs_cgroup
+def test_groups_a_dead_service_left_behind_are_swept(workspace):
+    """A service killed mid-check leaves its (then empty) groups; the next check's service removes them, never a live
+    service's."""
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names a service that is gone
+    live = CheckCgroup.create("gyre-sbx-live", 64 * MB, 16)  # this service's own, still in use
+    bases = [p.parent for p in live.paths]
+    left = [base / f"{dead.pid}-gyre-sbx-crashed" for base in bases]
+    for d in left:
+        d.mkdir()
+    try:
+        result = run(Sandbox(SandboxConfig(timeout_s=10)).run(["true"], workspace))
+        assert result.returncode == 0 and len(result.cgroups) == 2
+        assert not any(d.exists() for d in left)
+        assert all(p.exists() for p in live.paths)
+    finally:
+        live.remove()
+        for d in left:
+            if d.exists():
+                d.rmdir()
+
+
+def test_cgroup_v2_file_protocol_on_a_stand_in_tree(tmp_path, monkeypatch):
+    """This machine has no v2 memory controller to run checks under, so the v2 writes and reads are checked on a
+    stand-in directory tree: which files get which values, and which events count."""
+    import gyre_eval.cgroup as cgroup
+
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu memory pids\n")
+    (root / "cgroup.subtree_control").write_text("")
+    monkeypatch.setattr(cgroup, "CGROUP_ROOT", root)
+    monkeypatch.setattr(cgroup, "_own_path", lambda match: "/")
+    cg = CheckCgroup.create("gyre-sbx-v2", 300 * MB, 64)
+    (leaf,) = cg.paths
+    assert cg.version == 2 and leaf == root / "gyre-eval" / f"{os.getpid()}-gyre-sbx-v2"
+    assert (root / "cgroup.subtree_control").read_text() == "+memory +pids"
+    assert (root / "gyre-eval" / "cgroup.subtree_control").read_text() == "+memory +pids"
+    assert (leaf / "memory.max").read_text() == str(300 * MB) and (leaf / "pids.max").read_text() == "64"
+    assert not (leaf / "memory.swap.max").exists() and "swap not accounted" in cg.limits["memory"]
+    assert cg.procs_files() == [str(leaf / "cgroup.procs")]
+    (leaf / "memory.events").write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\n")
+    (leaf / "pids.events").write_text("max 3\n")
+    (leaf / "memory.peak").write_text(str(301 * MB))
+    assert cg.usage() == cgroup.CgroupUsage(oom_kills=2, pids_limit_hits=3, memory_peak_bytes=301 * MB)
+    (leaf / "cgroup.procs").write_text("")
+    cg.remove(wait_s=0)  # a stand-in directory is not removable while it holds files: left for the sweep
+    assert (leaf / "cgroup.kill").read_text() == "1"
+    (root / "cgroup.controllers").write_text("cpu io\n")
+    with pytest.raises(CgroupUnavailable, match="not memory and pids"):
+        CheckCgroup.create("gyre-sbx-v2b", 300 * MB, 64)

@@ -4,11 +4,14 @@ Runs single-threaded (so namespace and mount calls are safe, unlike a ``preexec_
 the standard library, and reports its setup result on STATUS_FD: ``ok`` just before ``exec`` (the fd is close-on-exec),
 or ``error: ...`` when isolation could not be established, in which case the check never runs (fail closed).
 
-With isolation it creates new mount, network and PID namespaces (plus a user namespace when not root), then:
-makes every mount read-only except the sandbox root (the private copy, its tmp and output), mounts a fresh read-only
-/proc for the new PID namespace, and drops privileges (root: setuid to ``run_as``; otherwise a nested user namespace
-that holds no capability over the mounts). The check runs under a small init (PID 1 of the namespace): when the
-check ends, init exits and the kernel kills every process the check left behind.
+It first joins the check's cgroup (when the service made one), so every process of the check is counted in its total
+memory and process limits. With isolation it creates new mount, network, PID and cgroup namespaces (plus a user
+namespace when not root), then: mounts a tmpfs of ``disk_bytes`` on the sandbox root (or binds it to itself), makes
+every other mount read-only, mounts a fresh read-only /proc for the new PID namespace, copies the workspace into the
+sandbox root (``work``, beside ``tmp``, ``home``, ``out``), and drops privileges (root: setuid to ``run_as``; otherwise
+a nested user namespace that holds no capability over the mounts). The check runs under a small init (PID 1 of the
+namespace): when the check ends, init reports its fatal signal, its score file and whether the tmpfs was full (the
+service cannot see the tmpfs), then exits, and the kernel kills every process the check left behind.
 """
 
 from __future__ import annotations
