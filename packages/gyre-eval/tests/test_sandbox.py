@@ -337,3 +337,22 @@ def _sleeping(arg: bytes) -> bool:
             except OSError:
                 pass
     return False
+
+
+@needs_isolation
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root-only file needs root")
+def test_a_score_file_symlink_never_reads_a_file_the_check_cannot(workspace, tmp_path):
+    """Before: the service (root) read $GYRE_SCORE_FILE after the check, following a symlink the check planted: a
+    root-only file's text came back as the score file (and into provenance through the parse error). Now the
+    namespace's init reads it as the check's uid, never through a symlink."""
+    secret = Path(tempfile.mkdtemp(prefix="gyre-secret-")) / "secret.txt"
+    secret.write_text("0.9 root-only\n")
+    os.chmod(secret, 0o600)
+    os.chmod(secret.parent, 0o755)
+    try:
+        cmd = ["bash", "-c", f'ln -s {secret} "$GYRE_SCORE_FILE"; cat {secret} || echo unreadable']
+        result = run(_sandbox().run(cmd, workspace))
+        assert "unreadable" in result.stdout_tail
+        assert result.score_file is None
+    finally:
+        shutil.rmtree(secret.parent)

@@ -314,7 +314,7 @@ class Sandbox:
                 f"sandbox child exited {proc.returncode} before running the check: {_tail(err_path)}"
             )
         if "score" in report:  # read by init inside the namespace, as the check's uid
-            score = bytes.fromhex(report["score"]).decode(errors="replace") or None
+            score = bytes.fromhex(report["score"]).decode(errors="replace")
         else:
             score = None if isolate else _read_score(score_path)
         usage = await asyncio.to_thread(cgroup.usage) if cgroup else CgroupUsage()
