@@ -229,14 +229,37 @@ class AssessmentService:
     def _next_start_too_late(self, rs: RetryCallState, deadline: float) -> bool:
         return self.clock() + (rs.upcoming_sleep or 0.0) >= deadline
 
+    @contextlib.asynccontextmanager
+    async def _slot(self, deadline: float):
+        """One of `max_concurrent` evaluation slots, waited for until `deadline` at most (yields False then): an
+        assessment whose budget ends while other evaluations hold every slot settles at its deadline, not whenever
+        a slot frees (the controller waits for it to replace the execution)."""
+        acquired = True
+        if not self._slots.locked():
+            await self._slots.acquire()
+        else:
+            try:
+                await asyncio.wait_for(self._slots.acquire(), max(0.0, deadline - self.clock()))
+            except TimeoutError:
+                acquired = False
+        try:
+            yield acquired
+        finally:
+            if acquired:
+                self._slots.release()
+
     async def _attempt(
         self, aid: str, number: int, sub: Submission, request: EvaluationRequest, provenance: Provenance
     ) -> tuple[Verdict, Provenance]:
-        async with self._slots:
+        async with self._slot(sub.deadline) as slot:
             started = self.clock()
             error: Exception | None = None
             verdict: Verdict | None = None
             try:
+                if not slot:
+                    raise EvaluatorError(
+                        "no evaluation slot was free before the execution's overall budget deadline"
+                    )
                 evaluator = self.evaluators.get(sub.evaluator)
                 if evaluator is None:
                     raise UnknownEvaluatorError(f"evaluator {sub.evaluator!r} is no longer configured")
