@@ -193,14 +193,13 @@ def test_the_check_cgroup_holds_every_process_and_is_removed_after(workspace):
     sb = Sandbox(SandboxConfig(timeout_s=10, isolation="off"))
     result = run(sb.run(["bash", "-c", script], workspace))
     assert result.returncode == 0 and "started" in result.stdout_tail
-    assert len(result.cgroups) == 2 and all(f"{os.getpid()}-gyre-sbx-" in p for p in result.cgroups)
+    assert result.cgroups and all(f"{os.getpid()}-gyre-sbx-" in p for p in result.cgroups)  # v1: 2, v2: 1
     leaf = Path(result.cgroups[0]).name
     assert f"/gyre-eval/{leaf}" in result.stdout_tail
     assert not any(Path(p).exists() for p in result.cgroups)
     assert not _running(token), "a process that left the check's group outlived the check"
-    assert result.guarantees["total_processes"] == "cgroup v1 pids.max=512" or "v2" in str(
-        result.guarantees["total_processes"]
-    )
+    held = str(result.guarantees["total_processes"])
+    assert held.startswith("cgroup v") and held.endswith("pids.max=512")
 
 
 def test_without_a_cgroup_the_results_say_the_totals_do_not_hold(workspace):
@@ -241,7 +240,7 @@ def test_groups_a_dead_service_left_behind_are_swept(workspace):
         d.mkdir()
     try:
         result = run(Sandbox(SandboxConfig(timeout_s=10)).run(["true"], workspace))
-        assert result.returncode == 0 and len(result.cgroups) == 2
+        assert result.returncode == 0 and result.cgroups
         assert not any(d.exists() for d in left)
         assert all(p.exists() for p in live.paths)
     finally:
