@@ -98,6 +98,11 @@ async def _memory(client: TorchEngineClient) -> dict[str, int]:
     return (await client.loads())["loads"][0]["memory"]
 
 
+async def _decoding(client: TorchEngineClient) -> bool:
+    load = (await client.loads())["loads"][0]
+    return load["num_running_reqs"] > 0 and load["num_used_tokens"] > len(PROMPT)
+
+
 @pytest.mark.slow
 def test_round_trip_serves_new_weights_and_releases_memory(
     engine_url: str, tiny_model: Path, tiny_model_b: Path
@@ -120,7 +125,8 @@ def test_round_trip_serves_new_weights_and_releases_memory(
             mgr = CellRoleManager(client, trainer.state, CellRoleManagerConfig(cell="3"))
             # A request still running when the switch starts is aborted (the proxy retries it elsewhere).
             long = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True}))
-            await asyncio.sleep(0.3)
+            while not await _decoding(client):  # gate: the long request holds KV and decodes
+                await asyncio.sleep(0.01)
             rep = await mgr.to_training()
             cut = await long
             assert cut.finish_reason is not None and cut.finish_reason.type == "abort"

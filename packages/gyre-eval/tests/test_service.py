@@ -247,15 +247,16 @@ def test_restart_mid_evaluation_resumes_and_loses_nothing(tmp_path, workspace):
             await asyncio.sleep(3600)  # the second attempt is in flight when the service stops
 
     async def first_life():
-        service = _service(run_dir, {"quick": Flaky(failures=0, score=0.1), "task": FailThenStall()})
+        stalling = FailThenStall()
+        service = _service(run_dir, {"quick": Flaky(failures=0, score=0.1), "task": stalling})
         quick = service.submit(
             submission(workspace, "e-quick", group_size=2, dispatch_index=0, evaluator="quick")
         )
         await service.wait(quick[0].id)
         slow = service.submit(submission(workspace, "e-slow", group_size=2, dispatch_index=1))[0]
-        while service.store.get(slow.id).attempts < 1:
+        while len(stalling.calls) < 2:  # gate: the second attempt is in flight (not a timed guess)
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.2)
+        assert service.store.get(slow.id).attempts == 1
         await service.close()
         return quick[0].id, slow.id
 
