@@ -95,7 +95,9 @@ def _serve(args: argparse.Namespace) -> int:
     print(cfg.model_dump_json(), flush=True)  # the resolved config, first
     engine = TorchEngine(cfg)
     try:
-        uvicorn.run(create_app(engine, api_key=api_key), host=args.host, port=args.port, log_level="warning")
+        # keep-alive far past the clients' idle expiry (a request on a connection being closed fails empty)
+        app = create_app(engine, api_key=api_key)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=75)
     finally:
         engine.close()
     return 0

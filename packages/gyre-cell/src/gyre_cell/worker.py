@@ -311,7 +311,11 @@ class CellWorkerProcess:
 
     # ---- run -----------------------------------------------------------------------------------------------------
     def serve(self) -> None:
-        config = uvicorn.Config(self.app, host=self.cfg.host, port=self.cfg.port, log_level="warning")
+        # keep-alive far past the clients' idle expiry (worker_client.KEEPALIVE_EXPIRY_S): the client, not the server,
+        # closes idle connections, so no command is ever sent on a connection the server is closing
+        config = uvicorn.Config(
+            self.app, host=self.cfg.host, port=self.cfg.port, log_level="warning", timeout_keep_alive=75
+        )
         self.server = uvicorn.Server(config)
 
         async def main() -> None:

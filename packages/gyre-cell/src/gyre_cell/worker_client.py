@@ -22,11 +22,17 @@ from gyre_cell.worker_types import (
 )
 from gyre_train.types import ReadyGroupMessage
 
-__all__ = ["CellCommandError", "CellWorkerClient"]
+__all__ = ["KEEPALIVE_EXPIRY_S", "CellCommandError", "CellWorkerClient"]
 
 
 class CellCommandError(RuntimeError):
     """A cell refused or failed a command; the message is the cell's own."""
+
+
+KEEPALIVE_EXPIRY_S = 2.0
+"""The client drops a connection idle this long, well before the worker's uvicorn closes it (its keep-alive; 5 s by
+default): reusing a connection the server is closing at that moment fails the command with an empty ReadError
+(seen: a demo run ended on `/cell/groups: ReadError` under load)."""
 
 
 class CellWorkerClient:
@@ -35,7 +41,12 @@ class CellWorkerClient:
         headers = (
             {"authorization": f"Bearer {api_key}"} if api_key else None
         )  # the worker's token, if it has one
-        self._http = httpx.AsyncClient(base_url=f"{self.base_url}/cell", timeout=timeout_s, headers=headers)
+        self._http = httpx.AsyncClient(
+            base_url=f"{self.base_url}/cell",
+            timeout=timeout_s,
+            headers=headers,
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -74,7 +74,9 @@ def _serve(args: argparse.Namespace, config) -> int:
     except ValueError as e:
         print(f"gyre-eval: cannot build evaluators: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # clients reuse idle connections up to their own expiry (httpx: 5 s); a server keep-alive of the same length lets
+    # a request meet the close (an empty ReadError), so the server keeps them much longer
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=75)
     return 0
 
 
