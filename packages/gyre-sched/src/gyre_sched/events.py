@@ -90,6 +90,8 @@ class CellRestored:
 
     cell: int
     trains: bool = False
+    version: int | None = None
+    """The published policy version its engine serves (traced; the policy does not use it)."""
 
 
 @dataclass(frozen=True, slots=True)

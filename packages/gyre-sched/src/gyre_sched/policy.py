@@ -141,7 +141,7 @@ class PolicyCore:
                 pass  # reported just before the cell died: its claims are requeued by the trainer
             case CellLost(cell):
                 out += self._cell_lost(cell)
-            case CellRestored(cell, trains):
+            case CellRestored(cell, trains, _):
                 self._cell_restored(cell, trains)
             case TransitionDone(cell):
                 out += self._transition_done(cell)

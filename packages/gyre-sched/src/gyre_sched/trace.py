@@ -92,8 +92,8 @@ class TraceWriter:
                 self.write(t, "publish", version=v)
             case CellLost(cell):
                 self.write(t, "cell_lost", cell=cell)
-            case CellRestored(cell, trains):
-                self.write(t, "cell_restored", cell=cell, trains=trains)
+            case CellRestored(cell, trains, served):
+                self.write(t, "cell_restored", cell=cell, trains=trains, serves=served)
             case _:
                 pass
 
