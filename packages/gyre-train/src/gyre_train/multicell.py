@@ -29,6 +29,12 @@ remaining cells, and the end-of-batch collectives run over exactly the remaining
 they form a prefix, otherwise a fresh gloo group of just those ranks (``new_group(use_local_synchronization=True)``,
 cached, created only by its members, so the dead rank is never contacted). A satellite that dies after the window
 closed (during the reduce) is not handled: the collective fails after gloo's timeout.
+
+**World generations.** A dead rank's place in the fixed K-rank world cannot be taken by a new process. When a lost
+satellite was restarted, every cell re-forms the world at a burst boundary (no batch open, no collective in flight):
+:func:`reform_cell_world` destroys the old world and its groups and joins a new one of the same K ranks on a fresh
+rendezvous port (the restarted process takes its old rank); the coordinator's control connection is untouched, and
+:meth:`Coordinator.revive` lets the restarted cell join batches again.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 
@@ -90,6 +96,14 @@ def init_cell_process(cfg: MultiCellConfig, cell: int) -> PrefixGroups:
         "gloo", init_method=f"tcp://{cfg.host}:{cfg.master_port}", rank=cell, world_size=cfg.num_cells
     )
     return PrefixGroups(cfg.num_cells)
+
+
+def reform_cell_world(cfg: MultiCellConfig, cell: int, master_port: int) -> PrefixGroups:
+    """A new generation of the gloo world (see the module docstring): every cell calls it, with the same fresh
+    ``master_port``, while none is inside a batch; returns the new prefix groups (the old ones are destroyed)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return init_cell_process(replace(cfg, master_port=master_port), cell)
 
 
 class PrefixGroups:
@@ -211,6 +225,12 @@ class Coordinator:
         for cell in expired:
             self.lose(cell, f"claim lease expired ({self.cfg.claim_timeout_s} s)", dead=False)
         return expired
+
+    def revive(self, cell: int) -> None:
+        """``cell``'s process was restarted and is in the current world generation: it may join batches again."""
+        with self._lock:
+            self._dead.discard(cell)
+            self._dropped.discard(cell)
 
     def live_cells(self) -> list[int]:
         """Cells whose process has not been lost."""
