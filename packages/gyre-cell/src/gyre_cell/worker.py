@@ -54,6 +54,7 @@ from gyre_cell.worker_types import (
     OpenBatchCommand,
     PublishCommand,
     PublishedWeights,
+    ReformCommand,
     SaveCommand,
     SwitchResult,
     WorkerStatus,
@@ -141,7 +142,7 @@ class CellWorkerProcess:
     # ---- start-up ------------------------------------------------------------------------------------------------
     def _setup(self) -> None:
         try:
-            if self.cfg.kind == "elastic":
+            if self.cfg.kind == "elastic" and not self.cfg.restarted:
                 from gyre_cell.worker_training import CellTraining
 
                 self.training = CellTraining(self.cfg, self.events.emit)
@@ -201,6 +202,11 @@ class CellWorkerProcess:
                 return JSONResponse({"error": {"message": message}}, status_code=409)
             if training and worker.cfg.kind == "standalone":
                 message = f"standalone engine {worker.cfg.cell} serves rollout only: it has no training side"
+                return JSONResponse({"error": {"message": message}}, status_code=409)
+            if (training or core) and worker.cfg.restarted and worker.training is None:
+                message = (
+                    f"cell {worker.cfg.cell} was restarted mid-run: it serves rollout only (no training side)"
+                )
                 return JSONResponse({"error": {"message": message}}, status_code=409)
             if worker.error is not None:
                 return JSONResponse({"error": {"message": worker.error}}, status_code=500)
@@ -300,6 +306,29 @@ class CellWorkerProcess:
                 return bad
             cmd = await body(request, SaveCommand)
             return await asyncio.to_thread(worker.training.save, cmd.version)
+
+        @r.post("/reform")
+        async def reform(request: Request):
+            """A new gloo world generation (every elastic cell at once); a restarted cell builds its training side
+            in it, the others re-form theirs."""
+            if (bad := need_ready()) is not None:
+                return bad
+            if worker.cfg.kind != "elastic":
+                message = f"standalone engine {worker.cfg.cell} has no training side"
+                return JSONResponse({"error": {"message": message}}, status_code=409)
+            cmd = await body(request, ReformCommand)
+            if worker.training is None:  # restarted: its training side starts in the new world
+                from gyre_cell.worker_training import CellTraining
+
+                training = worker.cfg.training.model_copy(update={"master_port": cmd.master_port})
+                cfg = worker.cfg.model_copy(update={"training": training})
+                worker.training = await asyncio.to_thread(CellTraining, cfg, worker.events.emit)
+                worker.roles = (
+                    None  # a role manager built without a training side: rebuilt on the next switch
+                )
+            else:
+                await asyncio.to_thread(worker.training.reform, cmd.master_port, cmd.rejoining)
+            return {"ok": True, "generation": cmd.generation}
 
         @r.post("/shutdown")
         async def shutdown():

@@ -16,6 +16,7 @@ from gyre_cell.worker_types import (
     OpenBatchCommand,
     PublishCommand,
     PublishedWeights,
+    ReformCommand,
     SaveCommand,
     SwitchResult,
     WorkerStatus,
@@ -123,6 +124,9 @@ class CellWorkerClient:
 
     async def save(self, version: int) -> PublishedWeights:
         return await self._call("POST", "/save", SaveCommand(version=version), PublishedWeights)
+
+    async def reform(self, command: ReformCommand) -> None:
+        await self._call("POST", "/reform", command, None)
 
     async def shutdown(self) -> None:
         with contextlib.suppress(CellCommandError):  # already gone

@@ -14,6 +14,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from gyre_train.backends import build_backend
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
 from gyre_train.checkpoint import save_checkpoint
-from gyre_train.multicell import CoreRunner, MultiCellConfig, init_cell_process
+from gyre_train.multicell import CoreRunner, MultiCellConfig, init_cell_process, reform_cell_world
 from gyre_train.packing import PackingConfig
 from gyre_train.satellite import SatelliteRunner
 from gyre_train.snapshot import FileSnapshotChannel
@@ -66,7 +67,7 @@ class CellTraining:
         self.cfg, self.emit = cfg, emit
         t = cfg.training
         self.is_core = cfg.cell == 0
-        mc = MultiCellConfig(
+        self.mc = mc = MultiCellConfig(
             num_cells=cfg.num_cells, master_port=t.master_port, control_port=t.coordinator_port,
             snapshot_dir=str(Path(cfg.run_dir) / "snapshots"), steps_per_burst=t.steps_per_burst,
             host=t.master_host or cfg.host, claim_timeout_s=t.claim_timeout_s, starve_timeout_s=float("inf"),
@@ -279,6 +280,27 @@ class CellTraining:
             self._may_join = False
             self.leave.set()
         self.wait_idle()
+
+    # ---- a new world generation ----------------------------------------------------------------------------------
+    def reform(self, master_port: int, rejoining: list[int]) -> None:
+        """Join the next generation of the gloo world (a restarted cell takes its rank again); at a burst boundary:
+        no step or burst runs here. The core lets the rejoining cells join batches (and its `hold_core_for_join`
+        gate applies again to a rejoining hold cell)."""
+        if self.stages is not None:
+            raise ValueError(
+                "a pipelined cell (PP > 1) cannot re-form the training world: its stages are one group"
+            )
+        self.wait_idle()
+        self.groups = reform_cell_world(self.mc, self.cfg.cell, master_port)
+        self.mc = replace(self.mc, master_port=master_port)
+        if self.core is not None:
+            self.core.groups = self.groups
+            for cell in rejoining:
+                self.core.coordinator.revive(cell)
+            if self.cfg.training.hold_core_for_join in rejoining:
+                self._held_until_joined = False
+        else:
+            self.satellite.groups = self.groups
 
     def close(self) -> None:
         self.abort.set()

@@ -117,6 +117,20 @@ class CellWorkerConfig(_Wire):
     """Transfer engine settings (TCP on loopback here, RDMA in production)."""
     cpu_threads: int = Field(1, ge=1)
     """torch intra-op threads of this process (training and engine)."""
+    restarted: bool = False
+    """An elastic cell started again after its worker died mid-run: it serves rollout at once, but builds no training
+    side at start (the run's gloo world is already formed without it); training commands are refused."""
+
+
+class ReformCommand(_Wire):
+    """Re-form the gloo world (a new generation, same K ranks) so a restarted cell trains again; sent to every
+    elastic cell at a burst boundary (gyre_train.multicell.reform_cell_world)."""
+
+    generation: int = Field(ge=1)
+    master_port: int = Field(ge=1)
+    """The new generation's rendezvous port on the core's host."""
+    rejoining: list[int] = []
+    """The restarted cells that take their rank again (the core's coordinator lets them join batches)."""
 
 
 class PublishedWeights(_Wire):
