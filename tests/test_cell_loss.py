@@ -1,10 +1,15 @@
-"""A satellite cell's worker killed (SIGKILL) while it trains: the K=3 run goes on with the other cells and completes.
+"""A satellite cell's worker killed (SIGKILL) while it trains: the K=3 run goes on, restarts it, and completes.
 
 The gate: the trace's first micro-step claim by cell 1 (the core holds its batch until cell 1 has joined once). Then
 the cell-1 worker process is killed. Asserted from the run directory: all steps done, the loss traced
 (`cell_lost`), every micro-step cell 1 claimed in that batch claimed again by a live cell (requeued), cell 1 in no
-later claim, transition or route, later batches reduced without it (cell 2 may still join: the prefix skips the dead
-cell), and counters recomputed from the trace equal to the scheduler's own.
+claim, transition or route while lost; then the launcher's restart (`cell_restored`, once: the budget is one) with
+the engine serving the version published last, executions launched on it afterwards whose tokens it served at that
+version or later (their trajectories' weight-version spans); at the next burst boundary the gloo world re-formed
+(`cell_restored` with `trains`), after which cell 1 claims micro-steps of a later batch again, whose loss and summed
+gradient equal the single-process float64 replay of the dumped batch; counters recomputed from the trace equal to
+the scheduler's own. The hold gate (`train.hold_core_for_join=1`) keeps the next batch closed while cell 1 restarts
+(a cold Python + torch start can outlast a short run's last burst) and holds the core again once it rejoined.
 """
 
 from __future__ import annotations
@@ -18,12 +23,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from gyre_sched.trace import iter_trace, read_trace
+from gyre_train.loss import LossConfig
+from gyre_train.replay import replay_batch
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6
 
 
 def _trace(run_dir: Path) -> list[dict]:
@@ -52,10 +61,18 @@ def _worker_pid(run_dir: Path, cell: int) -> int:
     raise AssertionError(f"no worker process for cell {cell}")
 
 
-def test_killed_satellite_worker_the_run_completes_without_it(tmp_path):
+def _spans(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return [s for row in pq.read_table(path).to_pylist() for s in row["weight_versions"]]
+
+
+def test_killed_satellite_worker_is_restarted_and_the_run_completes(tmp_path):
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
-            str(run_dir), "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false", "--quiet"]  # fmt: skip
+            str(run_dir), "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false", "--quiet",
+            "--set", f"train.steps={STEPS}", "--set", "train.dtype=float64",
+            "--set", f"train.dump_batches={list(range(STEPS))}"]  # fmt: skip
     proc = subprocess.Popen(
         argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -71,18 +88,37 @@ def test_killed_satellite_worker_the_run_completes_without_it(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+    (tmp_path / "controller.log").write_bytes(err)  # its warnings (lost, restarted), for a failure below
     assert proc.returncode == 0, err.decode()[-3000:]
     summary = json.loads(out.decode().splitlines()[-1])
-    assert summary["steps"] == 4
+    assert summary["steps"] == STEPS
 
     lines = list(iter_trace(run_dir / "trace.jsonl"))
     (lost,) = [x for x in lines if x["ev"] == "cell_lost"]
     assert lost["cell"] == 1
     at = lines.index(lost)
-    before, after = lines[:at], lines[at + 1 :]
-    # Cell 1 is in nothing after its loss.
-    assert not [x for x in after if x.get("cell") == 1 and x["ev"] in ("microstep_claim", "transition_begin")]
-    assert not [x for x in after if x["ev"] in ("launch", "route") and x["engine"] == "cell:1"]
+    before = lines[:at]
+    # Restarted once, serving the version published last before it took work again.
+    (restored,) = [x for x in lines if x["ev"] == "cell_restored" and not x["trains"]]
+    back = lines.index(restored)
+    assert restored["cell"] == 1 and back > at and restored["trains"] is False
+    published = [x["version"] for x in lines[:back] if x["ev"] == "publish"]
+    assert restored["serves"] == (published[-1] if published else 0)
+    # Cell 1 is in nothing while lost.
+    while_lost = lines[at + 1 : back]
+    assert not [
+        x for x in while_lost if x.get("cell") == 1 and x["ev"] in ("microstep_claim", "transition_begin")
+    ]
+    assert not [x for x in while_lost if x["ev"] in ("launch", "route") and x["engine"] == "cell:1"]
+    # Rollout work on the restarted engine: what it generated was at the restored version or a later one.
+    on_it = [x["execution"] for x in lines[back:] if x["ev"] == "launch" and x["engine"] == "cell:1"]
+    assert on_it, "the restarted cell took no rollout work"
+    url = json.loads((run_dir / "services.json").read_text())["cells"][1]
+    served = [s for e in on_it if (run_dir / "trajectories" / f"{e}.parquet").exists()
+              for s in _spans(run_dir / "trajectories" / f"{e}.parquet") if s["engine_id"] == url]  # fmt: skip
+    assert served and all(int(s["weight_version"]) >= restored["serves"] for s in served), served
+    print(f"restored at t={restored['t']:.1f} s (lost at {lost['t']:.1f} s), serving v{restored['serves']}; "
+          f"{len(on_it)} executions launched on it, {len(served)} spans served by it")  # fmt: skip
     # Its claims of the batch it died in were requeued: each (batch, index) claimed again by a live cell.
     claims = [x for x in before if x["ev"] == "microstep_claim" and x["cell"] == 1]
     died_in = max(x["batch"] for x in claims)
@@ -92,13 +128,34 @@ def test_killed_satellite_worker_the_run_completes_without_it(tmp_path):
     assert mine <= again, (mine, again)
     # Every step done, with B groups each; steps after the loss summed no micro-step of cell 1.
     rows = [json.loads(x) for x in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()]
-    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["num_groups"] == 2 for r in rows)
-    assert all(r["microsteps_by_cell"].get("1", 0) == 0 for r in rows if r["step"] > died_in)
+    # Training rejoin: a new world generation at a burst boundary, then claims by cell 1 in a later batch.
+    (rejoined,) = [x for x in lines if x["ev"] == "cell_restored" and x["trains"]]
+    assert rejoined["cell"] == 1 and lines.index(rejoined) > back
+    later = sorted(
+        {
+            x["batch"]
+            for x in lines[lines.index(rejoined) :]
+            if x["ev"] == "microstep_claim" and x["cell"] == 1
+        }
+    )
+    assert later and min(later) > died_in, "the restarted cell claimed no micro-step after rejoining"
+    assert [r["step"] for r in rows if r["step"] > died_in and r["microsteps_by_cell"].get("1", 0)] == later
+    # That step (cells 0 and 1, maybe 2) equals the single-process reference on the same batch.
+    batch = later[0]
+    dump = run_dir / "metrics" / "batches" / f"batch-{batch}"
+    loss, grads = replay_batch(
+        dump, str(run_dir / "model"), dtype="float64", loss=LossConfig(), temperature=1.0
+    )
+    assert loss == pytest.approx(rows[batch]["loss"], abs=1e-6)
+    assert torch.allclose(grads, torch.load(dump / "summed_grads.pt"), atol=1e-6, rtol=0)
+    print(f"rejoined at t={rejoined['t']:.1f} s; cell 1 claimed in batches {later}; "
+          f"batch {batch} by cell {rows[batch]['microsteps_by_cell']}, loss {rows[batch]['loss']:.6f} = replay")  # fmt: skip
     # The trace still recomputes the scheduler's counters; the final weights are saved.
     trace = read_trace(run_dir / "trace.jsonl")
     state = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
     assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
-    assert trace.steps == state["version"] == 4
-    assert trace.roles[1][-1][2] == "lost"
-    assert (run_dir / "checkpoints" / "policy-v4" / "config.json").exists()
+    assert trace.steps == state["version"] == STEPS
+    assert [r for _, _, r in trace.roles[1]][-1] != "lost"
+    assert (run_dir / "checkpoints" / f"policy-v{STEPS}" / "config.json").exists()

@@ -12,20 +12,39 @@ What happens when a call to satellite cell i fails (its event stream, a role swi
   contacted again. A satellite that dies inside the reduce itself is not covered (gloo's timeout ends the run).
 
 The core (cell 0) holds the optimizer: its loss still ends the run (`gyre run --resume` continues it).
+
+A lost satellite is then restarted by the launcher (`[launcher] cell_restarts` times per cell; past that it stays
+lost, one warning line): the new worker starts with `restarted` (rollout at once, no training side), the controller
+waits until it is ready, loads the current published weights into its engine (the normal publication path) and checks
+that it serves that version, adds it to the proxy's routes, and tells the policy `CellRestored(i)` (traced as
+`cell_restored` when the policy takes it): the cell takes rollout work again. A publication that started meanwhile
+makes it load again first (the policy hears of it only once it serves the published version).
+
+Training rejoin: the fixed K-rank gloo world cannot take a new process as an old rank, so at the next burst boundary
+(the policy publishes: no batch open, every satellite back in rollout) with all K workers alive, the controller has
+every cell re-form the world as a new generation on a fresh port (`POST /cell/reform`: the restarted cell builds its
+training side in it, the core's coordinator lets it join batches again), then tells the policy
+`CellRestored(i, trains=True)`: from then on the cell joins batches and claims micro-steps like any satellite. Not
+done (the cell stays rollout-only, one line says why): pipelined or Megatron cells (their groups are built over the
+world), Async's fixed split (its satellites never leave training), a lost cell still dead (its rank would be missing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
+from gyre.launch.base import free_port
+from gyre_cell.worker_types import ReformCommand
 from gyre_sched import events as ev
 from gyre_sched.types import CellRole
 
 if TYPE_CHECKING:
     from gyre.controller import Controller
+    from gyre_cell.worker_client import CellWorkerClient
 
 log = logging.getLogger("gyre")
 
@@ -39,6 +58,12 @@ class CellLosses:
     def __init__(self, controller: Controller) -> None:
         self.c = controller
         self.lost: set[int] = set()
+        self.restart: Callable[[int], Awaitable[CellWorkerClient | None]] | None = None
+        """The launcher's `restart_cell` (None: a lost cell stays lost)."""
+        self.untrained: set[int] = set()  # restored cells whose training side has not rejoined yet
+        self.restarting: dict[int, asyncio.Event] = {}  # set once the restart ended (restored, or it failed)
+        self.generation = 0  # of the gloo world (0: the one formed at start)
+        self._refused_said = False
 
     async def absorb(self, cell: int | None, exc: BaseException) -> bool:
         """True if `exc` came from satellite `cell` having died (then the run goes on without it)."""
@@ -51,6 +76,7 @@ class CellLosses:
         if cell in self.lost:  # another failed call found it dead meanwhile
             return True
         self.lost.add(cell)
+        self.untrained.discard(cell)
         log.warning("cell %d lost (%s: %s): the run goes on with the other cells; see %s", cell,
                     type(exc).__name__, exc, self.c.run_dir / "logs" / f"cell-{cell}.log")  # fmt: skip
         self.c.events.put_nowait(ev.CellLost(cell))
@@ -63,7 +89,70 @@ class CellLosses:
             )
         except Exception as routes_failed:  # the proxy refused: that stops the run, as any failed part does
             self.c.events.put_nowait(routes_failed)
+        if self.restart is not None:
+            self.restarting[cell] = asyncio.Event()
+            self.c._spawn(self._restore(cell))
         return True
+
+    async def open_batch(self, version: int, final: bool) -> None:
+        """The core opens the policy's batch; with the `train.hold_core_for_join` test gate on a restarting cell,
+        once that restart ended (so a short run surely sees the restarted cell rejoin before its last burst)."""
+        hold = self.restarting.get(self.c.cfg.train.hold_core_for_join)
+        if hold is not None:
+            await hold.wait()
+        await self.c.cells[0].open_batch(version, final)
+
+    async def _restore(self, cell: int) -> None:
+        """Restart the dead worker, then load the current weights (the policy hears of it once they are served)."""
+        try:
+            if await self.restart(cell) is None:
+                self.restarting[cell].set()
+                return  # its restarts are spent (the launcher said so)
+            await self._load_current(cell)
+        except Exception as exc:  # the run goes on without it
+            log.warning("cell %d: restart failed (%s: %s): it stays lost", cell, type(exc).__name__, exc)
+            self.restarting[cell].set()
+
+    async def _load_current(self, cell: int) -> None:
+        ref = self.c.published
+        client = self.c.cells[cell]
+        await client.load_weights(ref)
+        served = (await client.status()).weight_version
+        if served != str(ref.version):
+            raise RuntimeError(
+                f"the restarted engine serves version {served}, not the published {ref.version}"
+            )
+        roles = self.c.policy.roles
+        serving = [c.base_url for i, c in enumerate(self.c.cells)
+                   if i == cell or (i not in self.lost and roles[i] is CellRole.ROLLOUT)]  # fmt: skip
+        await self.c.runner.admin_call(
+            "PUT", "/routes", {"engines": serving + [s.base_url for s in self.c.standalone]}
+        )
+        self.c.events.put_nowait(ev.CellRestored(cell, version=ref.version))
+
+    def restored(self, event: ev.CellRestored) -> bool:
+        """Called by the controller before the policy takes `event`: True if the cell serves the published version
+        now; else (a publication started or ended meanwhile) it loads again and False."""
+        cell = event.cell
+        if event.trains:  # its training side rejoined (rejoin_training): it serves already
+            return True
+        if self.c.policy.publishing or event.version != self.c.published.version:
+            self.c._spawn(self._reload(cell))
+            return False
+        self.lost.discard(cell)  # a later death is handled again (within the restart budget)
+        self.untrained.add(cell)
+        self.restarting[cell].set()
+        self.c._spawn(self.c._pump_cell_events(cell, self.c.cells[cell]), cell=cell)
+        return True
+
+    async def _reload(self, cell: int) -> None:
+        while self.c.policy.publishing:  # the policy's publication ends with PublishDone
+            await asyncio.sleep(0.1)
+        try:
+            await self._load_current(cell)
+        except Exception as exc:
+            log.warning("cell %d: restart failed (%s: %s): it stays lost", cell, type(exc).__name__, exc)
+            self.restarting[cell].set()
 
     async def check(self, targets: Sequence, results: Sequence) -> list:
         """Results of one call per target (gather with return_exceptions): a dead satellite's failure is absorbed,
@@ -84,3 +173,38 @@ class CellLosses:
         except Exception:
             return False
         return True
+
+    def _rejoin_refused(self) -> str | None:
+        t = self.c.cfg.train
+        if t.backend != "torch" or t.pipeline_parallel > 1:
+            return f"the {t.backend} backend (PP={t.pipeline_parallel}) builds its groups over the gloo world"
+        if self.c.policy.kind == "async":
+            return "Async's training satellites never leave training (no burst boundary without a collective)"
+        return None
+
+    async def rejoin_training(self) -> None:
+        """At a burst boundary (called while the policy publishes): restored cells take their training rank again."""
+        if not self.untrained or self.lost:  # nothing to do, or a rank would be missing from the new world
+            return
+        if (why := self._rejoin_refused()) is not None:
+            if not self._refused_said:
+                self._refused_said = True
+                log.warning("restarted cell(s) %s serve rollout only: training rejoin is not done when %s",
+                            sorted(self.untrained), why)  # fmt: skip
+            return
+        roles = self.c.policy.roles
+        if any(r is not CellRole.ROLLOUT for r in roles[1:]):
+            return  # a satellite still trains or switches: not a boundary for every cell
+        rejoining = sorted(self.untrained)
+        self.generation += 1
+        core_host = urlsplit(self.c.cells[0].base_url).hostname or "127.0.0.1"
+        command = ReformCommand(
+            generation=self.generation, master_port=free_port(core_host), rejoining=rejoining
+        )
+        t0 = self.c.now()
+        await asyncio.gather(*(cell.reform(command) for cell in self.c.cells))
+        log.info("gloo world generation %d formed with cell(s) %s in %.1f s", self.generation, rejoining,
+                 self.c.now() - t0)  # fmt: skip
+        self.untrained.clear()
+        for cell in rejoining:
+            self.c.events.put_nowait(ev.CellRestored(cell, trains=True, version=self.c.published.version))

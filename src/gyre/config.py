@@ -89,7 +89,8 @@ class TrainConfig(_Section):
     """The GSPO objective; the loss and its metrics read this one config."""
     hold_core_for_join: int | None = None
     """Test gate: before its second micro-step of a batch the core waits (at most 30 s) for this satellite to
-    join and claim an item, until it has once; makes a mid-batch join that trains certain in short runs."""
+    join and claim an item, until it has once; makes a mid-batch join that trains certain in short runs. After
+    this cell's worker died, no batch opens while it restarts, and the wait applies again once it rejoined."""
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend of every cell: Hugging Face torch, or megatron-core (`gyre-train[megatron]`)."""
     tensor_parallel: int = Field(1, ge=1)
@@ -181,6 +182,8 @@ class LauncherConfig(_Section):
     resource to pin a cell to it; shorter than the worker list = nothing extra for the rest."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Ray: how long the placement groups may wait for resources."""
+    cell_restarts: int = Field(1, ge=0)
+    """Restarts of one satellite cell's worker after it died mid-run (gyre.cell_loss); past them it stays lost."""
 
 
 DEMO_SCHEDULER = PolicyConfig(

@@ -111,6 +111,8 @@ class Controller:
         return item
 
     def _handle(self, t: float, item: ev.Event) -> None:
+        if isinstance(item, ev.CellRestored) and not self.losses.restored(item):
+            return  # a publication moved on while the restarted cell loaded: it loads again first
         if not isinstance(item, ev.MicrostepClaimed):  # claims are traced with their micro-step by the pump
             self.trace.event(t, item, version=self.policy.version)
         self.steps_done += isinstance(item, ev.StepDone)
@@ -214,7 +216,7 @@ class Controller:
                     self.steps_done < self.target_steps
                 ):  # none after the run's last step
                     final = self.policy.step_in_burst == self.policy.params.mu - 1
-                    self._spawn(self.cells[0].open_batch(version, final))
+                    self._spawn(self.losses.open_batch(version, final))
                 case ev.GroupReady(gid):
                     self._spawn(self._send_group(gid))
                 case _:
@@ -360,6 +362,7 @@ class Controller:
 
     async def _publish(self, version: int) -> None:
         await self._publish_to_engines(version)
+        await self.losses.rejoin_training()  # a burst boundary: restarted cells take their training rank
         self.events.put_nowait(ev.PublishDone(version))
 
     async def _publish_to_engines(self, version: int) -> None:

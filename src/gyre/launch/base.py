@@ -144,14 +144,45 @@ class Launcher:
     restarts: dict[str, int] = field(default_factory=dict)
     service_died: bool = False
     """Set when a dead service ended the run: `stop` then gives the others a short grace (the run is failing)."""
+    cell_restarts: int = 1
+    """Restarts of one satellite cell's worker per run (`[launcher] cell_restarts`)."""
     _procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     _restartable: dict[str, tuple[list[str], dict[str, str], str]] = field(default_factory=dict)
+    _cell_configs: dict[int, CellWorkerConfig] = field(default_factory=dict)
+    """Each elastic cell's config as started (a restart starts it again from it)."""
 
     kind = "base"
 
     # ---- interface -----------------------------------------------------------------------------------------------
     async def start_cells(self, configs: list[CellWorkerConfig], timeout_s: float = 300.0) -> None:
         """Start every worker of `configs` (from `cell_configs`), then wait until each finished its set-up."""
+        raise NotImplementedError
+
+    async def restart_cell(self, cell: int, timeout_s: float = 300.0) -> CellWorkerClient | None:
+        """Start satellite `cell`'s worker again after it died mid-run, and wait until it is ready.
+
+        The new worker runs the cell's own config with `restarted` set (rollout at once, no training side: the
+        run's gloo world was formed without it); `self.cells[cell]` becomes its client (returned). None, with one
+        warning line, once the cell's restarts (`cell_restarts`) are spent: it stays lost."""
+        name = f"cell-{cell}"
+        used = self.restarts.get(name, 0)
+        if used >= self.cell_restarts or cell not in self._cell_configs:
+            log.warning("%s died again after %d restart(s) ([launcher] cell_restarts = %d): it stays lost; see %s",
+                        name, used, self.cell_restarts, self.log_path(name))  # fmt: skip
+            return None
+        self.restarts[name] = used + 1
+        log.warning(
+            "%s: restarting its worker (restart %d of at most %d)", name, used + 1, self.cell_restarts
+        )
+        wc = self._cell_configs[cell].model_copy(update={"restarted": True})
+        client = await self._restart_cell(cell, wc, used + 1, timeout_s)
+        old, self.cells[cell] = self.cells[cell], client
+        await old.aclose()
+        return client
+
+    async def _restart_cell(
+        self, cell: int, wc: CellWorkerConfig, attempt: int, timeout_s: float
+    ) -> CellWorkerClient:
         raise NotImplementedError
 
     @property

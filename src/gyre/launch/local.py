@@ -8,6 +8,9 @@ serve`) in its own process group, logs to RUN/logs/NAME.log, and dies with this 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import subprocess
 from dataclasses import dataclass
 
@@ -28,6 +31,8 @@ class LocalLauncher(Launcher):
         cfg_dir.mkdir(parents=True, exist_ok=True)
         waits = []
         for wc in configs:
+            if wc.kind == "elastic":
+                self._cell_configs[wc.cell] = wc
             name = cell_name(wc)
             path = cfg_dir / f"{name}.json"
             path.write_text(wc.model_dump_json(indent=2))
@@ -44,3 +49,27 @@ class LocalLauncher(Launcher):
                 raise ServiceError(f"{name}: {exc}; see {self.run_dir}/logs/{name}.log") from None
 
         await asyncio.gather(*(ready(*w) for w in waits))
+
+    async def _restart_cell(
+        self, cell: int, wc: CellWorkerConfig, attempt: int, timeout_s: float
+    ) -> CellWorkerClient:
+        """The same command on the same port, from RUN/cells/cell-I.restart-N.json. A worker taken as dead that still
+        runs (it hung) is killed first: it holds the port."""
+        name = cell_name(wc)
+        for entry in [e for e in self._procs if e[0] == name]:
+            if entry[1].poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(entry[1].pid, signal.SIGKILL)
+            entry[1].wait()
+            self._procs.remove(entry)
+        path = self.run_dir / "cells" / f"{name}.restart-{attempt}.json"
+        path.write_text(wc.model_dump_json(indent=2))
+        argv = [bin_path("gyre-cell"), "worker", "--config", str(path)]
+        proc = self._spawn(name, argv, {"--api-key-fd": self.tokens.engine})
+        client = self.worker_client(f"http://{wc.host}:{wc.port}")
+        try:
+            await client.wait_ready(timeout_s, alive=lambda: proc.poll() is None)
+        except Exception as exc:
+            await client.aclose()
+            raise ServiceError(f"{name} (restart {attempt}): {exc}; see {self.log_path(name)}") from None
+        return client

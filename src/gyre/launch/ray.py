@@ -32,6 +32,7 @@ from typing import Any
 
 from gyre.config import LauncherConfig
 from gyre.launch.base import Launcher, ServiceError, cell_name, free_port
+from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellWorkerConfig
 
 log = logging.getLogger("gyre.launch")
@@ -136,13 +137,7 @@ def place(configs: list[CellWorkerConfig], nodes: list[dict]) -> list[CellWorker
     core_ip, (_, master_port, coordinator_port) = nodes[0]["ip"], nodes[0]["ports"]
     placed = []
     for wc, node in zip(configs, nodes, strict=True):
-        kv_transfer = wc.engine.kv_transfer.model_copy(update={"local_hostname": node["ip"]})
-        update: dict[str, Any] = {
-            "host": node["ip"],
-            "port": node["ports"][0],
-            "mooncake": wc.mooncake.model_copy(update={"local_hostname": node["ip"]}),
-            "engine": wc.engine.model_copy(update={"kv_transfer": kv_transfer}),
-        }
+        update = _on_node(wc, node)
         if wc.training is not None:
             update["training"] = wc.training.model_copy(
                 update={
@@ -153,6 +148,17 @@ def place(configs: list[CellWorkerConfig], nodes: list[dict]) -> list[CellWorker
             )
         placed.append(wc.model_copy(update=update))
     return placed
+
+
+def _on_node(wc: CellWorkerConfig, node: dict) -> dict[str, Any]:
+    """The fields of `wc` that bind to its node: HTTP address and port, Mooncake, the engine's KV transfer."""
+    kv_transfer = wc.engine.kv_transfer.model_copy(update={"local_hostname": node["ip"]})
+    return {
+        "host": node["ip"],
+        "port": node["ports"][0],
+        "mooncake": wc.mooncake.model_copy(update={"local_hostname": node["ip"]}),
+        "engine": wc.engine.model_copy(update={"kv_transfer": kv_transfer}),
+    }
 
 
 @dataclass
@@ -249,6 +255,8 @@ class RayLauncher(Launcher):
             json.dumps(self.placement, indent=1) + "\n"
         )
         for wc in placed:
+            if wc.kind == "elastic":
+                self._cell_configs[wc.cell] = wc
             client = self.worker_client(f"http://{wc.host}:{wc.port}")
             (self.cells if wc.kind == "elastic" else self.standalone).append(client)
         clients = self.cells + self.standalone
@@ -262,6 +270,38 @@ class RayLauncher(Launcher):
         await asyncio.gather(*(ready(i) for i in range(len(clients))))
         log.info("ray: %d worker actor(s) ready in %.1f s on node(s) %s", len(clients), time.monotonic() - t0,
                  sorted({p["ip"] for p in self.placement}))  # fmt: skip
+
+    async def _restart_cell(
+        self, cell: int, wc: CellWorkerConfig, attempt: int, timeout_s: float
+    ) -> CellWorkerClient:
+        """A new actor in the cell's placement group (Ray places the group again if its node was lost), bound to
+        the node it lands on; the old actor is killed first if it still runs (it hung)."""
+        ray = self._init_ray()
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        name = cell_name(wc)
+        with contextlib.suppress(Exception):
+            ray.kill(self._actors[cell])
+        bundle = self._bundle(cell, wc.cpu_threads)
+        actor = ray.remote(max_concurrency=4)(CellActor).options(
+            name=f"gyre-{name}-{os.getpid()}-restart-{attempt}",
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[cell], placement_group_bundle_index=0),
+        ).remote(name, str(self.log_path(name)))  # fmt: skip
+        self._actors[cell] = actor
+        try:
+            node = await asyncio.to_thread(ray.get, actor.node.remote(), timeout=timeout_s)
+            wc = wc.model_copy(update=_on_node(wc, node))
+            (self.run_dir / "cells" / f"{name}.restart-{attempt}.json").write_text(
+                wc.model_dump_json(indent=2)
+            )
+            await asyncio.to_thread(ray.get, actor.start.remote(wc.model_dump_json(), self.tokens.engine))
+            self._exits[cell] = actor.wait_exit.remote()
+            client = self.worker_client(f"http://{wc.host}:{wc.port}")
+            await client.wait_ready(timeout_s, alive=lambda: self.alive(cell))
+        except Exception as exc:
+            raise ServiceError(f"{name} (restart {attempt}): {exc}; see {self.log_path(name)}") from None
+        return client
 
     def alive(self, i: int) -> bool:
         """False once worker i's actor exited or died (its exit reference resolved)."""
