@@ -32,7 +32,7 @@ from gyre_train.replay import replay_batch
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 6
+STEPS = 4
 
 
 def _trace(run_dir: Path) -> list[dict]:
