@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from gyre import demo_model, tasks
+from gyre import demo_eval, demo_model, tasks
 from gyre.cli import main
 from gyre.config import RunConfig
 from gyre_sched.trace import iter_trace, read_trace
@@ -159,7 +159,7 @@ def test_the_run_and_the_build_use_the_same_agent_settings():
 def test_demo_policy_acts_before_rl():
     """The cached demo policy (built here on first use) emits well-formed tool calls part of the time and solves a
     minority of tasks."""
-    report = demo_model.evaluate_policy(demo_model.demo_policy(), episodes=48, seed=3)
+    report = demo_eval.evaluate_policy(demo_model.demo_policy(), episodes=48, seed=3)
     assert 0.3 < report["tool_call_share"] < 0.95, report
     assert 0.0 < report["solved"] < 0.5 and report["mean_reward"] < 0.5, report
 
