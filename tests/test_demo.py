@@ -38,6 +38,7 @@ def test_config_prints_resolved_defaults(capsys):
         ("nonsense", "expected key=value"),
         ("scheduler.kind=colocate", "colocate with phi > 0 needs a standalone pool"),
         ("cluster.standalone_engines=1", "cluster.standalone_capacity"),
+        ("train.lr_warmup_steps=-2", "train.lr_warmup_steps"),
     ],
 )
 def test_bad_config_is_a_clear_cli_error(override, needle, capsys):

@@ -81,3 +81,11 @@ def test_ray_bundles_per_cell(tmp_path):
     assert launcher._bundle(0, 1) == {"CPU": 1.0, "GPU": 8, "node_a": 1}
     assert launcher._bundle(1, 2) == {"CPU": 2.0, "GPU": 8, "node_b": 1}
     assert launcher._bundle(2, 1) == {"CPU": 1.0, "GPU": 8}
+
+
+def test_the_lr_warmup_reaches_every_training_cell_and_megatron_refuses_it(tmp_path):
+    cfg = load_config(None, {"train.lr_warmup_steps": 6})
+    configs = cell_configs(cfg, tmp_path, tmp_path / "model")
+    assert [c.training.lr_warmup_steps for c in configs if c.training is not None] == [6, 6]
+    with pytest.raises(ConfigError, match=r"train\.lr_warmup_steps = 6: the megatron backend"):
+        load_config(None, {"train.lr_warmup_steps": 6, "train.backend": "megatron"})

@@ -103,6 +103,7 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
         if elastic:
             training = CellTrainingConfig(
                 group_size=s.N, batch_groups=s.B, steps_per_burst=s.mu, lr=t.lr, dtype=t.dtype,
+                lr_warmup_steps=t.lr_warmup_steps,
                 max_grad_norm=t.max_grad_norm, tokens_per_shard=t.tokens_per_shard,
                 temperature=cfg.model.temperature, loss=t.loss, master_port=master, coordinator_port=coordinator,
                 claim_timeout_s=t.claim_timeout_s, snapshot=cfg.weights.snapshot, dump_batches=t.dump_batches,

@@ -48,7 +48,9 @@ class CellTrainingConfig(_Wire):
     steps_per_burst: int = Field(1, ge=1)
     """mu."""
     lr: float = Field(gt=0)
-    """Adam learning rate (constant)."""
+    """Adam learning rate (after the warm-up)."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear lr warm-up over the first optimizer steps (0: constant lr)."""
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     """Training parameter dtype (float64 only for exactness tests)."""
     max_grad_norm: float = Field(1.0, gt=0)

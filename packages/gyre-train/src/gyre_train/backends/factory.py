@@ -30,6 +30,7 @@ def check_backend(
     pipeline_parallel: int = 1,
     context_parallel: int = 1,
     expert_parallel: int = 1,
+    lr_warmup_steps: int = 0,
     one_process_cells: bool = False,
     prefix: str = "",
 ) -> None:
@@ -56,7 +57,14 @@ def check_backend(
             f"{prefix}backend = 'torch' runs one process per cell: {', '.join(prefix + k for k in multi)} "
             f"must be 1 (got {multi}); use {prefix}backend = 'megatron'"
         )
+    if lr_warmup_steps < 0:
+        raise ValueError(f"{prefix}lr_warmup_steps must be >= 0 (got {lr_warmup_steps})")
     if kind == "megatron":
+        if lr_warmup_steps:
+            raise ValueError(
+                f"{prefix}lr_warmup_steps = {lr_warmup_steps}: the megatron backend has no lr schedule yet "
+                f"(use 0, or {prefix}backend = 'torch')"
+            )
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(
                 f"{prefix}backend = 'megatron' trains in float32 or bfloat16, not {prefix}dtype = {dtype!r}"
@@ -83,6 +91,7 @@ def build_backend(
     model_path: str,
     dtype: str = "float32",
     lr: float = 1e-6,
+    lr_warmup_steps: int = 0,
     optimizer: bool = True,
     device: str = "cpu",
     tensor_parallel: int = 1,
@@ -91,17 +100,19 @@ def build_backend(
     expert_parallel: int = 1,
 ) -> TrainBackend:
     """A training backend: ``"torch"`` (``TorchBackend`` on ``device``) or ``"megatron"`` (``MegatronBackend``;
-    its device follows CUDA availability). ``optimizer``: build the optimizer (only the core cell updates)."""
+    its device follows CUDA availability). ``optimizer``: build the optimizer (only the core cell updates).
+    ``lr_warmup_steps``: linear lr warm-up (the torch backend; ``check_backend`` refuses it for megatron)."""
     check_backend(
         kind, dtype=dtype, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-        context_parallel=context_parallel, expert_parallel=expert_parallel,
+        context_parallel=context_parallel, expert_parallel=expert_parallel, lr_warmup_steps=lr_warmup_steps,
     )  # fmt: skip
     if kind == "torch":
         from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
 
         return TorchBackend(
-            TorchBackendConfig(model_path=model_path, dtype=dtype, device=device, lr=lr, optimizer=optimizer)
-        )
+            TorchBackendConfig(model_path=model_path, dtype=dtype, device=device, lr=lr, optimizer=optimizer,
+                               lr_warmup_steps=lr_warmup_steps)
+        )  # fmt: skip
     from gyre_train.megatron import MegatronBackend, MegatronBackendConfig, ParallelConfig
 
     parallel = ParallelConfig(

@@ -35,7 +35,10 @@ class TorchBackendConfig:
     optimizer: bool = True
     """Build the Adam optimizer (only the core needs one)."""
     lr: float = 1e-6
-    """Adam learning rate (constant)."""
+    """Adam learning rate (after the warm-up)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up: optimizer step k (1-based) uses ``lr * min(1, k / lr_warmup_steps)``; 0: constant ``lr``.
+    Counted from the optimizer's own step count, so a restored optimizer state continues the schedule."""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam betas."""
     eps: float = 1e-8
@@ -48,6 +51,8 @@ class TorchBackendConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
 
 
 class TorchBackend:
@@ -132,9 +137,20 @@ class TorchBackend:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.current_lr()
         self.optimizer.step()
         self.zero_grad()
         return float(norm)
+
+    def current_lr(self) -> float:
+        """The learning rate of the next optimizer step (the warm-up schedule over the steps taken so far)."""
+        warmup = self.cfg.lr_warmup_steps
+        if not warmup:
+            return self.cfg.lr
+        state = self.optimizer.state.get(self.params[0], {}) if self.optimizer is not None else {}
+        taken = int(state["step"]) if "step" in state else 0
+        return self.cfg.lr * min(1.0, (taken + 1) / warmup)
 
     def state_dict(self) -> dict[str, Any]:
         return {
