@@ -54,7 +54,9 @@ def test_a_restored_optimizer_continues_the_schedule(tiny_model):
 
 
 def test_bad_warmups_are_refused_by_name():
-    with pytest.raises(ValueError, match="train.lr_warmup_steps = 5: the megatron backend has no lr schedule"):
+    with pytest.raises(
+        ValueError, match=r"train\.lr_warmup_steps = 5: the megatron backend has no lr schedule"
+    ):
         check_backend("megatron", lr_warmup_steps=5, one_process_cells=True, prefix="train.")
     with pytest.raises(ValueError, match="lr_warmup_steps must be >= 0"):
         check_backend("torch", lr_warmup_steps=-1)
