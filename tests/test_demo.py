@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sqlite3
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def test_queries_are_seeded_chains_of_links():
     assert [q.prompt for q in tasks.demo_queries(3, 20)] == [q.prompt for q in tasks.demo_queries(3, 20)]
     assert [q.files for q in tasks.demo_queries(3, 20)] != [q.files for q in tasks.demo_queries(4, 20)]
     for q in tasks.demo_queries(0, 50):
-        assert f'"{q.chain[0]}"' in q.prompt and len(q.chain) in (2, 3)
+        assert f'"{q.chain[0]}"' in q.prompt and len(q.chain) == 3  # the run's queries: chains of three
         names = [name for name, _ in q.files]
         assert names == list(tasks.FILE_NAMES) and len({q.field(n, "code") for n in names}) == len(names)
         for here, there in zip(q.chain, q.chain[1:], strict=False):
@@ -61,6 +62,10 @@ def test_queries_are_seeded_chains_of_links():
         assert [q.field(n, "code") for n in q.chain] == list(q.codes)
         off = [n for n in names if n not in q.chain]  # a wrong turn loops among these, never reaching an end
         assert all(q.field(n, "next") in off for n in off)
+    rng = random.Random(5)  # the pre-training draws mix chains of two and three
+    assert {len(tasks.random_query(rng).chain) for _ in range(40)} == {2, 3}
+    with pytest.raises(ValueError, match="chain_lengths must be 2s and 3s"):
+        tasks.random_query(rng, chain_lengths=(4,))
 
 
 def test_score_is_graded_and_the_sandboxed_scorer_agrees(tmp_path):

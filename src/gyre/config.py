@@ -66,9 +66,9 @@ class TrainConfig(_Section):
     """Optimizer steps to run (the demo's 40 take a few minutes on 2 cores and show its reward rising)."""
     lr: float = Field(7e-4, gt=0)
     """Adam learning rate (the paper uses 1e-6 at 122B; the demo policy needs far more; at 3e-3 it collapses)."""
-    lr_warmup_steps: int = Field(0, ge=0)
+    lr_warmup_steps: int = Field(10, ge=0)
     """Linear lr warm-up over the first optimizer steps (step k uses lr * k / lr_warmup_steps); 0: constant lr.
-    Torch backend only for now."""
+    Torch backend only for now (a megatron config sets 0)."""
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     """Training parameter dtype (float64 for exactness checks)."""
     max_grad_norm: float = Field(1.0, gt=0)

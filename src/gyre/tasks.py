@@ -4,7 +4,8 @@ A query's workspace holds five small files (``a.txt`` ... ``e.txt``): a few fill
 one, a ``next: "X.txt"`` line, and last a ``code: WORD`` line (five different words out of 16). The prompt names
 where to start: "Start at c.txt, follow each next link and reply with the last code." From the start file the links
 form a chain of two or three files, the last of which has no link; the files off the chain link to each other, so
-a wrong turn never reaches an end.
+a wrong turn never reaches an end. The demo policy is pre-trained on chains of two and three; the demo run's queries
+are chains of three (four model calls to solve one), where it starts weaker and RL has more to gain.
 
 Nothing in the prompt tells the codes or the links: the agent has to read the start file, read the file each link
 names, and answer with the code of the file without a link, i.e. three or four model calls per execution. A code
@@ -80,9 +81,15 @@ class Query:
         return None
 
 
-def random_query(rng: random.Random, query_id: str = "chain") -> Query:
-    """One query of the family, drawn with `rng`."""
-    chain = tuple(rng.sample(FILE_NAMES, rng.choice((2, 3))))
+def random_query(
+    rng: random.Random, query_id: str = "chain", chain_lengths: tuple[int, ...] = (2, 3)
+) -> Query:
+    """One query of the family, drawn with `rng`; its chain has one of `chain_lengths` files (2 or 3)."""
+    if not chain_lengths or not set(chain_lengths) <= {2, 3}:
+        raise ValueError(
+            f"chain_lengths must be 2s and 3s (five files leave an off-chain loop), got {chain_lengths}"
+        )
+    chain = tuple(rng.sample(FILE_NAMES, rng.choice(chain_lengths)))
     codes = dict(zip(FILE_NAMES, rng.sample(CODE_WORDS, len(FILE_NAMES)), strict=True))
     off_chain = [f for f in FILE_NAMES if f not in chain]
     files = []
@@ -98,10 +105,10 @@ def random_query(rng: random.Random, query_id: str = "chain") -> Query:
     return Query(query_id, prompt, tuple(files), chain, tuple(codes[name] for name in chain))
 
 
-def demo_queries(seed: int = 0, count: int = 256) -> list[Query]:
-    """The run's queries (groups take them in order): `count` independent draws seeded by `seed`."""
+def demo_queries(seed: int = 0, count: int = 256, chain_lengths: tuple[int, ...] = (3,)) -> list[Query]:
+    """The run's queries (groups take them in order): `count` independent draws seeded by `seed`, chains of three."""
     rng = random.Random(f"gyre-demo-queries-{seed}")
-    return [random_query(rng, f"chain-{seed}-{i:03d}") for i in range(count)]
+    return [random_query(rng, f"chain-{seed}-{i:03d}", chain_lengths) for i in range(count)]
 
 
 def score_answer(answer: str, codes: tuple[str, ...] | list[str]) -> float:
