@@ -89,7 +89,9 @@ def test_report_of_an_interrupted_run_renders(tmp_path):
         "Debian's chromium is needed: apt-get install chromium (bash .ci/run does)"
     )
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]
+        )
         page = browser.new_page(viewport={"width": 1300, "height": 900})
         layout = _render(page, short / "report.html")
         assert layout["reward"]["points"][0] == 1 and layout["loss"]["points"][0] == 1
@@ -145,7 +147,9 @@ def test_report_of_a_real_interrupted_demo_run(tmp_path, capsys):
     ]
     dispatched = [e for line in trace if line["ev"] == "dispatch" for e in line["executions"]]
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]
+        )
         page = browser.new_page(viewport={"width": 1300, "height": 900})
         layout = _render(page, run_dir / "report.html")
         assert layout["reward"]["points"][0] == len(steps) >= 1
