@@ -181,8 +181,12 @@ def _records(run_dir: Path) -> dict[str, list]:
 @pytest.mark.slow
 def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
     run_dir = tmp_path / "run"
+    # The defaults, plus one test gate: a satellite joins the core's batches only when training lags the rollouts,
+    # which on an idle 2-core machine may never happen in 40 steps (CI saw no join once; an idle run here had joins
+    # in 8 of its first 24 steps, none before step 16). The gate holds the core at a batch's second micro-step (30 s
+    # at most, until it has once) so that the rollouts finish and cell 1 joins and claims.
     proc = subprocess.run(
-        [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--set", "train.hold_core_for_join=1"],
         capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
