@@ -1,7 +1,8 @@
 """The execution sandbox at launch: a probe harness tries to read the host environment, the host's home folder, the
 proxy's store and another execution's workspace, and to reach an address other than the proxy; every attempt
 fails, while its own calls through the proxy work. Limits hold, the whole process tree dies at the harness
-timeout, and a harness timeout longer than the overall budget is refused."""
+timeout, and a harness timeout longer than the overall budget is refused. Each under both sandboxes: bubblewrap, and
+an OCI container runtime (runc; `.ci/run` installs both)."""
 
 import asyncio
 import json
@@ -21,60 +22,42 @@ from gyre_tito.scripted_engine import ScriptedEngine, ScriptedEngineConfig, Scri
 from gyre_tito.testing import ProxyServer
 from gyre_tito.tiny_tokenizer import build_tiny_tokenizer
 
-PROBE = r"""
-import json, os, socket, subprocess, sys, urllib.request
-paths = json.loads(sys.argv[1])
-out = {"uid": os.getuid(), "env": sorted(os.environ), "home": os.environ.get("HOME")}
-def attempt(name, fn):
-    try:
-        out[name] = ["succeeded", repr(fn())[:200]]
-    except Exception as e:
-        out[name] = ["failed", type(e).__name__, getattr(e, "code", None), str(getattr(e, "read", lambda: b"")())[:300]]
-for key, p in paths["read"].items():
-    attempt("read:" + key, lambda p=p: open(p).read())
-attempt("list:host_home", lambda: os.listdir(paths["host_home"]))
-attempt("list:other_workspaces", lambda: os.listdir(paths["workspaces"]))
-for key, (host, port) in paths["connect"].items():
-    attempt("connect:" + key, lambda a=(host, port): socket.create_connection(a, timeout=3).close())
-req = urllib.request.Request(os.environ["ANTHROPIC_BASE_URL"] + "/v1/messages", method="POST",
-    headers={"x-api-key": os.environ["ANTHROPIC_API_KEY"], "content-type": "application/json"},
-    data=json.dumps({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}).encode())
-attempt("proxy_call", lambda: json.load(urllib.request.urlopen(req, timeout=30))["content"][0]["text"])
-procs = []
-def spawn():
-    for _ in range(64):
-        procs.append(subprocess.Popen(["/usr/bin/sleep", "30"]))
-attempt("spawn_64", spawn)
-out["spawned"] = len(procs)
-for p in procs:
-    p.kill()
-open("probe.json", "w").write(json.dumps(out))
-"""
+PROBE = (Path(__file__).parent / "sandbox_probe.py").read_text()
+
+
+RUNTIMES = {"bubblewrap": "bwrap", "oci": "runc"}
+
+
+@pytest.fixture(params=sorted(RUNTIMES))
+def runtime(request):
+    if shutil.which(RUNTIMES[request.param]) is None:
+        pytest.fail(
+            f"{RUNTIMES[request.param]} is not installed: apt-get install {request.param.replace('oci', 'runc')}"
+        )
+    return request.param
 
 
 @pytest.fixture
-def stack(tmp_path, monkeypatch):
-    if shutil.which("bwrap") is None:
-        pytest.fail("bubblewrap is not installed: apt-get install bubblewrap")
+def stack(tmp_path, monkeypatch, runtime):
     monkeypatch.setenv("GYRE_HOST_SECRET", "host-secret")
     tok = build_tiny_tokenizer(tmp_path / "tok")
     eng = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok), rules=[ScriptRule(reply="pong")]))
     eng.start()
     cfg = ProxyConfig(engines=[eng.url], tokenizer=str(tok), store=str(tmp_path / "store"), admin_token="adm")
     with ProxyServer(cfg) as srv:
-        yield srv, eng, tmp_path
+        yield srv, eng, tmp_path, runtime
     eng.stop()
 
 
-def _runner(srv, run_dir, harness, **kw):
-    sandbox = LaunchSandbox(max_processes=32, memory_bytes=1 << 30, cpu_cores=1.0)
+def _runner(srv, run_dir, harness, runtime, **kw):
+    sandbox = LaunchSandbox(max_processes=32, memory_bytes=1 << 30, cpu_cores=1.0, runtime=runtime)
     runner = ExecutionRunner(run_dir, srv.url, "adm", harness, 60.0, sandbox=sandbox, **kw)
     runner.engine_for_tests = srv.proxy.config.engines[0]
     return runner, sandbox
 
 
 def test_probe_cannot_reach_anything_but_the_proxy(stack):
-    srv, eng, tmp = stack
+    srv, eng, tmp, runtime = stack
     run_dir = tmp / "run"
     other = run_dir / "workspaces" / "other-exec"
     other.mkdir(parents=True)
@@ -96,7 +79,7 @@ def test_probe_cannot_reach_anything_but_the_proxy(stack):
             "connect": {"engine": ["127.0.0.1", engine_port], "outside": ["1.1.1.1", 80]},
         }
         harness = CommandHarness([sys.executable, "-c", PROBE, json.dumps(paths)])
-        runner, sandbox = _runner(srv, run_dir, harness)
+        runner, sandbox = _runner(srv, run_dir, harness, runtime)
         done = asyncio.run(_run(runner, "probe-1"))
         log = (run_dir / "logs" / "agents" / "probe-1.log").read_text()
         assert done.outcome == "completed", log
@@ -117,6 +100,9 @@ def test_probe_cannot_reach_anything_but_the_proxy(stack):
     assert out["home"] == str(done.workspace) + ".home"
     assert out["spawn_64"][0] == "failed" and out["spawned"] < 32  # pids limit
     assert set(sandbox.limits_applied) == {"pids", "memory", "cpu"}
+    if runtime == "oci":  # the container, its state and its bundle are gone with the execution
+        listed = subprocess.run(["runc", "list", "-q"], capture_output=True, text=True).stdout.split()
+        assert not [c for c in listed if c.endswith("-probe-1")] and not sandbox._bundles, listed
 
 
 async def _run(runner, eid, **kw):
@@ -127,11 +113,11 @@ async def _run(runner, eid, **kw):
 
 
 def test_the_whole_tree_dies_at_the_harness_timeout(stack):
-    srv, _, tmp = stack
+    srv, _, tmp, runtime = stack
     token = f"gyre-sandbox-orphan-{uuid.uuid4().hex}"
     script = f"import subprocess, time; subprocess.Popen(['/usr/bin/sleep', '1000', '{token}'])\nwhile True: time.sleep(1)"
     harness = CommandHarness([sys.executable, "-c", script])
-    runner, _ = _runner(srv, tmp / "run", harness)
+    runner, _ = _runner(srv, tmp / "run", harness, runtime)
     done = asyncio.run(_run(runner, "hang-1", harness_timeout_s=2.0))
     assert done.outcome == "harness_timeout"
     left = subprocess.run(["pgrep", "-f", token], capture_output=True, text=True)
@@ -139,7 +125,7 @@ def test_the_whole_tree_dies_at_the_harness_timeout(stack):
 
 
 def test_harness_timeout_beyond_the_overall_budget_is_refused(stack):
-    srv, _, tmp = stack
+    srv, _, tmp, _ = stack
     with pytest.raises(ValueError, match=r"harness_timeout_s \(60\) > overall_budget_s \(30\)"):
         ExecutionRunner(tmp / "run", srv.url, "adm", ["true"], 60.0, overall_budget_s=30.0)
     runner = ExecutionRunner(tmp / "run", srv.url, "adm", ["true"], 10.0, overall_budget_s=30.0)

@@ -221,7 +221,11 @@ class HarnessConfig(_Section):
     max_output_tokens: int | None = Field(None, ge=1)
     """`claude-code`: CLAUDE_CODE_MAX_OUTPUT_TOKENS."""
     sandbox: bool = False
-    """Run each harness under bubblewrap (gyre_sched.sandbox: own namespaces, network only to the proxy, limits)."""
+    """Run each harness in the launch sandbox (gyre_sched.sandbox: own namespaces, network only to the proxy, limits)."""
+    sandbox_runtime: Literal["bubblewrap", "oci"] = "bubblewrap"
+    """What makes the sandbox: bubblewrap, or the OCI container runtime `oci_runtime` (needs root)."""
+    oci_runtime: str = "runc"
+    """`sandbox_runtime = "oci"`: the runtime's binary (runc; crun where the host's cgroups are pure v1 or v2)."""
 
     def spec(self) -> dict:
         """The gyre_sched.harness.make_harness spec of the run's harness (None for the built-in agent's argv)."""

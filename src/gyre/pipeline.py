@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from gyre import agent
-from gyre.config import RunConfig
+from gyre.config import HarnessConfig, RunConfig
 from gyre.controller import Controller
 from gyre.datasets import task_queries
 from gyre.demo_model import demo_policy
@@ -50,6 +50,13 @@ LONG_CONTEXT = 65536
 
 class RunDirError(ValueError):
     """The run directory cannot be used (it already holds a run)."""
+
+
+def _launch_sandbox(cfg: HarnessConfig) -> LaunchSandbox | None:
+    """The run's execution sandbox, or None when `[harness] sandbox` is off."""
+    if not cfg.sandbox:
+        return None
+    return LaunchSandbox(runtime=cfg.sandbox_runtime, oci_runtime=cfg.oci_runtime)
 
 
 def _assessment_config(run_dir: Path, queries, judge: dict | None = None) -> ServiceConfig:
@@ -134,7 +141,7 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
         runner = ExecutionRunner(run_dir, services.proxy_url, services.admin_token, harness,
                                  cfg.agent.harness_timeout_s, overall_budget_s=cfg.agent.overall_budget_s,
                                  stall_detect_s=cfg.agent.stall_detect_s,
-                                 sandbox=LaunchSandbox() if cfg.harness.sandbox else None)  # fmt: skip
+                                 sandbox=_launch_sandbox(cfg.harness))  # fmt: skip
         judged = any(hasattr(q, "evaluator") and q.evaluator()["kind"] == "judge" for q in queries)
         judge = None
         if judged:  # the run's proxy (its own execution) or [judge] base_url

@@ -245,7 +245,9 @@ class ExecutionRunner:
                 env["TMPDIR"] = "/tmp"
                 env.pop("TEMP", None)
                 env.pop("TMP", None)
-                argv = self.sandbox.wrap(argv, workspace, Path(env["HOME"]), env, port, relay.dir)
+                argv = self.sandbox.wrap(
+                    argv, workspace, Path(env["HOME"]), env, port, relay.dir, execution_id
+                )
                 env = {"PATH": "/usr/bin:/bin"}
                 cgroups = self.sandbox.make_cgroup(execution_id)
                 preexec = partial(_die_with_runner, os.getpid(), cgroups)
@@ -278,6 +280,8 @@ class ExecutionRunner:
                 if relay is not None:
                     await relay.close()
                 LaunchSandbox.remove_cgroups(cgroups)
+                if self.sandbox is not None:
+                    await asyncio.to_thread(self.sandbox.release, execution_id)
         if execution_id in self._cancelled:
             outcome = "cancelled"
         async with self._lock(execution_id):

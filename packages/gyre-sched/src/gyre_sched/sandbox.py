@@ -1,6 +1,8 @@
-"""The execution sandbox at launch: each harness runs under bubblewrap in its own namespaces.
+"""The execution sandbox at launch: each harness runs under bubblewrap (default), or an OCI container runtime
+(``runtime="oci"``: runc, crun..., see ``gyre_sched.sandbox_oci``), in its own namespaces.
 
-``LaunchSandbox.wrap`` turns a harness argv into a ``bwrap`` command line:
+``LaunchSandbox.wrap`` turns a harness argv into a ``bwrap`` command line (or a ``RUNTIME run --bundle`` one whose
+bundle says the same):
 
 - **own namespaces**: user (the harness runs as uid/gid 65534), pid (a fresh ``/proc``; when the sandbox's init dies
   every process in it dies), network, ipc, uts, cgroup;
@@ -16,7 +18,8 @@
 - **limits**: a cgroup per execution under ``cgroup_root`` (its v1 hierarchies, or the v2 tree where it is a cgroup2
   mount: ``pids``, ``memory``, ``cpu`` quota), else the rlimits that apply; ``limits_applied`` says which held.
 
-Requires ``bwrap`` (Debian package ``bubblewrap``).
+Requires ``bwrap`` (Debian package ``bubblewrap``), or the configured OCI runtime (Debian package ``runc``; the
+runtime makes the cgroups, so it must support the host's cgroup layout: crun 1.8 refuses hybrid v1/v2 hosts).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
+
+from gyre_sched.sandbox_oci import OciBundle, give_to, oci_resources
 
 __all__ = ["FORWARDER", "LaunchSandbox", "ProxyRelay", "default_ro_paths"]
 
@@ -43,7 +49,11 @@ INNER_SOCKET = "/run/gyre/proxy.sock"
 
 # Inside the sandbox: listen on the proxy's loopback port, relay to the Unix socket, run the harness, exit with it.
 FORWARDER = r"""
-import socket, subprocess, sys, threading
+import ctypes, socket, subprocess, sys, threading
+try:  # die with the process that started the sandbox (bwrap's init, or the OCI runtime's `run`)
+    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+except Exception:
+    pass
 path, port, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 srv = socket.socket()
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -174,7 +184,7 @@ def _v2_enable(parent: Path) -> set[str]:
 
 @dataclass
 class LaunchSandbox:
-    """bubblewrap around each harness; limits per execution."""
+    """bubblewrap (or an OCI runtime) around each harness; limits per execution."""
 
     cpu_cores: float | None = 2.0
     """CPU quota in cores (cgroup cpu.cfs_quota_us / cpu.max)."""
@@ -183,22 +193,38 @@ class LaunchSandbox:
     ro_paths: Sequence[str] = field(default_factory=default_ro_paths)
     uid: int = 65534
     bwrap: str = "bwrap"
+    runtime: Literal["bubblewrap", "oci"] = "bubblewrap"
+    """Who makes the namespaces: bubblewrap, or the OCI container runtime `oci_runtime` (it also makes the cgroup)."""
+    oci_runtime: str = "runc"
+    """The OCI runtime's binary (``RUNTIME run --bundle DIR ID`` / ``RUNTIME delete --force ID``); needs root."""
     cgroup_root: Path = Path("/sys/fs/cgroup")
     """Where executions' cgroups are made: a cgroup2 mount (the v2 tree, e.g. ``/sys/fs/cgroup`` on a pure v2 host
     or ``/sys/fs/cgroup/unified`` on a hybrid one), or the folder holding the v1 hierarchies."""
     limits_applied: dict[str, str] = field(default_factory=dict)
     """The limits that held for the last execution (controller -> what was set); a controller missing here is not
     limited by a cgroup (not offered, or not writable)."""
+    _bundles: dict[str, OciBundle] = field(default_factory=dict, init=False, repr=False)
 
     def check(self) -> None:
+        if self.runtime == "oci":
+            if shutil.which(self.oci_runtime) is None:
+                raise RuntimeError(
+                    f"the OCI execution sandbox needs its runtime ({self.oci_runtime!r} not found): apt-get install runc"
+                )
+            return
         if shutil.which(self.bwrap) is None:
             raise RuntimeError(
                 f"the execution sandbox needs bubblewrap ({self.bwrap!r} not found): apt-get install bubblewrap"
             )
 
     def wrap(self, argv: Sequence[str], workspace: Path, home: Path, env: dict[str, str], proxy_port: int,
-             relay_dir: Path) -> list[str]:  # fmt: skip
-        """The bwrap command line running `argv` in the sandbox (env given as --setenv, nothing inherited)."""
+             relay_dir: Path, name: str = "execution") -> list[str]:  # fmt: skip
+        """The command line running `argv` in the sandbox (env given explicitly, nothing inherited); `name` (the
+        execution id) names its OCI container, removed by `release(name)`."""
+        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+        inner = [python, "-I", "-S", "-c", FORWARDER, INNER_SOCKET, str(proxy_port), *argv]
+        if self.runtime == "oci":
+            return self._wrap_oci(inner, workspace, home, env, relay_dir, name)
         cmd = [
             self.bwrap,
             "--unshare-all",
@@ -232,12 +258,32 @@ class LaunchSandbox:
         ]
         for k, v in env.items():
             cmd += ["--setenv", k, v]
-        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-        return [*cmd, "--", python, "-I", "-S", "-c", FORWARDER, INNER_SOCKET, str(proxy_port), *argv]
+        return [*cmd, "--", *inner]
+
+    def _wrap_oci(self, inner: list[str], workspace: Path, home: Path, env: dict[str, str], relay_dir: Path,
+                  name: str) -> list[str]:  # fmt: skip
+        self.release(name)  # a container left by an earlier attempt of the same execution
+        give_to(self.uid, workspace, home)
+        bundle = OciBundle(self.oci_runtime, name)
+        resources, self.limits_applied = oci_resources(self.max_processes, self.memory_bytes, self.cpu_cores)
+        bundle.write(process_args=inner, env=env, cwd=workspace, uid=self.uid, ro_paths=self.ro_paths,
+                     etc_files=ETC_FILES, rw_paths=[workspace, home], relay_dir=relay_dir,
+                     inner_socket_dir=str(Path(INNER_SOCKET).parent), resources=resources)  # fmt: skip
+        self._bundles[name] = bundle
+        return bundle.argv()
+
+    def release(self, name: str) -> None:
+        """After the execution: its OCI container (what is left of it, its state and cgroup) and bundle go."""
+        bundle = self._bundles.pop(name, None)
+        if bundle is not None:
+            bundle.delete()
 
     # ---- limits -------------------------------------------------------------------------------------------------
     def make_cgroup(self, name: str) -> list[Path]:
-        """One cgroup per execution under each writable controller (empty when none is writable)."""
+        """One cgroup per execution under each writable controller (empty when none is writable; and under an OCI
+        runtime, which makes the container's own)."""
+        if self.runtime == "oci":
+            return []
         made: list[Path] = []
         self.limits_applied = {}
         for ctrl, root in _cgroup_roots(Path(self.cgroup_root)).items():
