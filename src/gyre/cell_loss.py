@@ -35,9 +35,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
-from gyre.launch.base import free_port
 from gyre_cell.worker_types import ReformCommand
 from gyre_sched import events as ev
 from gyre_sched.types import CellRole
@@ -197,10 +195,9 @@ class CellLosses:
             return  # a satellite still trains or switches: not a boundary for every cell
         rejoining = sorted(self.untrained)
         self.generation += 1
-        core_host = urlsplit(self.c.cells[0].base_url).hostname or "127.0.0.1"
-        command = ReformCommand(
-            generation=self.generation, master_port=free_port(core_host), rejoining=rejoining
-        )
+        # The core picks the port: it hosts the rendezvous, and the controller may run on another machine.
+        port = await self.c.cells[0].rendezvous_port()
+        command = ReformCommand(generation=self.generation, master_port=port, rejoining=rejoining)
         t0 = self.c.now()
         await asyncio.gather(*(cell.reform(command) for cell in self.c.cells))
         log.info("gloo world generation %d formed with cell(s) %s in %.1f s", self.generation, rejoining,

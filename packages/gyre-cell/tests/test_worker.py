@@ -60,6 +60,8 @@ def test_standalone_worker_serves_rollout_only_and_answers_bad_commands_in_shape
                 await client.to_training()
             with pytest.raises(CellCommandError, match="409 standalone cell 0 is not the core"):
                 await client.open_batch(0, final=True)
+            with pytest.raises(CellCommandError, match="409 standalone engine 0 hosts no gloo rendezvous"):
+                await client.rendezvous_port()
             async with httpx.AsyncClient(base_url=client.base_url) as raw:
                 bad = await raw.post("/cell/load_weights", content=b'{"version": -1}')
                 assert bad.status_code == 400 and "invalid command" in bad.json()["error"]["message"]
@@ -106,6 +108,11 @@ def test_core_worker_trains_a_streamed_batch_and_publishes(tmp_path, model):
         try:
             status = await client.wait_ready(180, alive=lambda: proc.poll() is None)
             assert status.published is not None and status.published.manifest_url is not None
+            # The next world generation's port, picked by the core on its own host: free there, not the live world's.
+            port = await client.rendezvous_port()
+            assert port not in (cfg.training.master_port, cfg.training.coordinator_port, cfg.port)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
             switch = await client.to_training()
             assert [p.name for p in switch.report.phases][:3] == [
                 "pause_generation",

@@ -30,6 +30,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -55,6 +56,7 @@ from gyre_cell.worker_types import (
     PublishCommand,
     PublishedWeights,
     ReformCommand,
+    RendezvousPort,
     SaveCommand,
     SwitchResult,
     WorkerStatus,
@@ -109,6 +111,13 @@ class _NoTraining:
 
     async def offload(self) -> None:  # pragma: no cover
         raise RuntimeError("a standalone engine has no training side")
+
+
+def _free_port(host: str) -> int:
+    """A port the OS says is free on `host` now (bound and released: the rendezvous binds it right after)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class CellWorkerProcess:
@@ -306,6 +315,16 @@ class CellWorkerProcess:
                 return bad
             cmd = await body(request, SaveCommand)
             return await asyncio.to_thread(worker.training.save, cmd.version)
+
+        @r.post("/rendezvous_port")
+        async def rendezvous_port():
+            """A port free now on this cell's rendezvous host (its `master_host`, else its own host), for the next
+            world generation: asked of the core, which hosts the rendezvous."""
+            if worker.cfg.kind != "elastic" or worker.cfg.training is None:
+                message = f"standalone engine {worker.cfg.cell} hosts no gloo rendezvous"
+                return JSONResponse({"error": {"message": message}}, status_code=409)
+            host = worker.cfg.training.master_host or worker.cfg.host
+            return RendezvousPort(port=await asyncio.to_thread(_free_port, host))
 
         @r.post("/reform")
         async def reform(request: Request):

@@ -17,6 +17,7 @@ from gyre_cell.worker_types import (
     PublishCommand,
     PublishedWeights,
     ReformCommand,
+    RendezvousPort,
     SaveCommand,
     SwitchResult,
     WorkerStatus,
@@ -124,6 +125,10 @@ class CellWorkerClient:
 
     async def save(self, version: int) -> PublishedWeights:
         return await self._call("POST", "/save", SaveCommand(version=version), PublishedWeights)
+
+    async def rendezvous_port(self) -> int:
+        """A port free on the (core) cell's rendezvous host, for a new world generation."""
+        return (await self._call("POST", "/rendezvous_port", None, RendezvousPort)).port
 
     async def reform(self, command: ReformCommand) -> None:
         await self._call("POST", "/reform", command, None)

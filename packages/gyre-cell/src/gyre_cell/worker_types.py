@@ -135,6 +135,13 @@ class ReformCommand(_Wire):
     """The restarted cells that take their rank again (the core's coordinator lets them join batches)."""
 
 
+class RendezvousPort(_Wire):
+    """The core's answer to `/cell/rendezvous_port`: a port free on its rendezvous host for the next gloo world
+    generation (only the core's machine can tell which of its ports are free; the controller may run elsewhere)."""
+
+    port: int = Field(ge=1, le=65535)
+
+
 class PublishedWeights(_Wire):
     """Where a published policy version can be read (the core's answer to a publish, the input of a load)."""
 
