@@ -212,6 +212,95 @@ def _wait_nodes(n: int, timeout: float = 300) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def _stop_nodes(nodes: list[subprocess.Popen]) -> None:
+    for proc in reversed(nodes):
+        proc.terminate()
+    for proc in reversed(nodes):
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    # `ray start --head` leaves its address for later `ray.init()` calls: not this test's namespaces' address.
+    current = Path("/tmp/ray/ray_current_cluster")
+    if current.exists() and current.read_text().startswith(IPS[0]):
+        current.unlink()
+
+
+def _trace_so_far(run_dir: Path) -> list[dict]:
+    path = run_dir / "trace.jsonl"
+    out = []
+    for raw in path.read_bytes().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(raw))
+        except ValueError:
+            break  # a line being written
+    return out
+
+
+def test_two_hosts_remote_cell_killed_restarts_on_its_host_and_trains_again(two_hosts, tmp_path):
+    """The satellite on host B dies (its actor process SIGKILLed) after it claimed a micro-step: its claims are
+    requeued, Ray starts a new actor in the cell's placement group (host B again), the cell serves rollouts, then
+    re-forms the gloo world across hosts at a burst boundary (the core picks the port on host A) and trains again."""
+    steps = 5
+    nodes = [_ray_node(NS[0], IPS[0], tmp_path, True, "host_a")]
+    try:
+        nodes.append(_ray_node(NS[1], IPS[1], tmp_path, False, "host_b"))
+        _wait_nodes(2)
+        run_dir = tmp_path / "run"
+        argv = ["ip", "netns", "exec", NS[0], sys.executable, "-m", "gyre.cli", "run",
+                str(ROOT / "configs" / "demo.toml"), "--run-dir", str(run_dir), "--quiet",
+                "--ray", f"{IPS[0]}:6379", "--steps", str(steps),
+                "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
+                "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false",
+                "--set", "scheduler.mu=1", "--set", "scheduler.B=2"]  # fmt: skip
+        proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env={**os.environ, **RAY_ENV})  # fmt: skip
+        deadline = time.monotonic() + 600
+        try:
+            while not any(x["ev"] == "microstep_claim" and x["cell"] == 1 for x in _trace_so_far(run_dir)):
+                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+                assert time.monotonic() < deadline, "cell 1 never claimed a micro-step"
+                time.sleep(0.05)  # polls the run's trace (the gate), orders nothing
+            placement = json.loads((run_dir / "logs" / "placement.json").read_text())
+            (remote,) = [p for p in placement if p["worker"] == "cell-1"]
+            assert remote["ip"] == IPS[1]
+            os.kill(remote["pid"], signal.SIGKILL)  # one PID namespace: the netns split only the network
+            out, err = proc.communicate(timeout=900)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        (tmp_path / "controller.log").write_bytes(err)
+        assert proc.returncode == 0, err.decode()[-4000:]
+        assert json.loads(out.decode().splitlines()[-1])["steps"] == steps
+    finally:
+        _stop_nodes(nodes)
+
+    lines = list(iter_trace(run_dir / "trace.jsonl"))
+    (lost,) = [x for x in lines if x["ev"] == "cell_lost"]
+    (restored,) = [x for x in lines if x["ev"] == "cell_restored" and not x["trains"]]
+    (rejoined,) = [x for x in lines if x["ev"] == "cell_restored" and x["trains"]]
+    assert lost["cell"] == restored["cell"] == rejoined["cell"] == 1
+    assert lines.index(lost) < lines.index(restored) < lines.index(rejoined)
+    # The new actor landed on host B again (the cell's placement group), bound to its address.
+    restart = json.loads((run_dir / "cells" / "cell-1.restart-1.json").read_text())
+    assert (restart["host"], restart["training"]["master_host"]) == (IPS[1], IPS[0])
+    # Its claims of the batch it died in were claimed again by the core; after the rejoin it claims again.
+    before = lines[: lines.index(lost)]
+    claims = [x for x in before if x["ev"] == "microstep_claim" and x["cell"] == 1]
+    died_in = max(x["batch"] for x in claims)
+    mine = {x["index"] for x in claims if x["batch"] == died_in}
+    again = {x["index"] for x in lines[lines.index(claims[-1]) + 1 :]
+             if x["ev"] == "microstep_claim" and x["batch"] == died_in and x["cell"] == 0}  # fmt: skip
+    assert mine <= again, (mine, again)
+    after = [x for x in lines[lines.index(rejoined) :] if x["ev"] == "microstep_claim" and x["cell"] == 1]
+    assert after and min(x["batch"] for x in after) > died_in
+    rows = _steps(run_dir)
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    assert any(r["microsteps_by_cell"].get("1", 0) > 0 for r in rows[died_in + 1 :])
+
+
 def test_two_hosts_elastic_run_crosses_hosts(two_hosts, tmp_path):
     nodes = [_ray_node(NS[0], IPS[0], tmp_path, True, "host_a")]
     try:
@@ -242,15 +331,4 @@ def test_two_hosts_elastic_run_crosses_hosts(two_hosts, tmp_path):
         ]
         assert any(e.get("to") == "rollout" for e in ends), ends
     finally:
-        for proc in reversed(nodes):
-            proc.terminate()
-        for proc in reversed(nodes):
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-        # `ray start --head` leaves its address for later `ray.init()` calls: not this test's namespaces' address.
-        current = Path("/tmp/ray/ray_current_cluster")
-        if current.exists() and current.read_text().startswith(IPS[0]):
-            current.unlink()
+        _stop_nodes(nodes)
