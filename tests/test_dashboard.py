@@ -305,7 +305,9 @@ def test_dashboard_of_a_live_demo_run_in_chromium(tmp_path):
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(url)
-            page.wait_for_function("window.gyreState !== null", timeout=60_000)
+            # Polled from here with page.evaluate: wait_for_function evals its predicate inside the page, which the
+            # dashboard's CSP (no 'unsafe-eval') rightly refuses.
+            _wait(lambda: page.evaluate("window.gyreState !== null"), 60, "the page's first state", proc, poll_s=0.2)
             seen = []
 
             def finished() -> bool:  # the page's own state, updated by its polling (no reload)
@@ -317,7 +319,8 @@ def test_dashboard_of_a_live_demo_run_in_chromium(tmp_path):
 
             _wait(finished, 300, "the page to show the finished run", proc, poll_s=0.5)
             assert seen[0] < 3 and sorted(seen) == seen, seen  # it updated live, step by step
-            page.wait_for_function("window.gyreState.series.steps.length === 3")
+            _wait(lambda: page.evaluate("window.gyreState.series.steps.length === 3"), 30, "3 steps drawn", proc,
+                  poll_s=0.2)  # fmt: skip
 
             steps = _jsonl(run_dir / "metrics" / "steps.jsonl")
             assert [s["policy_version"] for s in steps] == [1, 2, 3]
