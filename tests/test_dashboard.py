@@ -307,7 +307,13 @@ def test_dashboard_of_a_live_demo_run_in_chromium(tmp_path):
             page.goto(url)
             # Polled from here with page.evaluate: wait_for_function evals its predicate inside the page, which the
             # dashboard's CSP (no 'unsafe-eval') rightly refuses.
-            _wait(lambda: page.evaluate("window.gyreState !== null"), 60, "the page's first state", proc, poll_s=0.2)
+            _wait(
+                lambda: page.evaluate("window.gyreState !== null"),
+                60,
+                "the page's first state",
+                proc,
+                poll_s=0.2,
+            )
             seen = []
 
             def finished() -> bool:  # the page's own state, updated by its polling (no reload)
