@@ -15,6 +15,7 @@ launch or completion order, only on dispatch index.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -86,6 +87,9 @@ class Ledger:
         self.dropped = 0
         self.cancelled_surplus = 0
         self.withdrawn_surplus = 0
+        self.launch_key: Callable[[Execution], float] | None = None
+        """None (every policy): launches follow the queue. Set: each dispatch re-sorts the queue by this key, smallest
+        first (``gyre_sched.bound``'s clairvoyant reference launches the longest executions first)."""
 
     # ---- counters ---------------------------------------------------------------------------------------------
     @property
@@ -136,6 +140,9 @@ class Ledger:
             self._queue.extend(first)
         if self.idle_spares:
             self._spares.extend(ids[self.N :])
+        if self.launch_key is not None:
+            key = self.launch_key
+            self._queue = deque(sorted(self._queue, key=lambda eid: key(self.execs[eid])))
         return Dispatch(gid, qid, ids, g.v_d, refill)
 
     def pop_queued(self) -> Execution | None:
