@@ -24,7 +24,10 @@ Training rejoin: the fixed K-rank gloo world cannot take a new process as an old
 (the policy publishes: no batch open, every satellite back in rollout) with all K workers alive, the controller has
 every cell re-form the world as a new generation on a fresh port (`POST /cell/reform`: the restarted cell builds its
 training side in it, the core's coordinator lets it join batches again), then tells the policy
-`CellRestored(i, trains=True)`: from then on the cell joins batches and claims micro-steps like any satellite. Not
+`CellRestored(i, trains=True)`: from then on the cell joins batches and claims micro-steps like any satellite. The
+re-form is bounded (`[launcher] reform_timeout_s`): a cell that dies or hangs inside it is lost (and restarted), the
+others give up at the rendezvous with no world, and every live satellite is rollout-only (`CellUntrained`) until
+the next boundary with all K alive re-forms the world with all of them; the core trains alone meanwhile. Not
 done (the cell stays rollout-only, one line says why): pipelined or Megatron cells (their groups are built over the
 world), Async's fixed split (its satellites never leave training), a lost cell still dead (its rank would be missing).
 """
@@ -165,6 +168,24 @@ class CellLosses:
                 raise result
         return ok
 
+    async def _reform_failed(self, results: Sequence) -> None:
+        """A cell died or hung inside the re-form: the others gave up at the bounded rendezvous and hold no world
+        (the old one is destroyed). The dead one is lost (and restarted, within its budget); every live satellite
+        becomes rollout-only (`CellUntrained`) until the next boundary with all K alive re-forms the world with
+        all of them rejoining. The core trains alone meanwhile (a batch of one cell needs no collective)."""
+        for i, result in enumerate(results):
+            if not isinstance(result, BaseException) or await self.absorb(i, result):
+                continue  # formed, or the cell is dead (lost now)
+            if "not formed" not in str(result):  # anything but the bounded rendezvous stops the run
+                raise result
+        untrained = [i for i in range(1, len(self.c.cells)) if i not in self.lost and i not in self.untrained]
+        log.warning("gloo world generation %d not formed (%s); satellite(s) %s serve rollout only until the next "
+                    "re-form", self.generation, "; ".join(str(r) for r in results if isinstance(r, BaseException)),
+                    untrained)  # fmt: skip
+        for cell in untrained:
+            self.untrained.add(cell)
+            self.c.events.put_nowait(ev.CellUntrained(cell))
+
     async def _answers(self, cell: int) -> bool:
         try:
             await asyncio.wait_for(self.c.cells[cell].status(), timeout=STATUS_TIMEOUT_S)
@@ -197,9 +218,19 @@ class CellLosses:
         self.generation += 1
         # The core picks the port: it hosts the rendezvous, and the controller may run on another machine.
         port = await self.c.cells[0].rendezvous_port()
-        command = ReformCommand(generation=self.generation, master_port=port, rejoining=rejoining)
+        command = ReformCommand(
+            generation=self.generation, master_port=port, rejoining=rejoining,
+            rendezvous_timeout_s=self.c.cfg.launcher.reform_timeout_s,
+        )  # fmt: skip
         t0 = self.c.now()
-        await asyncio.gather(*(cell.reform(command) for cell in self.c.cells))
+        # A hung cell (its HTTP call never answers) is bounded too: it gets the rendezvous time and a margin.
+        bound = command.rendezvous_timeout_s + STATUS_TIMEOUT_S
+        results = await asyncio.gather(
+            *(asyncio.wait_for(cell.reform(command), bound) for cell in self.c.cells), return_exceptions=True
+        )
+        if any(isinstance(r, BaseException) for r in results):
+            await self._reform_failed(results)
+            return
         log.info("gloo world generation %d formed with cell(s) %s in %.1f s", self.generation, rejoining,
                  self.c.now() - t0)  # fmt: skip
         self.untrained.clear()

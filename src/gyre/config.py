@@ -188,6 +188,9 @@ class LauncherConfig(_Section):
     """Ray: how long the placement groups may wait for resources."""
     cell_restarts: int = Field(1, ge=0)
     """Restarts of one satellite cell's worker after it died mid-run (gyre.cell_loss); past them it stays lost."""
+    reform_timeout_s: float = Field(120.0, gt=0)
+    """A restarted satellite rejoins training when every cell re-forms the gloo world: how long the core waits for
+    all K cells there. A cell that dies or hangs inside it costs this long, not gloo's 30 minutes."""
 
 
 DEMO_SCHEDULER = PolicyConfig(

@@ -13,6 +13,7 @@ from gyre_sched.events import (
     BeginTransition,
     CellLost,
     CellRestored,
+    CellUntrained,
     Dispatch,
     Launch,
     Reroute,
@@ -90,6 +91,31 @@ def test_a_restored_cell_serves_again_and_trains_only_once_trainable(driver):
     assert d.policy.trainable() == [0, 1]
     with pytest.raises(InvariantError, match="restored"):
         d.send(CellRestored(0))  # never lost
+
+
+def test_live_satellites_without_a_training_world_serve_and_train_again_after_the_next_reform(driver):
+    """A re-form of the gloo world failed (a cell never arrived): the live satellites keep serving rollout but no
+    decision sends them to training until `CellRestored(trains=True)` (the next re-form); the core trains alone."""
+    d = driver(make_policy(params(phi=0.0), deep_checks=True))
+    d.send(CellUntrained(1), dt=1.0)
+    d.send(CellUntrained(2), dt=1.0)
+    assert d.policy.roles == [CellRole.ROLLOUT] * 3 and d.policy.capacity() == 6
+    assert d.policy.trainable() == [0]
+    for eid in list(d.running):
+        d.finish(eid)
+        d.finish_transitions()
+    for _ in range(3):
+        d.send(Tick(), dt=1.0)
+        d.finish_transitions()
+    assert [x.cell for x in d.of(BeginTransition) if x.to_role is CellRole.TO_TRAINING] == [0]
+    d.send(CellRestored(1, trains=True), dt=1.0)
+    d.send(CellRestored(2, trains=True), dt=1.0)
+    assert d.policy.trainable() == [0, 1, 2]
+    with pytest.raises(InvariantError, match="core or lost"):
+        d.send(CellUntrained(0))
+    d.send(CellLost(2), dt=1.0)
+    with pytest.raises(InvariantError, match="core or lost"):
+        d.send(CellUntrained(2))
 
 
 def test_the_core_cannot_be_lost(driver):

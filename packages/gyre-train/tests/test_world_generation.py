@@ -67,3 +67,55 @@ def test_a_restarted_rank_rejoins_a_new_world_generation():
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+BOUNDED = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch, torch.distributed as dist
+    from gyre_train.multicell import MultiCellConfig, RendezvousTimeout, reform_cell_world
+
+    rank, first, second = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    cfg = MultiCellConfig(num_cells=3, master_port=first, control_port=1, snapshot_dir=".")
+    if rank < 2:  # rank 2 is dead (or hangs) when the first re-form is asked: it never arrives
+        t0 = time.monotonic()
+        try:
+            reform_cell_world(cfg, rank, first, rendezvous_timeout_s=3.0)
+        except RendezvousTimeout as exc:
+            print("timeout", round(time.monotonic() - t0), dist.is_initialized(), "arrived" in str(exc), flush=True)
+        sys.stdin.readline()  # the test's gate: the replacement rank 2 is started
+    groups = reform_cell_world(cfg, rank, second, rendezvous_timeout_s=60.0)
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x, group=groups.for_prefix(3))
+    print("formed", x.item(), flush=True)
+    os._exit(0)
+    """
+)
+
+
+def test_a_rank_missing_from_the_rendezvous_fails_every_waiting_rank_in_bounded_time_and_a_retry_forms():
+    """A cell that died or hangs after the re-form was asked must not hold the others for gloo's 30 minutes: the
+    core and the other live rank give up after the rendezvous timeout, hold no world, and form the next
+    generation once the replacement arrives."""
+    first, second = _port(), _port()
+
+    def start(rank: int) -> subprocess.Popen:
+        argv = [sys.executable, "-c", BOUNDED, str(rank), str(first), str(second)]
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    procs = [start(0), start(1)]
+    try:
+        outcomes = [p.stdout.readline().split() for p in procs]
+        for word, seconds, initialized, named in outcomes:
+            assert (word, initialized, named) == ("timeout", "False", "True"), outcomes
+            assert 3 <= int(seconds) < 30, outcomes  # bounded by the 3 s timeout, not gloo's default
+        procs.append(start(2))
+        for p in procs[:2]:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        assert [p.stdout.readline().split() for p in procs] == [["formed", "6.0"]] * 3
+        assert all(p.wait(timeout=60) == 0 for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

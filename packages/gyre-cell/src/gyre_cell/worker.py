@@ -336,17 +336,29 @@ class CellWorkerProcess:
                 message = f"standalone engine {worker.cfg.cell} has no training side"
                 return JSONResponse({"error": {"message": message}}, status_code=409)
             cmd = await body(request, ReformCommand)
-            if worker.training is None:  # restarted: its training side starts in the new world
-                from gyre_cell.worker_training import CellTraining
+            from gyre_train.multicell import RendezvousTimeout
 
-                training = worker.cfg.training.model_copy(update={"master_port": cmd.master_port})
-                cfg = worker.cfg.model_copy(update={"training": training})
-                worker.training = await asyncio.to_thread(CellTraining, cfg, worker.events.emit)
-                worker.roles = (
-                    None  # a role manager built without a training side: rebuilt on the next switch
-                )
-            else:
-                await asyncio.to_thread(worker.training.reform, cmd.master_port, cmd.rejoining)
+            try:
+                if worker.training is None:  # restarted: its training side starts in the new world
+                    from gyre_cell.worker_training import CellTraining
+
+                    training = worker.cfg.training.model_copy(update={"master_port": cmd.master_port})
+                    cfg = worker.cfg.model_copy(update={"training": training})
+                    worker.training = await asyncio.to_thread(
+                        CellTraining, cfg, worker.events.emit, cmd.rendezvous_timeout_s
+                    )
+                    worker.roles = (
+                        None  # a role manager built without a training side: rebuilt on the next switch
+                    )
+                else:
+                    await asyncio.to_thread(
+                        worker.training.reform, cmd.master_port, cmd.rejoining, cmd.rendezvous_timeout_s
+                    )
+            except (
+                RendezvousTimeout
+            ) as exc:  # another cell never arrived: this one has no world until the next
+                message = f"cell {worker.cfg.cell}: generation {cmd.generation} not formed: {exc}"
+                return JSONResponse({"error": {"message": message}}, status_code=503)
             return {"ok": True, "generation": cmd.generation}
 
         @r.post("/shutdown")

@@ -61,7 +61,9 @@ def _snapshot_channel(cfg: CellWorkerConfig):
 class CellTraining:
     """Backend, training state and (core) trainer + coordinator, or (satellite) the claiming runner."""
 
-    def __init__(self, cfg: CellWorkerConfig, emit: Emit) -> None:
+    def __init__(self, cfg: CellWorkerConfig, emit: Emit, rendezvous_timeout_s: float | None = None) -> None:
+        """``rendezvous_timeout_s``: this (restarted) cell joins a re-formed world generation, whose rendezvous is
+        bounded (`reform_cell_world`); None: the run's first world."""
         if cfg.training is None:
             raise ValueError("a cell without a [training] section has no training side")
         self.cfg, self.emit = cfg, emit
@@ -76,7 +78,12 @@ class CellTraining:
         # backend builds its groups over this world (collectively, every cell at this point).
         # A multi-rank cell (megatron, PP > 1): this process is stage 0; its children, started now, the others.
         self.stages = CellStages(cfg) if t.backend == "megatron" and t.pipeline_parallel > 1 else None
-        self.groups = init_cell_process(mc, cfg.cell) if self.stages is None else self.stages.rendezvous()
+        if self.stages is not None:
+            self.groups = self.stages.rendezvous()
+        elif rendezvous_timeout_s is not None:
+            self.groups = reform_cell_world(mc, cfg.cell, mc.master_port, rendezvous_timeout_s)
+        else:
+            self.groups = init_cell_process(mc, cfg.cell)
         self.backend = build_backend(
             t.backend, model_path=cfg.engine.model_path, dtype=t.dtype, lr=t.lr, optimizer=self.is_core,
             lr_warmup_steps=t.lr_warmup_steps,
@@ -283,7 +290,7 @@ class CellTraining:
         self.wait_idle()
 
     # ---- a new world generation ----------------------------------------------------------------------------------
-    def reform(self, master_port: int, rejoining: list[int]) -> None:
+    def reform(self, master_port: int, rejoining: list[int], rendezvous_timeout_s: float) -> None:
         """Join the next generation of the gloo world (a restarted cell takes its rank again); at a burst boundary:
         no step or burst runs here. The core lets the rejoining cells join batches (and its `hold_core_for_join`
         gate applies again to a rejoining hold cell)."""
@@ -292,7 +299,7 @@ class CellTraining:
                 "a pipelined cell (PP > 1) cannot re-form the training world: its stages are one group"
             )
         self.wait_idle()
-        self.groups = reform_cell_world(self.mc, self.cfg.cell, master_port)
+        self.groups = reform_cell_world(self.mc, self.cfg.cell, master_port, rendezvous_timeout_s)
         self.mc = replace(self.mc, master_port=master_port)
         if self.core is not None:
             self.core.groups = self.groups

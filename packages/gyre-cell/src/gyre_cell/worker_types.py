@@ -132,7 +132,11 @@ class ReformCommand(_Wire):
     master_port: int = Field(ge=1)
     """The new generation's rendezvous port on the core's host."""
     rejoining: list[int] = []
-    """The restarted cells that take their rank again (the core's coordinator lets them join batches)."""
+    """The cells that take their training rank again: restarted ones, and live ones whose world a failed re-form
+    left them without (the core's coordinator lets them join batches)."""
+    rendezvous_timeout_s: float = Field(120.0, gt=0, le=86400)
+    """How long the core waits for all K cells at the new world's rendezvous; past it every waiting cell answers
+    503 and has no world until the next re-form (a cell that died or hangs must not hold the others)."""
 
 
 class RendezvousPort(_Wire):

@@ -95,6 +95,15 @@ class CellRestored:
 
 
 @dataclass(frozen=True, slots=True)
+class CellUntrained:
+    """A live satellite, in rollout, lost its training side's world (a re-form of the gloo world failed because
+    another cell never arrived): it stays in rollout and is rollout-only, like a restored cell, until
+    ``CellRestored(cell, trains=True)`` after the next re-form."""
+
+    cell: int
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Clock tick (the supply-check timer may have expired)."""
 
@@ -110,6 +119,7 @@ Event = (
     | PublishDone
     | CellLost
     | CellRestored
+    | CellUntrained
     | Tick
 )
 

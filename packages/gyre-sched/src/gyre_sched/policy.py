@@ -17,6 +17,7 @@ from gyre_sched.events import (
     Cancel,
     CellLost,
     CellRestored,
+    CellUntrained,
     Decision,
     EndTransition,
     Event,
@@ -143,6 +144,8 @@ class PolicyCore:
                 out += self._cell_lost(cell)
             case CellRestored(cell, trains, _):
                 self._cell_restored(cell, trains)
+            case CellUntrained(cell):
+                self._cell_untrained(cell)
             case TransitionDone(cell):
                 out += self._transition_done(cell)
             case PublishDone(version):
@@ -289,6 +292,15 @@ class PolicyCore:
         self.roles[cell] = CellRole.ROLLOUT
         self._roles_changed()
         self._reset_supply()
+
+    def _cell_untrained(self, cell: int) -> None:
+        """A live satellite's training world is gone (a failed re-form, at a burst boundary): rollout-only."""
+        if cell == 0 or cell in self.lost:
+            raise InvariantError(f"cell {cell} cannot become rollout-only (core or lost)")
+        if self.roles[cell] is not CellRole.ROLLOUT:
+            raise InvariantError(f"cell {cell} lost its training world while {self.roles[cell].value}")
+        self.rollout_only.add(cell)
+        self._trainable_pending.discard(cell)
 
     def _admit_trainable(self) -> None:
         for cell in sorted(self._trainable_pending):

@@ -17,6 +17,7 @@ from gyre_sched.events import (
     BurstPlanned,
     CellLost,
     CellRestored,
+    CellUntrained,
     Decision,
     Dispatch,
     EndTransition,
@@ -94,6 +95,8 @@ class TraceWriter:
                 self.write(t, "cell_lost", cell=cell)
             case CellRestored(cell, trains, served):
                 self.write(t, "cell_restored", cell=cell, trains=trains, serves=served)
+            case CellUntrained(cell):
+                self.write(t, "cell_untrained", cell=cell)
             case _:
                 pass
 

@@ -139,6 +139,7 @@ TraceEventName = Literal[
     "resume",
     "cell_lost",
     "cell_restored",
+    "cell_untrained",
 ]
 
 # Fields each event must carry (more are allowed: a real run may add its own context).
@@ -166,6 +167,7 @@ TRACE_REQUIRED: dict[str, tuple[str, ...]] = {
     "resume": ("version", "cancelled", "withdrawn", "roles"),
     "cell_lost": ("cell",),
     "cell_restored": ("cell",),
+    "cell_untrained": ("cell",),
 }
 
 

@@ -43,7 +43,8 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 
@@ -98,12 +99,41 @@ def init_cell_process(cfg: MultiCellConfig, cell: int) -> PrefixGroups:
     return PrefixGroups(cfg.num_cells)
 
 
-def reform_cell_world(cfg: MultiCellConfig, cell: int, master_port: int) -> PrefixGroups:
+class RendezvousTimeout(RuntimeError):
+    """Not every rank of a new world generation arrived within the rendezvous timeout (one died or hangs)."""
+
+
+def reform_cell_world(
+    cfg: MultiCellConfig, cell: int, master_port: int, rendezvous_timeout_s: float = 120.0
+) -> PrefixGroups:
     """A new generation of the gloo world (see the module docstring): every cell calls it, with the same fresh
-    ``master_port``, while none is inside a batch; returns the new prefix groups (the old ones are destroyed)."""
+    ``master_port``, while none is inside a batch; returns the new prefix groups (the old ones are destroyed).
+
+    The rendezvous is bounded: a rank that died or hangs after the others were told to re-form would otherwise
+    hold every cell for gloo's default timeout (30 min). The core (rank 0) hosts the rendezvous store and waits
+    ``rendezvous_timeout_s`` for all K ranks; past it every waiting rank raises :class:`RendezvousTimeout` and is
+    left without a world (none is initialized: the old one is destroyed), ready to call this again with the next
+    port. The new world's collectives keep gloo's default timeout (a slow micro-step must not trip them)."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    return init_cell_process(replace(cfg, master_port=master_port), cell)
+    timeout = timedelta(seconds=rendezvous_timeout_s)
+    try:
+        store = dist.TCPStore(cfg.host, master_port, cfg.num_cells, is_master=cell == 0, timeout=timeout)
+        # Every rank checks in, so a non-core rank too stops waiting once the timeout passed (it may have reached
+        # the store while another rank never did).
+        store.add("arrived", 1)
+        deadline = time.monotonic() + rendezvous_timeout_s
+        while int(store.add("arrived", 0)) < cfg.num_cells:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{int(store.add('arrived', 0))} of {cfg.num_cells} ranks arrived")
+            time.sleep(0.05)
+    except Exception as exc:  # DistStoreError / TimeoutError / a closed store (the core gave up first)
+        raise RendezvousTimeout(
+            f"world generation on port {master_port}: not every one of the {cfg.num_cells} cells arrived "
+            f"within {rendezvous_timeout_s:g} s ({type(exc).__name__}: {exc})"
+        ) from exc
+    dist.init_process_group("gloo", store=store, rank=cell, world_size=cfg.num_cells)
+    return PrefixGroups(cfg.num_cells)
 
 
 class PrefixGroups:
