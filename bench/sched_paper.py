@@ -9,8 +9,13 @@ Per target E[d] it reports:
 - the ideal bound of the same setting (``gyre_sched.bound``: unlimited capacity, free training: only dispatch's tail
   is left) and Elastic / bound; also Elastic with the tail-aware mechanisms (idle spares, hangs ended by a stall
   watchdog 30 min after they stop calling the model) over its own bound (the same watchdog);
+- the capacity bound of the same setting (``capacity_bound``: the cluster's finite slots too; true for any schedule,
+  one that knows every duration included) and Elastic / capacity bound; the two reference schedules with every slot
+  rolling out and free training: launches in dispatch order (what every policy does) and longest first (clairvoyant);
 - the adaptive planner (target E) against the best fixed Elastic (phi, mu, k_spare) whose realized staleness is no
-  higher than the planner's (fixed settings swept at E - 0.25, E, E + 0.25 where they exist);
+  higher than the planner's (fixed settings swept at E - 0.25, E, E + 0.25 where they exist), and the best fixed
+  setting against the smallest capacity bound over the settings the planner may choose at E (mu <= 2E + 1, phi =
+  E - (mu - 1)/2, k_spare 0 or 1): the most a planner choosing among them could gain;
 and the 2.4T preset's Elastic / Async / Colocate hours at E[d] = 1.5 (paper: 75.42 / 134.55 / 91.47 h).
 
     uv run python bench/sched_paper.py [--quick]
@@ -26,7 +31,7 @@ import json
 import time
 from typing import Any
 
-from gyre_sched.bound import ideal_bound
+from gyre_sched.bound import CapacityBound, capacity_bound, dispatch_order_reference, ideal_bound
 from gyre_sched.config import SimConfig
 from gyre_sched.presets import NL2REPO, NL2REPO_2_4T, deep_merge
 from gyre_sched.sim import SimResult, Simulator
@@ -75,14 +80,25 @@ def run_target(E: float, steps: int, quick: bool, log) -> dict[str, Any]:
     row["speedup_vs_best_async_streaming"] = best[True][1] / row["elastic_h"]
     row["speedup_vs_colocate"] = row["colocate_streaming_h"] / row["elastic_h"]
     row["speedup_vs_colocate_plain"] = row["colocate_plain_h"] / row["elastic_h"]
-    # the ideal bound of the same setting, and the tail-aware Elastic over its own bound
-    row["bound_h"] = hours(ideal_bound(el_cfg))
+    # the ideal and capacity bounds of the same setting, the reference schedules, the tail-aware Elastic over its bound
+    cap = capacity_bound(el_cfg)
+    row["bound_h"] = cap.ideal_s / 3600
     row["elastic_over_bound"] = row["elastic_h"] / row["bound_h"]
+    row["capacity_bound_h"], row["capacity_constraints_h"] = cap.end_time_s / 3600, cap.capacity_s / 3600
+    row["elastic_over_capacity_bound"] = row["elastic_h"] / row["capacity_bound_h"]
+    row["dispatch_order_h"] = hours(dispatch_order_reference(el_cfg))
+    row["elastic_over_dispatch_order"] = row["elastic_h"] / row["dispatch_order_h"]
+    row["longest_first_h"] = hours(dispatch_order_reference(el_cfg, longest_first=True))
     tail_cfg = cfg_of(NL2REPO, steps, TAIL, policy=elastic_pol)
     row["elastic_tail_h"] = hours(Simulator(tail_cfg).run())
     row["bound_tail_h"] = hours(ideal_bound(tail_cfg))
     row["elastic_tail_over_bound"] = row["elastic_tail_h"] / row["bound_tail_h"]
-    log(f"E[d]={E}: elastic {row['elastic_h']:.1f} h, bound {row['bound_h']:.1f} h ({row['elastic_over_bound']:.3f}x); "
+    log(f"E[d]={E}: elastic {row['elastic_h']:.1f} h; ideal bound {row['bound_h']:.1f} h ({row['elastic_over_bound']:.3f}x), "
+        f"capacity bound {row['capacity_bound_h']:.1f} h ({row['elastic_over_capacity_bound']:.3f}x; its slot constraints "
+        f"alone {row['capacity_constraints_h']:.1f} h); all slots, free training: dispatch order "
+        f"{row['dispatch_order_h']:.1f} h ({row['elastic_over_dispatch_order']:.3f}x), longest first "
+        f"{row['longest_first_h']:.1f} h")  # fmt: skip
+    log(f"E[d]={E}: "
         f"best async plain {best[False][1]:.1f} h ({best[False][0]} cells), streaming {best[True][1]:.1f} h "
         f"({best[True][0]}); colocate {row['colocate_streaming_h']:.1f} h (plain {row['colocate_plain_h']:.1f})")  # fmt: skip
     # the adaptive planner against the best fixed setting at no higher realized staleness
@@ -106,8 +122,38 @@ def run_target(E: float, steps: int, quick: bool, log) -> dict[str, Any]:
     row["planner_staleness_steady"] = plan.mean_staleness_steady
     row["best_fixed"] = best_fixed
     row["planner_speedup_vs_best_fixed"] = best_fixed["h"] / hours(plan) if best_fixed else None
+    # the most a planner choosing among the settings at E could gain: best fixed over their smallest capacity bound
+    settings = {
+        f"phi {E - (mu - 1) / 2} mu {mu} k {k}": {
+            "kind": "elastic",
+            "phi": E - (mu - 1) / 2,
+            "mu": mu,
+            "k_spare": k,
+        }
+        for mu in range(1, int(2 * E + 1 + 1e-9) + 1)
+        for k in (0, 1)
+    }
+    bounds: dict[str, CapacityBound] = {
+        n: cap if pol == {**elastic_pol, "k_spare": 1} else capacity_bound(cfg_of(NL2REPO, steps, policy=pol))
+        for n, pol in settings.items()
+    }
+    least = min(bounds, key=lambda n: bounds[n].end_time_s)
+    row["planner_settings_bounds_h"] = {n: round(b.end_time_s / 3600, 2) for n, b in bounds.items()}
+    row["planner_min_bound"] = (least, bounds[least].end_time_s / 3600)
+    row["best_fixed_over_min_bound"] = best_fixed["h"] / row["planner_min_bound"][1] if best_fixed else None
+    # and launching in dispatch order (free training, every slot rolling out): not a bound, what such launches allow
+    orders = {
+        n: hours(dispatch_order_reference(cfg_of(NL2REPO, steps, policy=pol))) for n, pol in settings.items()
+    }
+    fastest = min(orders, key=orders.__getitem__)
+    row["planner_settings_dispatch_order_h"] = {n: round(h, 2) for n, h in orders.items()}
+    row["planner_min_dispatch_order"] = (fastest, orders[fastest])
+    row["best_fixed_over_min_dispatch_order"] = best_fixed["h"] / orders[fastest] if best_fixed else None
     log(f"E[d]={E}: planner {row['planner_h']:.1f} h at realized staleness {plan.mean_staleness:.3f} (steady "
-        f"{plan.mean_staleness_steady:.3f}); best fixed at no higher staleness {best_fixed}")  # fmt: skip
+        f"{plan.mean_staleness_steady:.3f}); best fixed at no higher staleness {best_fixed}; smallest capacity bound "
+        f"of the planner's settings {row['planner_min_bound'][1]:.1f} h ({least}): a planner could gain at most "
+        f"{row['best_fixed_over_min_bound']:.3f}x; launching in dispatch order (free training, all slots) the fastest "
+        f"of them takes {orders[fastest]:.1f} h ({fastest}: {row['best_fixed_over_min_dispatch_order']:.3f}x)")  # fmt: skip
     return row
 
 
@@ -151,9 +197,17 @@ def main(argv: list[str] | None = None) -> None:
             f"speedup_vs_colocate_{E}": r3(row["speedup_vs_colocate"]),
             f"bound_h_{E}": r3(row["bound_h"]),
             f"elastic_over_bound_{E}": r3(row["elastic_over_bound"]),
+            f"capacity_bound_h_{E}": r3(row["capacity_bound_h"]),
+            f"elastic_over_capacity_bound_{E}": r3(row["elastic_over_capacity_bound"]),
+            f"dispatch_order_h_{E}": r3(row["dispatch_order_h"]),
+            f"longest_first_h_{E}": r3(row["longest_first_h"]),
             f"elastic_tail_over_bound_{E}": r3(row["elastic_tail_over_bound"]),
             f"planner_speedup_vs_best_fixed_{E}": r3(row["planner_speedup_vs_best_fixed"]),
             f"planner_staleness_{E}": r3(row["planner_staleness"]),
+            f"planner_min_bound_h_{E}": r3(row["planner_min_bound"][1]),
+            f"best_fixed_over_min_bound_{E}": r3(row["best_fixed_over_min_bound"]),
+            f"planner_min_dispatch_order_h_{E}": r3(row["planner_min_dispatch_order"][1]),
+            f"best_fixed_over_min_dispatch_order_{E}": r3(row["best_fixed_over_min_dispatch_order"]),
         }
     out |= {
         "t24_elastic_h": r3(t24["elastic"]), "t24_async_h": r3(t24["async"]), "t24_colocate_h": r3(t24["colocate"]),
