@@ -152,7 +152,8 @@ def capacity_bound(cfg: SimConfig) -> CapacityBound:
        dispatched before T_k (a step consumes only groups dispatched before it ends) is among the first
        D_{(k-1)//mu + 1} groups that are never dropped (same counting). Whatever the schedule picks among those
        candidates costs at least the m smallest works' sum and the m-th smallest ready_s.
-    4. Chaining: T_k >= max over bursts b with b*mu < k of (bound on T_{b mu} + the constraint of 2.), T_0 = 0.
+    4. Chaining: T_k >= max over bursts b with b*mu < k of (bound on T_{b mu} + the constraint of 2.), T_0 = 0, and
+       T_k >= T_{k-1}.
 
     Every constraint holds for any launch order, so a schedule that knew durations is bounded too. The ideal bound
     (itself exact up to the order in which refills take plans) adds dispatch's tail per group. Raises ValueError for
@@ -185,6 +186,6 @@ def capacity_bound(cfg: SimConfig) -> CapacityBound:
                 raise AssertionError(f"capacity bound: {m} groups needed from {len(w)} candidates")
             span = max(float(np.partition(w, m - 1)[:m].sum()) / C, float(np.partition(r, m - 1)[m - 1]))
             best = max(best, T[b * mu] + span)
-        T[k] = best
+        T[k] = max(best, T[k - 1])  # steps end in order
     ideal = ideal_bound(cfg).end_time_s
     return CapacityBound(max(ideal, T[S]), ideal, T[S], C, T[1:])
