@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gyre.tasks import demo_queries
 from gyre_sched.trace import iter_trace, read_trace
 
 pytestmark = pytest.mark.slow
@@ -124,6 +126,43 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     assert (summary_trace.d, summary_trace.p, summary_trace.f, summary_trace.x) == (
         sched["d"], sched["p"], sched["f"], sched["x"])  # fmt: skip
     assert summary_trace.steps == sched["version"] == 4
+
+    # Compared with an uninterrupted run of the same seed and config.
+    whole = tmp_path / "whole"
+    argv_whole = [a if a != str(run_dir) else str(whole) for a in argv]
+    done = subprocess.run(argv_whole, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _versions(whole / "metrics" / "steps.jsonl") == [1, 2, 3, 4]  # the same optimizer steps
+    steps_of = {r: [json.loads(x)["num_groups"] for x in (r / "metrics" / "steps.jsonl").read_text().splitlines()]
+                for r in (run_dir, whole)}  # fmt: skip
+    assert steps_of[run_dir] == steps_of[whole] == [2] * 4
+    whole_trace = read_trace(whole / "trace.jsonl")
+    whole_sched = json.loads((whole / "metrics" / "scheduler.json").read_text())
+    for t, sch in ((summary_trace, sched), (whole_trace, whole_sched)):
+        assert (t.d, t.p, t.f, t.x) == (sch["d"], sch["p"], sch["f"], sch["x"])
+        assert 0 <= t.f <= t.p <= t.d - t.x
+    # The data goes on where the interrupted part was: in both runs group g<n> works on the dataset's query n
+    # (each execution's task is its designated evaluator), so the resumed part does not start the data again.
+    queries = [f"task-{q.query_id}" for q in demo_queries(0)]
+    for r in (run_dir, whole):
+        evaluators = (
+            sqlite3.connect(r / "assessments.sqlite")
+            .execute("SELECT execution_id, evaluator FROM assessments WHERE designated = 1")
+            .fetchall()
+        )
+        assert evaluators
+        assert all(ev == queries[int(e.split(".")[0][1:]) % len(queries)] for e, ev in evaluators), evaluators
+    after_ids = {x["execution"] for x in after if x["ev"] == "launch"}
+    assert min(int(e.split(".")[0][1:]) for e in after_ids) >= resume["next_group"] > 0
+    # No assessment repeated with a different result (the resumed part re-scores nothing of the killed part).
+    scores = (
+        sqlite3.connect(run_dir / "assessments.sqlite")
+        .execute(
+            "SELECT execution_id, COUNT(DISTINCT score) FROM assessments WHERE status = 'valid' GROUP BY execution_id"
+        )
+        .fetchall()
+    )
+    assert scores and all(n == 1 for _, n in scores)
 
     # A finished run cannot be resumed again: one line, exit status 2.
     again = subprocess.run([sys.executable, "-m", "gyre.cli", "run", "--resume", str(run_dir)],

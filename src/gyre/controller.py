@@ -200,8 +200,10 @@ class Controller:
         self._spawn(moved)  # transitions below wait for these routes before draining the source engine
         for d in decisions:
             match d:
-                case ev.Dispatch(gid, _qid, _ids, v_d, _refill):
-                    self.groups[gid] = (self.queries[len(self.groups) % len(self.queries)], v_d)
+                case ev.Dispatch(gid, qid, _ids, v_d, _refill):
+                    # The ledger numbers queries (q<seq>, continued by a resumed run): query seq of the dataset, so
+                    # a resumed run goes on through the data where the interrupted one was, not from its start.
+                    self.groups[gid] = (self.queries[int(qid.lstrip("q")) % len(self.queries)], v_d)
                 case ev.Launch(spec):
                     self._spawn(
                         self._execute(spec.execution_id, spec.group_id, spec.dispatch_index, spec.engine)
