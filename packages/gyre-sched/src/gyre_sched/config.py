@@ -22,6 +22,7 @@ SpareLaunch = Literal["eager", "idle"]
 PlannerKind = Literal["fixed", "adaptive"]
 ExclusionKnown = Literal["budget", "stall"]
 DispatchMode = Literal["boundary", "continuous"]
+LaunchOrder = Literal["dispatch", "predicted"]
 
 
 class _Cfg(BaseModel):
@@ -72,6 +73,10 @@ class PolicyParams:
     """adaptive: the realized mean staleness to hold (default: eq. 2 of phi and mu)."""
     mu_max: int | None = None
     """adaptive: the largest mu a burst may use (default floor(2 * target + 1))."""
+    launch_order: LaunchOrder = "dispatch"
+    """dispatch: queued executions launch in dispatch order (refills first); predicted: those of queries predicted
+    to run longest launch first (``gyre_sched.launch_order``: from the durations this policy observed for the same
+    query, never from a plan). Which executions count (eq. 2's accounting) never depends on it."""
 
     def __post_init__(self) -> None:
         errs = []
@@ -177,6 +182,8 @@ class PolicyConfig(_Cfg):
     """adaptive: the realized mean staleness to hold (default: eq. 2 of phi, mu)."""
     mu_max: int | None = Field(None, ge=1)
     """adaptive: the largest mu of a burst (default floor(2 * target + 1))."""
+    launch_order: LaunchOrder = "dispatch"
+    """dispatch (the paper) or predicted: queries that ran longest before launch first (``gyre_sched.launch_order``)."""
 
     def params(
         self, *, K: int, C_e: int, C_s: int, harness_timeout_s: float, overall_budget_s: float
@@ -204,6 +211,7 @@ class PolicyConfig(_Cfg):
             planner=self.planner,
             target_staleness=self.target_staleness,
             mu_max=self.mu_max,
+            launch_order=self.launch_order,
             harness_timeout_s=harness_timeout_s,
             overall_budget_s=overall_budget_s,
         )
@@ -285,6 +293,10 @@ class WorkloadConfig(_Cfg):
     """Probability one evaluator attempt fails (retried within the overall budget)."""
     cancel_latency_s: float = Field(0.0, ge=0)
     """Time between a cancel order and the runner's termination report."""
+    query_pool: int = Field(0, ge=0)
+    """0: every group runs a fresh query (drawn from the fitted model). Q > 0: groups run the queries of a pool of Q
+    drawn once from the same model, each epoch of Q groups a fresh permutation; a query keeps its difficulty, hardness
+    and hang-proneness across epochs (executions still vary), as a dataset's tasks do over epochs."""
     trace: str | None = None
     """Replay the execution durations/outcomes of a recorded trace.jsonl instead of sampling."""
 

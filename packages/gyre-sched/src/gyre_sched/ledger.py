@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from gyre_sched.events import Cancel, Decision, Dispatch, GroupDropped, GroupReady, Withdraw
 from gyre_sched.types import AssessedStatus, Outcome
@@ -87,9 +88,13 @@ class Ledger:
         self.dropped = 0
         self.cancelled_surplus = 0
         self.withdrawn_surplus = 0
-        self.launch_key: Callable[[Execution], float] | None = None
-        """None (every policy): launches follow the queue. Set: each dispatch re-sorts the queue by this key, smallest
-        first (``gyre_sched.bound``'s clairvoyant reference launches the longest executions first)."""
+        self.launch_key: Callable[[Execution], Any] | None = None
+        """None (the default): launches follow the queue. Set: the queue is re-sorted by this key (smallest first,
+        stable) before the first launch after a dispatch (``gyre_sched.bound``'s clairvoyant reference: longest
+        planned duration first; ``gyre_sched.launch_order``: longest predicted first)."""
+        self._unsorted = False
+        self.query_of: Callable[[int], str] | None = None
+        """The query group number ``seq`` runs (a dataset's queries recur across epochs); default ``q<seq>``."""
 
     # ---- counters ---------------------------------------------------------------------------------------------
     @property
@@ -121,7 +126,8 @@ class Ledger:
         n_d = self.N_d if k_spare is None else self.N + k_spare
         seq = self._group_seq
         self._group_seq += 1
-        gid, qid = f"g{seq}", f"q{seq}"
+        gid = f"g{seq}"
+        qid = self.query_of(seq) if self.query_of is not None else f"q{seq}"
         g = Group(gid, qid, self.published, seq, refill, n_d)
         self.groups[gid] = g
         self.unsettled += 1
@@ -140,12 +146,19 @@ class Ledger:
             self._queue.extend(first)
         if self.idle_spares:
             self._spares.extend(ids[self.N :])
-        if self.launch_key is not None:
-            key = self.launch_key
-            self._queue = deque(sorted(self._queue, key=lambda eid: key(self.execs[eid])))
+        self._unsorted = self.launch_key is not None
         return Dispatch(gid, qid, ids, g.v_d, refill)
 
+    def prioritized(self, e: Execution) -> bool:
+        """Launches ahead of ordinary entries in dispatch order: a refill's execution, or a spare an exclusion made
+        count (idle spares)."""
+        return self.groups[e.group].refill or e.id in self._promoted
+
     def pop_queued(self) -> Execution | None:
+        if self._unsorted and self.launch_key is not None:
+            key = self.launch_key
+            self._queue = deque(sorted(self._queue, key=lambda eid: key(self.execs[eid])))
+            self._unsorted = False
         for q in (self._queue, self._spares):
             while q:
                 e = self.execs[q.popleft()]

@@ -35,6 +35,8 @@ from gyre_sched.events import (
     Tick,
     TransitionDone,
 )
+from gyre_sched.launch_order import DurationPredictor
+from gyre_sched.launch_order import install as install_predicted_order
 from gyre_sched.ledger import ExecState, Group, InvariantError, Ledger
 from gyre_sched.planner import BurstPlan, make_planner
 from gyre_sched.types import CellRole, ExecutionSpec, next_role
@@ -61,6 +63,10 @@ class PolicyCore:
             idle_spares=params.spares == "idle",
         )
         self.planner = make_planner(params)
+        self.predictor: DurationPredictor | None = None
+        if params.launch_order == "predicted":  # learns from this policy's own launches and terminations only
+            self.predictor = DurationPredictor()
+            install_predicted_order(self.ledger, self.predictor)
         self.mu_now = params.mu  # this burst's steps (the adaptive planner chooses per burst)
         self.k_now = params.k_spare  # spares of groups dispatched now (refills too)
         self.roles = [CellRole.ROLLOUT] * params.K
@@ -127,6 +133,8 @@ class PolicyCore:
                 e = self.ledger._exec(eid)
                 engine = e.engine
                 out += self.ledger.terminated(eid, outcome)
+                if self.predictor is not None:
+                    self.predictor.terminated(eid, outcome, now)
                 if engine is not None:
                     self.load[engine].discard(eid)
             case Assessed(eid, status):
@@ -227,6 +235,8 @@ class PolicyCore:
                 engine=engine,
             )
             out.append(Launch(spec))
+            if self.predictor is not None:
+                self.predictor.launched(e.id, g.query, self.now)
 
     def _begin(self, cells: list[int], out: list[Decision]) -> None:
         """Start role changes; cells leaving rollout stop accepting requests and their executions are rerouted."""

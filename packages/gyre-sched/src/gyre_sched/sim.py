@@ -92,6 +92,9 @@ class Simulator:
         self.params = cfg.policy_params()
         self.policy: PolicyCore = make_policy(self.params, deep_checks=deep_checks)
         self.workload = make_workload(cfg.workload, cfg.seed)
+        query_of = getattr(self.workload, "query_of", None)
+        if cfg.workload.query_pool and query_of is not None:  # recurring queries: the policy sees which query
+            self.policy.ledger.query_of = lambda seq: f"q{query_of(seq)}"
         self._trace_stream = trace_stream
         self.trace: TraceWriter | None = None
         self.record_samples = record_samples

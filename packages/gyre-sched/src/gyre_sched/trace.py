@@ -48,6 +48,7 @@ def policy_header(params: PolicyParams) -> dict[str, Any]:
         "async_train_cells": params.async_train_cells, "harness_timeout_s": params.harness_timeout_s,
         "overall_budget_s": params.overall_budget_s, "spares": params.spares, "planner": params.planner,
         "target_staleness": params.target_staleness, "mu_max": params.mu_max,
+        "launch_order": params.launch_order,
     }  # fmt: skip
 
 

@@ -95,6 +95,19 @@ class StatisticalWorkload:
     def __init__(self, cfg: WorkloadConfig, seed: int) -> None:
         self.cfg, self.seed = cfg, seed
         self._cache: dict[int, list[ExecPlan]] = {}
+        self._epochs: dict[int, np.ndarray] = {}
+
+    def query_of(self, group_seq: int) -> int:
+        """The query group ``group_seq`` runs: itself without a pool; with ``query_pool = Q``, entry ``seq % Q`` of
+        epoch ``seq // Q``'s permutation of the pool (public, like a dataset index; its difficulty is not)."""
+        Q = self.cfg.query_pool
+        if not Q:
+            return group_seq
+        epoch = group_seq // Q
+        perm = self._epochs.get(epoch)
+        if perm is None:
+            perm = self._epochs[epoch] = np.random.default_rng([self.seed, epoch, 7]).permutation(Q)
+        return int(perm[group_seq % Q])
 
     def plan(self, group_seq: int, index: int) -> ExecPlan:
         plans = self._cache.get(group_seq)
@@ -108,8 +121,13 @@ class StatisticalWorkload:
         def rng(stream: int) -> np.random.Generator:
             return np.random.default_rng([self.seed, group_seq, stream])
 
-        q = rng(0).random(3)
-        z_query = np.array([[rng(1).standard_normal()]])
+        def query_rng(stream: int) -> np.random.Generator:  # the query's own draws persist across its groups
+            if not c.query_pool:
+                return rng(stream)
+            return np.random.default_rng([self.seed, self.query_of(group_seq), stream, 1])
+
+        q = query_rng(0).random(3)
+        z_query = np.array([[query_rng(1).standard_normal()]])
         end, code, _ = terminations(
             c,
             z_query=z_query,
