@@ -16,6 +16,10 @@ Per target E[d] it reports:
   higher than the planner's (fixed settings swept at E - 0.25, E, E + 0.25 where they exist), and the best fixed
   setting against the smallest capacity bound over the settings the planner may choose at E (mu <= 2E + 1, phi =
   E - (mu - 1)/2, k_spare 0 or 1): the most a planner choosing among them could gain;
+- on the same preset with recurring queries (``query_pool = 128``: the groups run a pool of 128 queries drawn from
+  the fitted model, each epoch reshuffled, a query keeping its difficulty): Elastic launching in dispatch order and
+  with ``launch_order = "predicted"`` (queries that ran longest before launch first; learnt from its own
+  observations), each over the capacity bound, and the clairvoyant longest-first reference;
 and the 2.4T preset's Elastic / Async / Colocate hours at E[d] = 1.5 (paper: 75.42 / 134.55 / 91.47 h).
 
     uv run python bench/sched_paper.py [--quick]
@@ -38,6 +42,7 @@ from gyre_sched.sim import SimResult, Simulator
 
 PAPER = {"async": (1.42, 1.53), "colocate": (1.36, 1.47), "2.4t_h": {"elastic": 75.42, "async": 134.55,
                                                                     "colocate": 91.47}}  # fmt: skip
+RECURRING = {"workload": {"query_pool": 128}}
 TAIL = {"policy": {"spares": "idle"}, "workload": {"exclusion_known": "stall", "stall_detect_s": 1800.0}}
 
 
@@ -101,6 +106,11 @@ def run_target(E: float, steps: int, quick: bool, log) -> dict[str, Any]:
     log(f"E[d]={E}: "
         f"best async plain {best[False][1]:.1f} h ({best[False][0]} cells), streaming {best[True][1]:.1f} h "
         f"({best[True][0]}); colocate {row['colocate_streaming_h']:.1f} h (plain {row['colocate_plain_h']:.1f})")  # fmt: skip
+    rec = row["recurring"] = run_recurring(elastic_pol, steps)
+    log(f"E[d]={E}: recurring queries (pool {rec['pool']}): elastic dispatch order {rec['dispatch_h']:.1f} h "
+        f"({rec['dispatch_over_bound']:.3f}x its capacity bound {rec['bound_h']:.1f} h), predicted order "
+        f"{rec['predicted_h']:.1f} h ({rec['predicted_over_bound']:.3f}x; {rec['predicted_speedup']:.3f}x faster); "
+        f"clairvoyant longest first {rec['longest_first_h']:.1f} h")  # fmt: skip
     # the adaptive planner against the best fixed setting at no higher realized staleness
     plan = Simulator(cfg_of(NL2REPO, steps, policy={**elastic_pol, "planner": "adaptive",
                                                     "target_staleness": E})).run()  # fmt: skip
@@ -157,6 +167,19 @@ def run_target(E: float, steps: int, quick: bool, log) -> dict[str, Any]:
     return row
 
 
+def run_recurring(elastic_pol: dict[str, Any], steps: int) -> dict[str, float]:
+    """Elastic on recurring queries: dispatch vs predicted launch order, over the capacity bound of the setting."""
+    cfg = cfg_of(NL2REPO, steps, RECURRING, policy=elastic_pol)
+    out = {"pool": RECURRING["workload"]["query_pool"], "bound_h": capacity_bound(cfg).end_time_s / 3600}
+    for order in ("dispatch", "predicted"):
+        r = Simulator(cfg_of(NL2REPO, steps, RECURRING, policy={**elastic_pol, "launch_order": order})).run()
+        out[f"{order}_h"] = hours(r)
+        out[f"{order}_over_bound"] = out[f"{order}_h"] / out["bound_h"]
+    out["predicted_speedup"] = out["dispatch_h"] / out["predicted_h"]
+    out["longest_first_h"] = hours(dispatch_order_reference(cfg, longest_first=True))
+    return out
+
+
 def run_2_4t(steps: int) -> dict[str, float]:
     out = {}
     for kind, pol in (("elastic", {"phi": 0.5, "mu": 3}), ("async", {"phi": 1.5, "mu": 1}),
@@ -208,6 +231,12 @@ def main(argv: list[str] | None = None) -> None:
             f"best_fixed_over_min_bound_{E}": r3(row["best_fixed_over_min_bound"]),
             f"planner_min_dispatch_order_h_{E}": r3(row["planner_min_dispatch_order"][1]),
             f"best_fixed_over_min_dispatch_order_{E}": r3(row["best_fixed_over_min_dispatch_order"]),
+            f"recurring_bound_h_{E}": r3(row["recurring"]["bound_h"]),
+            f"recurring_dispatch_order_over_bound_{E}": r3(row["recurring"]["dispatch_over_bound"]),
+            f"recurring_predicted_h_{E}": r3(row["recurring"]["predicted_h"]),
+            f"recurring_predicted_over_bound_{E}": r3(row["recurring"]["predicted_over_bound"]),
+            f"recurring_predicted_speedup_{E}": r3(row["recurring"]["predicted_speedup"]),
+            f"recurring_longest_first_h_{E}": r3(row["recurring"]["longest_first_h"]),
         }
     out |= {
         "t24_elastic_h": r3(t24["elastic"]), "t24_async_h": r3(t24["async"]), "t24_colocate_h": r3(t24["colocate"]),
