@@ -15,7 +15,10 @@ process, nothing else changed) and the bench reads what the run left behind:
   which at least one execution was running (rollout), one assessment was pending (assessment), a batch was open
   (training) and a publication was under way (publication). The last four overlap (the point of the scheduler),
   so they do not add up to 1;
-- calls per execution, executions with 2+ trajectories, steps where 2+ cells claimed micro-steps.
+- calls per execution, executions with 2+ trajectories, steps where 2+ cells claimed micro-steps;
+- held-out: the initial and each run's final policy play the same 64 held-out episodes (`gyre.demo_eval`: same
+  queries, same sampling seed, in this process), so query order and difficulty leave the comparison; the figure is
+  final / initial mean reward (the training curve's quarters also differ by which queries each step met).
 
 The machine is shared: wall times measure this machine as it is (the CPU seconds of the run's processes are given
 too). `--quick`: one seed and 12 steps (the learning figures then mean little). Last line: one JSON object.
@@ -38,6 +41,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from gyre.config import RunConfig
+from gyre.demo_eval import evaluate_policy
+from gyre.demo_model import demo_policy
 from gyre_sched.trace import iter_trace
 from gyre_tito.records import read_log
 
@@ -161,7 +166,14 @@ def run_demo(seed: int, steps: int | None, root: Path) -> dict:
         raise SystemExit(f"seed {seed}: gyre demo failed ({proc.returncode}): {proc.stderr[-2000:]}")
     result = analyse(run_dir, launched_at, wall, proc.stderr)
     result["cpu_s"] = round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 1)
+    final = run_dir / "checkpoints" / f"policy-v{result['steps']}"
+    result["heldout_final"] = round(
+        evaluate_policy(final, episodes=HELDOUT, seed=HELDOUT_SEED)["mean_reward"], 4
+    )
     return {"seed": seed, **result}
+
+
+HELDOUT, HELDOUT_SEED = 64, 5
 
 
 def main() -> None:
@@ -175,6 +187,9 @@ def main() -> None:
     steps = 12 if args.quick else args.steps
     root = args.keep or Path(tempfile.mkdtemp(prefix="gyre-bench-demo-"))
     root.mkdir(parents=True, exist_ok=True)
+    heldout_initial = round(
+        evaluate_policy(demo_policy(), episodes=HELDOUT, seed=HELDOUT_SEED)["mean_reward"], 4
+    )
     runs = []
     for seed in seeds:
         r = run_demo(seed, steps, root)
@@ -185,6 +200,7 @@ def main() -> None:
               f"{r['train_tok_s']} tok/s, {r['calls_per_execution']:.2f} calls/execution, shares {r['share']}",
               flush=True)  # fmt: skip
         print("  rewards " + " ".join(f"{x:.2f}" for x in r["rewards"]), flush=True)
+        print(f"  held-out: initial {heldout_initial:.3f} -> final {r['heldout_final']:.3f}", flush=True)
     defaults = RunConfig()
     mean = lambda key: round(sum(r[key] for r in runs) / len(runs), 3)  # noqa: E731
     print(json.dumps({
@@ -194,6 +210,8 @@ def main() -> None:
         "ratio_last_to_first_quarter": [r["ratio"] for r in runs],
         "first_quarter": [r["first_quarter"] for r in runs], "last_quarter": [r["last_quarter"] for r in runs],
         "seeds_passed": sum(r["passed"] for r in runs),
+        "heldout_initial": heldout_initial, "heldout_final": [r["heldout_final"] for r in runs],
+        "heldout_ratio": [round(r["heldout_final"] / heldout_initial, 3) for r in runs],
         "wall_s": [r["wall_s"] for r in runs], "cpu_s": [r["cpu_s"] for r in runs],
         "build_s": next((r["build_s"] for r in runs if r["build_s"] is not None), None),
         "engine_start_s": [r["engine_start_s"] for r in runs],

@@ -195,14 +195,21 @@ def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
     steps_n = defaults.train.steps
     assert summary["steps"] == steps_n
 
-    # Reward rises: the last quarter of steps beats the first by a margin well past the noise of a quarter's mean
-    # (16 executions a step, 10 steps: about 0.04), and reaches 0.3. Sampling order depends on agent timing, so the
-    # seeded run is not reproducible; measured on seed 0: 0.33 -> 0.67, 0.38 -> 0.55. The 2x for every seed
-    # is what bench/demo_learning.py measures, and it is not met yet (the policy starts near 0.37).
+    # The policy learned. Decided on held-out queries: the initial and the final policy play the same 64 episodes
+    # (same queries, same sampling seed; `demo_eval`, no proxy), so neither the order in which the run met its
+    # queries nor their difficulty enters the comparison. Measured: 0.32 before; after 40 steps 0.78 and 0.80
+    # (default runs), 0.56 to 0.67 for runs whose training curve rose least (the weakest +0.24).
+    before = demo_eval.evaluate_policy(demo_model.demo_policy(), episodes=64, seed=5)
+    after = demo_eval.evaluate_policy(run_dir / "checkpoints" / f"policy-v{steps_n}", episodes=64, seed=5)
+    assert after["mean_reward"] >= before["mean_reward"] + 0.15, (before, after)
+    # And the run's own curve rose: the last quarter of steps above the first. Only that: a step's mean is over 4
+    # queries (16 executions), so quarters differ by query difficulty too; measured on seed 0: 0.33 -> 0.67,
+    # 0.36 -> 0.70, 0.38 -> 0.55, once 0.33 -> 0.39 (CI). The 2x of the curve for every seed is what
+    # bench/demo_learning.py measures; it is not met yet.
     rewards = summary["mean_reward_per_step"]
     quarter = steps_n // 4
     first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
-    assert last >= first + 0.08 and last >= 0.3, (first, last, rewards)
+    assert last > first and last >= 0.3, (first, last, rewards)
 
     # Counters, steps and staleness recomputed from the trace alone.
     trace = read_trace(run_dir / "trace.jsonl")
