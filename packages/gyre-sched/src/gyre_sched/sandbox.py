@@ -211,6 +211,12 @@ class LaunchSandbox:
                 raise RuntimeError(
                     f"the OCI execution sandbox needs its runtime ({self.oci_runtime!r} not found): apt-get install runc"
                 )
+            # It hands the workspace to the sandbox's own user and runs rootful containers.
+            if os.geteuid() != 0:
+                raise RuntimeError(
+                    f"the OCI execution sandbox needs root (euid is {os.geteuid()}): run gyre as root, or use "
+                    'sandbox_runtime = "bubblewrap" (unprivileged user namespaces)'
+                )
             return
         if shutil.which(self.bwrap) is None:
             raise RuntimeError(
