@@ -17,6 +17,7 @@ import pytest
 from gyre import demo_eval, demo_model, tasks
 from gyre.cli import main
 from gyre.config import RunConfig
+from gyre.pipeline import _assessment_config
 from gyre_sched.trace import iter_trace, read_trace
 from gyre_tito.records import read_log
 from gyre_tito.render import ChatTokenizer
@@ -40,12 +41,34 @@ def test_config_prints_resolved_defaults(capsys):
         ("scheduler.kind=colocate", "colocate with phi > 0 needs a standalone pool"),
         ("cluster.standalone_engines=1", "cluster.standalone_capacity"),
         ("train.lr_warmup_steps=-2", "train.lr_warmup_steps"),
+        ("assessment.max_concurrent=0", "assessment.max_concurrent"),
+        ("assessment.retry_wait_max_s=0.1", "retry_wait_max_s must be >= retry_wait_min_s"),
     ],
 )
 def test_bad_config_is_a_clear_cli_error(override, needle, capsys):
     assert main(["demo", "--set", override]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_the_assessment_section_is_what_gyre_eval_runs_with(tmp_path):
+    queries = tasks.demo_queries(0, 3)
+    default = _assessment_config(tmp_path, queries, None, RunConfig().assessment)
+    assert (default.max_concurrent, default.retry_wait_min_s, default.retry_wait_max_s) == (4, 0.2, 2.0)
+    assert {(e.sandbox.timeout_s, e.sandbox.cpu_s) for e in default.evaluators.values()} == {(30.0, 30)}
+    cfg = RunConfig.model_validate(
+        {
+            "assessment": {
+                "max_concurrent": 2,
+                "retry_wait_max_s": 5,
+                "check_sandbox": {"timeout_s": 7, "cpu_s": 3},
+            }
+        }
+    )
+    service = _assessment_config(tmp_path, queries, None, cfg.assessment)
+    assert (service.max_concurrent, service.retry_wait_min_s, service.retry_wait_max_s) == (2, 0.2, 5.0)
+    assert set(service.evaluators) == {f"task-{q.query_id}" for q in queries}
+    assert {(e.sandbox.timeout_s, e.sandbox.cpu_s) for e in service.evaluators.values()} == {(7.0, 3)}
 
 
 # ---- the task family ----------------------------------------------------------------------------------------------

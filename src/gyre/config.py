@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gyre_cell.transfer.mooncake import MooncakeConfig
+from gyre_eval.sandbox import SandboxConfig
 from gyre_sched.config import PolicyConfig, PolicyParams
 from gyre_train.backends import check_backend
 from gyre_train.loss import LossConfig
@@ -264,6 +265,26 @@ class JudgeSection(_Section):
     """Workspace text shown to the judge (larger artifacts are truncated, and the prompt says so)."""
 
 
+class AssessmentSection(_Section):
+    """gyre-eval's service for the run: how many evaluations run at once, how failed attempts are retried, and the
+    limits of the built-in tasks' executable checks (a task file's own rule brings its own)."""
+
+    max_concurrent: int = Field(4, ge=1)
+    """Evaluations running at once; the rest wait (their execution's budget keeps running)."""
+    retry_wait_min_s: float = Field(0.2, ge=0)
+    """First wait after a failed attempt (exponential backoff)."""
+    retry_wait_max_s: float = Field(2.0, ge=0)
+    """Longest wait between attempts."""
+    check_sandbox: SandboxConfig = SandboxConfig(timeout_s=30.0, cpu_s=30, memory_bytes=1 << 30)
+    """gyre-eval's sandbox of the built-in tasks' scoring check (wall time, CPU seconds, memory, ...)."""
+
+    @model_validator(mode="after")
+    def _waits(self) -> AssessmentSection:
+        if self.retry_wait_max_s < self.retry_wait_min_s:
+            raise ValueError("[assessment] retry_wait_max_s must be >= retry_wait_min_s")
+        return self
+
+
 class RunConfig(_Section):
     run_dir: str | None = None
     """None: runs/<UTC timestamp>. Where config.json, trace.jsonl, records/, assessments.sqlite, trajectories/, checkpoints/, report.html go."""
@@ -282,6 +303,8 @@ class RunConfig(_Section):
     harness: HarnessConfig = HarnessConfig()
     judge: JudgeSection = JudgeSection()
     """Scores judge-rubric tasks: the run's proxy (its own execution, never trained) or another endpoint."""
+    assessment: AssessmentSection = AssessmentSection()
+    """gyre-eval's service: concurrency, retries, the built-in checks' limits."""
 
     @model_validator(mode="after")
     def _policy_valid(self) -> RunConfig:

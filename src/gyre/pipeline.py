@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from gyre import agent
-from gyre.config import HarnessConfig, RunConfig
+from gyre.config import AssessmentSection, HarnessConfig, RunConfig
 from gyre.controller import Controller
 from gyre.datasets import task_queries
 from gyre.demo_model import demo_policy
@@ -33,7 +33,6 @@ from gyre.resume import ResumePoint
 from gyre.tasks import demo_queries, scoring_command
 from gyre_eval.config import ServiceConfig
 from gyre_eval.exec_check import ExecCheckConfig
-from gyre_eval.sandbox import SandboxConfig
 from gyre_sched.policies import make_policy
 from gyre_sched.runner import ExecutionRunner
 from gyre_sched.sandbox import LaunchSandbox
@@ -59,10 +58,13 @@ def _launch_sandbox(cfg: HarnessConfig) -> LaunchSandbox | None:
     return LaunchSandbox(runtime=cfg.sandbox_runtime, oci_runtime=cfg.oci_runtime)
 
 
-def _assessment_config(run_dir: Path, queries, judge: dict | None = None) -> ServiceConfig:
+def _assessment_config(
+    run_dir: Path, queries, judge: dict | None = None, settings: AssessmentSection | None = None
+) -> ServiceConfig:
     """gyre-eval's config for this run: one exec check or judge (`judge`: its endpoint, gyre.judging) per task;
-    artifacts only from the run's workspaces."""
-    sandbox = SandboxConfig(timeout_s=30.0, cpu_s=30, memory_bytes=1 << 30)
+    artifacts only from the run's workspaces; `settings`: the run's `[assessment]`."""
+    settings = settings or AssessmentSection()
+    sandbox = settings.check_sandbox
     evaluators = {}
     for q in queries:
         if hasattr(q, "evaluator"):  # a task file's scoring rule (gyre.datasets)
@@ -76,7 +78,8 @@ def _assessment_config(run_dir: Path, queries, judge: dict | None = None) -> Ser
             command=scoring_command(q), score_from="score_file", sandbox=sandbox
         )
     (run_dir / "workspaces").mkdir(exist_ok=True)
-    return ServiceConfig(evaluators=evaluators, retry_wait_min_s=0.2, retry_wait_max_s=2.0,
+    return ServiceConfig(evaluators=evaluators, max_concurrent=settings.max_concurrent,
+                         retry_wait_min_s=settings.retry_wait_min_s, retry_wait_max_s=settings.retry_wait_max_s,
                          artifact_roots=[str(run_dir / "workspaces")])  # fmt: skip
 
 
@@ -147,7 +150,7 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
         if judged:  # the run's proxy (its own execution) or [judge] base_url
             private = run_dir / "private"
             judge = await judge_endpoint(cfg.judge, services.proxy_url, runner.admin_call, private)
-        assessments = await services.start_eval(_assessment_config(run_dir, queries, judge))
+        assessments = await services.start_eval(_assessment_config(run_dir, queries, judge, cfg.assessment))
         published = (await services.cells[0].status()).published
         controller = Controller(cfg, run_dir, policy, trace, runner, services.cells, services.standalone,
                                 assessments, queries, published)  # fmt: skip
