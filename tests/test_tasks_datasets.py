@@ -1,15 +1,26 @@
 """Task datasets: JSONL / Parquet / dataset folder load the same tasks; malformed files give one clear line."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gyre.datasets import DirWorkspace, ExecScoring, TaskFileError, load_tasks, setup_workspace
+from gyre.datasets import (
+    DirWorkspace,
+    ExecScoring,
+    TaskFileError,
+    load_tasks,
+    setup_workspace,
+    unreadable_check_files,
+)
 
 
 @pytest.fixture
@@ -123,3 +134,34 @@ def test_gyre_tasks_validate_cli(base):
     r = subprocess.run([*cmd, str(bad)], capture_output=True, text=True)
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [f"{bad}:2: scoring: required field missing"]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="checks drop to an unprivileged user only when gyre runs as root"
+)
+def test_validate_warns_when_an_unprivileged_check_could_not_read_its_files():
+    """Run as root, gyre-eval runs each check as its own unprivileged user, which reads the check files in place."""
+    top = Path(tempfile.mkdtemp(prefix="gyre-check-files-"))  # pytest's own tmp folders are 0700
+    try:
+        os.chmod(top, 0o755)
+        (top / "ws").mkdir()
+        (top / "check").mkdir()
+        (top / "check" / "hidden.py").write_text("print(1)\n")
+        good = _write(top / "tasks.jsonl", [_task()])
+        cmd = [sys.executable, "-m", "gyre.cli", "tasks", "validate", str(good)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert (r.returncode, r.stdout.strip(), r.stderr) == (0, f"{good}: 1 tasks OK", "")
+        os.chmod(top / "check", 0o700)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout.strip() == f"{good}: 1 tasks OK"
+        assert r.stderr.strip().splitlines() == [
+            f"warning: scoring.files {top / 'check'}: checks run as an unprivileged user, who cannot read "
+            f"{top / 'check'} (mode 700); every assessment would fail: chmod o+rx"
+        ]
+        os.chmod(top / "check", 0o755)
+        os.chmod(top, 0o700)  # a folder above it that others cannot enter
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert f"who cannot enter {top} (mode 700)" in r.stderr
+        assert unreadable_check_files(load_tasks(good)) == r.stderr.strip().splitlines()
+    finally:
+        shutil.rmtree(top)

@@ -11,6 +11,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from gyre.datasets import load_tasks
+from gyre_sched.trace import iter_trace
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,6 +45,12 @@ def test_gyre_run_on_the_swe_suite_in_the_sandbox(tmp_path):
         (k, "valid", v) for k, v in start.items()
     }
     assert {ev for _, ev, _, _ in rows} == set(start)  # both tasks ran
+    # Group n works on task n mod 2, and the trace names that task (q<item>): it recurs each epoch, so the
+    # scheduler's predicted launch order can learn its durations.
+    dispatches = [x for x in iter_trace(run_dir / "trace.jsonl") if x["ev"] == "dispatch"]
+    assert len(dispatches) > 2 and all(x["query"] == f"q{int(x['group'][1:]) % 2}" for x in dispatches)
+    order = [f"task-{t.query_id}" for t in load_tasks(ROOT / "tasks" / "swe" / "tasks.jsonl")[:2]]
+    assert all(ev == order[int(eid.split(".")[0][1:]) % 2] for eid, ev, _, _ in rows)
     for eid in workspaces:
         ws = run_dir / "workspaces" / eid
         assert (ws / "tests").is_dir() and any(ws.glob("*.py"))  # built from the task's repository

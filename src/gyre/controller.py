@@ -201,8 +201,8 @@ class Controller:
         for d in decisions:
             match d:
                 case ev.Dispatch(gid, qid, _ids, v_d, _refill):
-                    # The ledger numbers queries (q<seq>, continued by a resumed run): query seq of the dataset, so
-                    # a resumed run goes on through the data where the interrupted one was, not from its start.
+                    # The ledger names the dataset item (q<n>; group numbering, which a resumed run continues),
+                    # so a resumed run goes on through the data where the interrupted one was, not from its start.
                     self.groups[gid] = (self.queries[int(qid.lstrip("q")) % len(self.queries)], v_d)
                 case ev.Launch(spec):
                     self._spawn(

@@ -36,13 +36,18 @@ Relative paths resolve against the folder of the dataset file. Every error is on
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
+import stat
 import subprocess
 import tarfile
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+log = logging.getLogger("gyre")
 
 __all__ = [
     "DirWorkspace",
@@ -334,8 +339,30 @@ def evaluator_config(task: TaskSpec) -> dict[str, Any]:
     }
 
 
+def unreadable_check_files(tasks: list[TaskSpec]) -> list[str]:
+    """Warnings, one line per check-files folder an unprivileged check cannot read. Run as root, gyre-eval drops
+    each check to its own unprivileged user (gyre_eval.sandbox `run_as`), which reads `$GYRE_CHECK_FILES` in
+    place: the folder must be readable and every folder above it enterable by others (`chmod o+rx`)."""
+    if os.geteuid() != 0:
+        return []  # the check runs as this same user
+    out: list[str] = []
+    for folder in sorted(
+        {t.scoring.files for t in tasks if isinstance(t.scoring, ExecScoring) and t.scoring.files}
+    ):
+        path = Path(folder)
+        for p in (path, *path.parents):
+            need = stat.S_IXOTH | (stat.S_IROTH if p == path else 0)
+            if p.stat().st_mode & need != need:
+                out.append(f"warning: scoring.files {path}: checks run as an unprivileged user, who cannot "
+                           f"{'read' if p == path else 'enter'} {p} (mode {p.stat().st_mode & 0o777:o}); "
+                           "every assessment would fail: chmod o+rx")  # fmt: skip
+                break
+    return out
+
+
 def validate_main(path: str) -> int:
-    """`gyre tasks validate FILE`: one line, exit status 0 (valid) or 1."""
+    """`gyre tasks validate FILE`: one line, exit status 0 (valid) or 1 (and a warning line per check-files
+    folder that checks could not read)."""
     import sys
 
     try:
@@ -343,6 +370,8 @@ def validate_main(path: str) -> int:
     except TaskFileError as e:
         print(str(e), file=sys.stderr)
         return 1
+    for warning in unreadable_check_files(tasks):
+        print(warning, file=sys.stderr)
     print(f"{path}: {len(tasks)} tasks OK")
     return 0
 
@@ -374,5 +403,7 @@ class TaskQuery:
 
 def task_queries(path: str | Path, limit: int | None = None) -> list[TaskQuery]:
     """The run's queries from a task file (the first `limit`)."""
-    tasks = load_tasks(path)
-    return [TaskQuery(t) for t in tasks[:limit]]
+    tasks = load_tasks(path)[:limit]
+    for warning in unreadable_check_files(tasks):
+        log.warning("%s", warning)
+    return [TaskQuery(t) for t in tasks]

@@ -115,6 +115,10 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
     queries = (
         task_queries(cfg.tasks.file, cfg.tasks.limit) if cfg.tasks.file else demo_queries(cfg.train.seed)
     )
+    # Group n works on dataset item n mod len: the ledger names that item (q<item>), so a query id recurs each
+    # epoch and the policy's launch order can learn its durations (`scheduler.launch_order = "predicted"`).
+    count = len(queries)
+    policy.ledger.query_of = lambda seq: f"q{seq % count}"
     services = services or make_launcher(cfg, run_dir)
     services.run_dir = run_dir
     # Async assigns its training cells here: the header records the initial roles. A resumed run starts where its
