@@ -39,6 +39,11 @@ def test_ray_kind_from_config_and_cli_flag(tmp_path):
     assert isinstance(make_launcher(load_config(None), tmp_path), LocalLauncher)
     with pytest.raises(ConfigError, match=r"launcher\.kind"):
         load_config(None, {"launcher.kind": "slurm"})
+    # Placing a service is Ray's: on the local launcher it is one line naming the field, not a silent no-op.
+    with pytest.raises(ConfigError, match=r"eval_resources places a service on a Ray cluster"):
+        load_config(None, {"launcher.eval_resources": {"node_b": 1}})
+    args = _parser().parse_args(["demo", "--ray", "local", "--set", 'launcher.proxy_resources={"node_b":1}'])
+    assert _resolve(args).launcher.proxy_resources == {"node_b": 1.0}
 
 
 def test_ray_placement_binds_each_worker_to_its_node_and_the_rendezvous_to_the_core(tmp_path):

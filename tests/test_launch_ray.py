@@ -73,7 +73,7 @@ def _check(run_dir: Path, steps: int) -> list[dict]:
     # The trainer's log-probs (computed in the cells' actors) equal the behaviour log-probs the engines returned
     # through the proxy: non-zero and checked even when every reward of the tiny model is 0 (advantages 0, loss 0).
     assert all(r["metrics"]["ratio_dev_max"] < 1e-4 for r in rows if max(r["staleness"]) == 0), rows
-    placement = json.loads((run_dir / "logs" / "placement.json").read_text())
+    placement = [p for p in json.loads((run_dir / "logs" / "placement.json").read_text()) if "bundle" in p]
     assert [p["worker"] for p in placement] == [f"cell-{i}" for i in range(len(placement))]
     assert len({p["placement_group"] for p in placement}) == len(placement)  # one placement group per cell
     for p in placement:  # each actor's output in the run's logs, its resolved config first
@@ -82,16 +82,32 @@ def _check(run_dir: Path, steps: int) -> list[dict]:
     return placement
 
 
+def _services_placed(run_dir: Path) -> dict[str, dict]:
+    """The proxy's and gyre-eval's rows of placement.json, checked against services.json: each ran as the child of
+    its own actor (not of the controller), on the node and port the controller built its command line with."""
+    rows = {p["worker"]: p for p in json.loads((run_dir / "logs" / "placement.json").read_text())}
+    services = json.loads((run_dir / "services.json").read_text())
+    for name, url in (("proxy", services["proxy"]), ("gyre-eval", services["gyre-eval"])):
+        row = rows[name]
+        assert url == f"http://{row['ip']}:{row['port']}"
+        assert services["pids"][name] == row["pid"] != row["actor_pid"]
+        assert (run_dir / "logs" / f"{name}.log").exists()  # opened by the actor, on its node
+    return rows
+
+
 def test_local_ray_run_matches_the_reference_step_for_step(tmp_path):
     run_dir = tmp_path / "run"
     summary = _gyre(run_dir, "--ray", "local", "--steps", "2", "--set", "launcher.num_cpus=4",
                     "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
+                    "--set", "launcher.proxy_resources={}", "--set", 'launcher.eval_resources={"CPU":1}',
                     "--set", "dashboard.enabled=false")  # fmt: skip
     assert summary["steps"] == 2
     placement = _check(run_dir, 2)
     assert len(placement) == 2 and all(p["pid"] != os.getpid() for p in placement)
-    # The actors are gone with the run.
-    for p in placement:
+    services = _services_placed(run_dir)
+    assert services["gyre-eval"]["resources"] == {"CPU": 1.0}
+    # The actors, and the services they ran, are gone with the run.
+    for p in [*placement, *services.values()]:
         assert (
             not Path(f"/proc/{p['pid']}").exists()
             or b"ray::" not in Path(f"/proc/{p['pid']}/cmdline").read_bytes()
@@ -245,6 +261,7 @@ def test_two_hosts_remote_cell_killed_restarts_on_its_host_and_trains_again(two_
     steps = 5
     nodes = [_ray_node(NS[0], IPS[0], tmp_path, True, "host_a")]
     try:
+        _wait_nodes(1)  # the worker's `ray start` gives up if the head's GCS is not up yet (slow under load)
         nodes.append(_ray_node(NS[1], IPS[1], tmp_path, False, "host_b"))
         _wait_nodes(2)
         run_dir = tmp_path / "run"
@@ -304,11 +321,14 @@ def test_two_hosts_remote_cell_killed_restarts_on_its_host_and_trains_again(two_
 def test_two_hosts_elastic_run_crosses_hosts(two_hosts, tmp_path):
     nodes = [_ray_node(NS[0], IPS[0], tmp_path, True, "host_a")]
     try:
+        _wait_nodes(1)  # the worker's `ray start` gives up if the head's GCS is not up yet (slow under load)
         nodes.append(_ray_node(NS[1], IPS[1], tmp_path, False, "host_b"))
         _wait_nodes(2)
         run_dir = tmp_path / "run"
         summary = _gyre(run_dir, "--ray", f"{IPS[0]}:6379", "--steps", "2",
                         "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
+                        "--set", 'launcher.proxy_resources={"host_b":0.5}',
+                        "--set", 'launcher.eval_resources={"host_b":0.5}',
                         "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
                         "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false",
                         "--set", "scheduler.mu=1", "--set", "scheduler.B=2",
@@ -320,6 +340,11 @@ def test_two_hosts_elastic_run_crosses_hosts(two_hosts, tmp_path):
         cell1 = json.loads((run_dir / "cells" / "cell-1.json").read_text())
         assert (cell1["host"], cell1["mooncake"]["local_hostname"]) == (IPS[1], IPS[1])
         assert cell1["training"]["master_host"] == IPS[0]
+        # The proxy and gyre-eval were placed on host B by the config: the agents (beside the controller on host
+        # A) called the model through host B, and the assessments of host A's workspaces were made there.
+        services = _services_placed(run_dir)
+        assert services["proxy"]["ip"] == services["gyre-eval"]["ip"] == IPS[1]
+        assert json.loads((run_dir / "services.json").read_text())["proxy"].startswith(f"http://{IPS[1]}:")
         # Gradients crossed hosts over gloo: a step with micro-steps of both cells (the remote one joined).
         rows = _steps(run_dir)
         assert any(

@@ -185,6 +185,12 @@ class LauncherConfig(_Section):
     cell_resources: list[dict[str, float]] = []
     """Ray: extra resources of cell i's bundle (standalone engines follow the K cells), e.g. a node's custom
     resource to pin a cell to it; shorter than the worker list = nothing extra for the rest."""
+    proxy_resources: dict[str, float] | None = None
+    """Ray: run the TITO proxy as an actor on a node offering these resources (e.g. a node's custom resource; {}:
+    any node; a "CPU" entry reserves CPUs, else none); None: a subprocess beside the controller. The agents reach it
+    at its node's address."""
+    eval_resources: dict[str, float] | None = None
+    """Ray: the same for gyre-eval (its checks read the workspaces: the run directory is on a shared filesystem)."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Ray: how long the placement groups may wait for resources."""
     cell_restarts: int = Field(1, ge=0)
@@ -192,6 +198,15 @@ class LauncherConfig(_Section):
     reform_timeout_s: float = Field(120.0, gt=0)
     """A restarted satellite rejoins training when every cell re-forms the gloo world: how long the core waits for
     all K cells there. A cell that dies or hangs inside it costs this long, not gloo's 30 minutes."""
+
+    @model_validator(mode="after")
+    def _placement_needs_ray(self) -> LauncherConfig:
+        for name in ("proxy_resources", "eval_resources"):
+            if getattr(self, name) is not None and self.kind != "ray":
+                raise ValueError(
+                    f"{name} places a service on a Ray cluster: it needs kind = 'ray' (or --ray)"
+                )
+        return self
 
 
 DEMO_SCHEDULER = PolicyConfig(

@@ -72,6 +72,35 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def spawn_child(
+    argv: list[str], tokens: dict[str, str], env: dict[str, str], log_path: Path
+) -> subprocess.Popen:
+    """A child in its own process group that dies with this process, logging to `log_path`; `tokens` maps a
+    `--...-fd` flag to the token the child reads from that inherited fd."""
+    pipes = TokenPipes()
+    for flag, token in tokens.items():
+        argv = [*argv, *pipes.arg(flag, token)]
+    child_env = {**os.environ, **env}
+    child_env.pop("GYRE_TITO_ADMIN_TOKEN", None)  # a token from the caller's environment stays there
+    try:
+        with log_path.open("ab") as log:
+            return subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
+                pass_fds=pipes.fds, preexec_fn=partial(_die_with_parent, os.getpid()),
+            )  # fmt: skip
+    finally:
+        pipes.close()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal a child's process group (a child placed elsewhere is signalled by its own handle)."""
+    with contextlib.suppress(ProcessLookupError):
+        if hasattr(proc, "signal_group"):
+            proc.signal_group(sig)
+        else:
+            os.killpg(proc.pid, sig)
+
+
 def _how(returncode: int) -> str:
     if returncode < 0:
         with contextlib.suppress(ValueError):
@@ -213,22 +242,23 @@ class Launcher:
     ) -> subprocess.Popen:
         """Start a child in its own process group, logging to RUN/logs/NAME.log; `tokens` maps a `--...-fd` flag
         to the token it reads from that fd."""
-        pipes = TokenPipes()
-        for flag, token in (tokens or {}).items():
-            argv = [*argv, *pipes.arg(flag, token)]
-        child_env = {**os.environ, **(env or {})}
-        child_env.pop("GYRE_TITO_ADMIN_TOKEN", None)  # a token from the caller's environment stays there
-        try:
-            with self.log_path(name).open("ab") as log:
-                proc = subprocess.Popen(
-                    argv, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
-                    pass_fds=pipes.fds, preexec_fn=partial(_die_with_parent, os.getpid()),
-                )  # fmt: skip
-        finally:
-            pipes.close()
+        proc = self._start_process(name, argv, tokens or {}, env or {})
         self._procs.append((name, proc))
         self._write_services()
         return proc
+
+    def _start_process(
+        self, name: str, argv: list[str], tokens: dict[str, str], env: dict[str, str]
+    ) -> subprocess.Popen:
+        """A child of this process (a launcher that places a service elsewhere starts it there instead)."""
+        return spawn_child(argv, tokens, env, self.log_path(name))
+
+    async def _service_address(self, name: str) -> str:
+        """The address service `name` (proxy, gyre-eval) binds: loopback beside the controller, here."""
+        return "127.0.0.1"
+
+    async def _free_port(self, name: str, host: str) -> int:
+        return free_port(host)
 
     def _write_services(self) -> None:
         """RUN/services.json: each service's URL and pid (for operators and the kill -9 tests; never a token)."""
@@ -240,16 +270,17 @@ class Launcher:
     async def start_proxy(
         self, tokenizer_dir: Path, timeout_s: float = 120.0, temperature: float | None = None
     ) -> None:
-        port = free_port()
+        host = await self._service_address("proxy")
+        port = await self._free_port("proxy", host)
         # the proxy writes exports only under its store or an --export-dir: runner.export writes to trajectories/
         argv = [bin_path("gyre-tito"), "serve", "--tokenizer", str(tokenizer_dir), "--store",
-                str(self.run_dir / "records"), "--port", str(port),
+                str(self.run_dir / "records"), "--host", host, "--port", str(port),
                 "--export-dir", str(self.run_dir / "trajectories")]  # fmt: skip
         for url in self.engine_urls:
             argv += ["--engine", url]
         if temperature is not None:  # every call samples at the trainer's temperature (sampling policy: pin)
             argv += ["--temperature", str(temperature)]
-        self.proxy_url = f"http://127.0.0.1:{port}"
+        self.proxy_url = f"http://{host}:{port}"
         tokens = {"--admin-token-fd": self.tokens.admin, "--engine-api-key-fd": self.tokens.engine}
         proc = self._spawn("proxy", argv, tokens)
         await self._wait_healthy("proxy", proc, f"{self.proxy_url}/health", timeout_s)
@@ -262,10 +293,11 @@ class Launcher:
         fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(config.model_dump_json(indent=2))
-        port = free_port()
-        argv = [bin_path("gyre-eval"), "serve", "--store", str(self.run_dir), "--port", str(port),
+        host = await self._service_address("gyre-eval")
+        port = await self._free_port("gyre-eval", host)
+        argv = [bin_path("gyre-eval"), "serve", "--store", str(self.run_dir), "--host", host, "--port", str(port),
                 "--config", str(config_file)]  # fmt: skip
-        self.eval_url = f"http://127.0.0.1:{port}"
+        self.eval_url = f"http://{host}:{port}"
         tokens = {"--token-fd": self.tokens.eval}
         # its state is on disk (RUN/assessments.sqlite): a dead gyre-eval is started again on the same port
         self._restartable["gyre-eval"] = (argv, tokens, f"{self.eval_url}/healthz")
@@ -356,14 +388,12 @@ class Launcher:
             grace_s = 1.0 if self.service_died else 5.0
         for _, proc in reversed(self._procs):
             if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
+                _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for _, proc in reversed(self._procs):
             try:
                 proc.wait(timeout=max(0.05, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                _signal_group(proc, signal.SIGKILL)
                 proc.wait()
         self._procs.clear()

@@ -13,8 +13,9 @@ starts them. Nothing binds 127.0.0.1 unless the node's address is loopback (a on
 Logs: each actor's stdout and stderr go to RUN/logs/cell-I.log (standalone-I.log); RUN/logs/placement.json lists
 every worker's node, IP, PID and placement group. The run directory must be on a filesystem every node sees.
 
-The proxy and the evaluator stay with the controller (the agents they serve run there); see the README's cluster
-guide for what is and is not placed on the cluster.
+The proxy and the evaluator run beside the controller, or as actors on the nodes the config names
+(`proxy_resources`, `eval_resources`: `gyre.launch.ray_services`), bound to those nodes' addresses. The controller
+itself is Ray's driver: where `gyre run` runs (the README's cluster guide places it with `ray job submit`).
 """
 
 from __future__ import annotations
@@ -169,6 +170,8 @@ class RayLauncher(Launcher):
     _groups: list[Any] = field(default_factory=list)
     _exits: list[Any] = field(default_factory=list)
     _started_ray: bool = False
+    _service_actors: dict[str, tuple[Any, dict]] = field(default_factory=dict)
+    """Each service placed on the cluster: its actor and node (`ServiceActor.node`)."""
 
     kind = "ray"
 
@@ -271,6 +274,63 @@ class RayLauncher(Launcher):
         log.info("ray: %d worker actor(s) ready in %.1f s on node(s) %s", len(clients), time.monotonic() - t0,
                  sorted({p["ip"] for p in self.placement}))  # fmt: skip
 
+    # ---- services placed by the config ----------------------------------------------------------------------
+    def _service_resources(self, name: str) -> dict[str, float] | None:
+        lc = self.launcher
+        return {"proxy": lc.proxy_resources, "gyre-eval": lc.eval_resources}.get(name)
+
+    async def _service_address(self, name: str) -> str:
+        resources = self._service_resources(name)
+        if resources is None:
+            return await super()._service_address(name)
+        ray = self._init_ray()
+        from gyre.launch.ray_services import ServiceActor
+
+        rest = dict(resources)
+        num_cpus = rest.pop("CPU", 0.0)
+        actor = ray.remote(max_concurrency=2)(ServiceActor).options(
+            name=f"gyre-{name}-{os.getpid()}", num_cpus=num_cpus, resources=rest or None,
+        ).remote(name, str(self.log_path(name)))  # fmt: skip
+        try:
+            node = await asyncio.to_thread(
+                ray.get, actor.node.remote(), timeout=self.launcher.start_timeout_s
+            )
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+            raise ServiceError(
+                f"ray: {name} not placed after {self.launcher.start_timeout_s:.0f} s ({type(exc).__name__}); "
+                f"it asks for {resources}, the cluster has {ray.cluster_resources()}"
+            ) from None
+        self._service_actors[name] = (actor, node)
+        return node["ip"]
+
+    async def _free_port(self, name: str, host: str) -> int:
+        if name in self._service_actors:
+            return self._service_actors[name][1]["port"]  # free on the service's node
+        return await super()._free_port(name, host)
+
+    def _start_process(self, name: str, argv: list[str], tokens: dict[str, str], env: dict[str, str]):
+        if name not in self._service_actors:
+            return super()._start_process(name, argv, tokens, env)
+        import ray
+
+        from gyre.launch.ray_services import RemoteProcess
+
+        actor, node = self._service_actors[name]
+        pid = ray.get(actor.spawn.remote(argv, tokens, env), timeout=60)
+        self._record_service(name, node, pid)
+        return RemoteProcess(actor, pid)
+
+    def _record_service(self, name: str, node: dict, pid: int) -> None:
+        """RUN/logs/placement.json lists each placed service beside the workers (its latest process)."""
+        row = {"worker": name, "node_id": node["node_id"], "ip": node["ip"], "pid": pid,
+               "actor_pid": node["actor_pid"], "port": node["port"], "resources": self._service_resources(name)}  # fmt: skip
+        self.placement = [p for p in self.placement if p["worker"] != name] + [row]
+        self.log_path("placement").with_suffix(".json").write_text(
+            json.dumps(self.placement, indent=1) + "\n"
+        )
+
     async def _restart_cell(
         self, cell: int, wc: CellWorkerConfig, attempt: int, timeout_s: float
     ) -> CellWorkerClient:
@@ -312,13 +372,13 @@ class RayLauncher(Launcher):
 
     def stop(self, grace_s: float | None = None) -> None:
         super().stop(grace_s)
-        if not self._actors and not self._groups:
+        if not self._actors and not self._groups and not self._service_actors:
             return
         import ray
         from ray.util.placement_group import remove_placement_group
 
         if ray.is_initialized():
-            for actor in self._actors:
+            for actor in [*self._actors, *(a for a, _ in self._service_actors.values())]:
                 with contextlib.suppress(Exception):
                     ray.kill(actor)
             for pg in self._groups:
@@ -327,5 +387,6 @@ class RayLauncher(Launcher):
             if self._started_ray:
                 ray.shutdown()
         self._actors.clear()
+        self._service_actors.clear()
         self._groups.clear()
         self._exits.clear()
