@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from gyre_sched.cli import main
 from gyre_sched.trace import read_trace
 
@@ -107,6 +109,11 @@ def test_plan_recommends_within_the_target_and_plots(tmp_path, capsys):
     within = [r for r in runs if r["staleness"] <= 1.05]
     assert best["recommended"]["time_h"] == min(r["time_h"] for r in within)  # the fastest within the target
     assert best["bound_h"] < best["recommended"]["time_h"]
+    # ideal <= capacity bound <= the dispatch-order schedule (a schedule of the same executions, free training)
+    assert best["bound_h"] <= best["capacity_bound_h"] <= best["dispatch_order_h"] * (1 + 1e-9)
+    assert best["over_dispatch_order"] == pytest.approx(
+        best["recommended"]["time_h"] / best["dispatch_order_h"]
+    )
     assert (out / "plan.png").stat().st_size > 10_000
     assert (
         "recommended at E[d]=1.0" in text

@@ -175,10 +175,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rec = b["recommended"]
         print(f"recommended at E[d]={t}: {b['label']}: {rec['time_h']:.2f} h, realized staleness "
               f"{rec['staleness']:.3f} (steady {rec['staleness_steady']:.3f}); ideal bound {b['bound_h']:.2f} h "
-              f"({b['over_bound']:.3f}x)")  # fmt: skip
+              f"({b['over_bound']:.3f}x), capacity bound {b['capacity_bound_h']:.2f} h "
+              f"({b['over_capacity_bound']:.3f}x), dispatch-order reference {b['dispatch_order_h']:.2f} h "
+              f"({b['over_dispatch_order']:.3f}x)")  # fmt: skip
     print(f"wrote {out}/plan.json, plan.png")
     print(json.dumps({t: {"label": b["label"], "time_h": round(b["recommended"]["time_h"], 3),
-                          "staleness": round(b["recommended"]["staleness"], 4), "bound_h": round(b["bound_h"], 3)}
+                          "staleness": round(b["recommended"]["staleness"], 4), "bound_h": round(b["bound_h"], 3),
+                          "capacity_bound_h": round(b["capacity_bound_h"], 3),
+                          "dispatch_order_h": round(b["dispatch_order_h"], 3)}
                       for t, b in summary["best"].items()}))  # fmt: skip
     return 0 if len(summary["best"]) == len(args.staleness) else 1
 
