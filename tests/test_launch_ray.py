@@ -137,6 +137,52 @@ def test_sigterm_stops_the_ray_run_with_one_line(tmp_path):
     assert not any(Path(f"/proc/{p['pid']}").exists() for p in placement)
 
 
+def test_a_placed_gyre_eval_dies_and_is_restarted_through_its_actor(tmp_path, monkeypatch):
+    """gyre-eval placed on the cluster (`eval_resources`): SIGKILL its process; the launcher's watch sees it through
+    the actor, starts it again there on the same port with the same token, and the client is served again."""
+    import asyncio
+
+    import httpx
+
+    from gyre.config import load_config
+    from gyre.launch import make_launcher
+    from gyre_eval.config import ServiceConfig
+
+    for key, value in RAY_ENV.items():
+        monkeypatch.setenv(key, value)
+    cfg = load_config(None, {"launcher.kind": "ray", "launcher.num_cpus": 2, "launcher.eval_resources": {}})
+    launcher = make_launcher(cfg, tmp_path)
+
+    async def scenario() -> tuple[int, int]:
+        await launcher.start_eval(ServiceConfig())
+        first = {p["worker"]: p for p in launcher.placement}["gyre-eval"]
+        assert launcher.eval_url == f"http://{first['ip']}:{first['port']}"
+        os.kill(first["pid"], signal.SIGKILL)
+
+        async def until_restarted() -> int:  # the gate: the launcher's own restart count, then a real answer
+            while launcher.restarts.get("gyre-eval", 0) < 1:
+                await asyncio.sleep(0.05)
+            async with httpx.AsyncClient() as client:
+                return (await client.get(f"{launcher.eval_url}/healthz")).status_code
+
+        status = await launcher.supervise(asyncio.wait_for(until_restarted(), 120))
+        second = {p["worker"]: p for p in launcher.placement}["gyre-eval"]
+        assert (second["ip"], second["port"], second["actor_pid"]) == (
+            first["ip"],
+            first["port"],
+            first["actor_pid"],
+        )
+        assert second["pid"] != first["pid"]
+        return status, second["pid"]
+
+    try:
+        status, pid = asyncio.run(scenario())
+        assert status == 200 and pid != 0
+    finally:
+        launcher.stop()
+    assert not Path(f"/proc/{pid}").exists() or b"gyre-eval" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
 # ---- two hosts in network namespaces -----------------------------------------------------------------------------
 
 NS = ("gyre-host-a", "gyre-host-b")

@@ -318,7 +318,14 @@ class RayLauncher(Launcher):
         from gyre.launch.ray_services import RemoteProcess
 
         actor, node = self._service_actors[name]
-        pid = ray.get(actor.spawn.remote(argv, tokens, env), timeout=60)
+        try:  # fails when the actor (its node) is gone, or the service's binary could not start there
+            pid = ray.get(actor.spawn.remote(argv, tokens, env), timeout=60)
+        except Exception as exc:
+            self.service_died = True
+            raise ServiceError(
+                f"{name} on node {node['ip']}: could not start ({type(exc).__name__}: {str(exc)[:300]}); "
+                f"see {self.log_path(name)}"
+            ) from None
         self._record_service(name, node, pid)
         return RemoteProcess(actor, pid)
 
