@@ -81,6 +81,26 @@ def test_standalone_worker_serves_rollout_only_and_answers_bad_commands_in_shape
         proc.kill()
 
 
+def test_a_worker_whose_port_is_taken_exits_with_one_line(tmp_path, model):
+    """Its HTTP server cannot start: the process leaves at once (its setup thread must not keep it alive, or the
+    launcher would wait for a restarted cell until its start timeout), naming the address."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cfg = CellWorkerConfig(
+            cell=0, kind="standalone", num_cells=1, run_dir=str(tmp_path), port=taken.getsockname()[1],
+            engine=EngineConfig(model_path=model, device="cpu", weight_version="0"),
+        )  # fmt: skip
+        proc = _start(tmp_path, cfg)
+        try:
+            assert proc.wait(timeout=120) != 0
+        finally:
+            proc.kill()
+    log = (tmp_path / "standalone-0.log").read_text()
+    assert f"cell 0: HTTP server on 127.0.0.1:{cfg.port} did not start" in log
+    assert "Traceback" not in log
+
+
 def test_core_worker_trains_a_streamed_batch_and_publishes(tmp_path, model):
     """One elastic cell: switch to training, receive groups as files, stream a batch, publish over Mooncake."""
     n, b = 4, 2

@@ -113,6 +113,9 @@ class CellActor:
         worker = self._worker
         try:
             worker.serve()
+        except SystemExit:  # uvicorn could not start (its port is taken): the actor ends at once
+            logging.getLogger("gyre_cell.worker").error("%s: HTTP server did not start", self.name)
+            os._exit(1)
         except BaseException:
             logging.getLogger("gyre_cell.worker").exception("%s: worker stopped", self.name)
         finally:

@@ -345,15 +345,16 @@ class CellWorkerProcess:
                     training = worker.cfg.training.model_copy(update={"master_port": cmd.master_port})
                     cfg = worker.cfg.model_copy(update={"training": training})
                     worker.training = await asyncio.to_thread(
-                        CellTraining, cfg, worker.events.emit, cmd.rendezvous_timeout_s
+                        CellTraining, cfg, worker.events.emit, cmd.rendezvous_timeout_s, cmd.members
                     )
                     worker.roles = (
                         None  # a role manager built without a training side: rebuilt on the next switch
                     )
                 else:
                     await asyncio.to_thread(
-                        worker.training.reform, cmd.master_port, cmd.rejoining, cmd.rendezvous_timeout_s
-                    )
+                        worker.training.reform, cmd.master_port, cmd.rejoining, cmd.rendezvous_timeout_s,
+                        cmd.members,
+                    )  # fmt: skip
             except (
                 RendezvousTimeout
             ) as exc:  # another cell never arrived: this one has no world until the next
@@ -422,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     worker = CellWorkerProcess(cfg, api_key=api_key)
     try:
         worker.serve()
+    except SystemExit as exc:  # uvicorn could not start (its port is taken): leave at once, with a line
+        print(f"gyre-cell worker: cell {cfg.cell}: HTTP server on {cfg.host}:{cfg.port} did not start",
+              file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(exc.code if isinstance(exc.code, int) and exc.code else 1)  # a setup thread must not hold it
     finally:
         if worker.training is not None:
             worker.training.close()

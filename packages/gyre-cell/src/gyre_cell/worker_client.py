@@ -37,6 +37,10 @@ default): reusing a connection the server is closing at that moment fails the co
 (seen: a demo run ended on `/cell/groups: ReadError` under load)."""
 
 
+STATUS_POLL_S = 5.0
+"""The longest one status poll of `wait_ready` waits for an answer."""
+
+
 class CellWorkerClient:
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
@@ -75,17 +79,22 @@ class CellWorkerClient:
         return await self._call("GET", "/status", None, WorkerStatus)
 
     async def wait_ready(self, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> WorkerStatus:
-        """Poll until the cell finished its set-up (gloo rendezvous, model, engine); fail fast if it died."""
+        """Poll until the cell finished its set-up (gloo rendezvous, model, engine); fail fast if it died.
+
+        Each poll is bounded (`STATUS_POLL_S`): something that accepts on the cell's port and never answers (the
+        port taken by another process) must not keep the liveness check from running."""
         deadline = time.monotonic() + timeout_s
         while True:
             if not alive():
                 raise CellCommandError(f"cell at {self.base_url} exited during start-up")
             try:
-                st = await self.status()
+                st = await asyncio.wait_for(self.status(), STATUS_POLL_S)
                 if st.error:
                     raise CellCommandError(f"cell {st.cell}: {st.error}")
                 if st.ready:
                     return st
+            except TimeoutError:
+                pass  # no answer within the poll: look at liveness and the deadline again
             except CellCommandError as exc:
                 if "exited" in str(exc) or "set-up failed" in str(exc):
                     raise
