@@ -159,3 +159,65 @@ def test_killed_satellite_worker_is_restarted_and_the_run_completes(tmp_path):
     assert trace.steps == state["version"] == STEPS
     assert [r for _, _, r in trace.roles[1]][-1] != "lost"
     assert (run_dir / "checkpoints" / f"policy-v{STEPS}" / "config.json").exists()
+
+
+def test_a_cell_lost_for_good_does_not_block_another_cells_rejoin(tmp_path):
+    """Cells 2 and 1 killed together; cell 2's restart fails (the test holds its port), cell 1's succeeds. Cell 2 is
+    lost for good: the next world generation leaves it out (cells 0 and 1, two ranks) and cell 1 trains again."""
+    import socket
+
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
+            str(run_dir), "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false", "--quiet",
+            "--set", f"train.steps={STEPS}"]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 600
+    holder = socket.socket()
+    try:
+        while not any(x["ev"] == "microstep_claim" and x["cell"] == 1 for x in _trace(run_dir)):  # the gate
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "cell 1 never claimed a micro-step"
+            time.sleep(0.05)
+        port = json.loads((run_dir / "cells" / "cell-2.json").read_text())["port"]
+        pid = _worker_pid(run_dir, 2)
+        os.kill(pid, signal.SIGKILL)
+        # Its restart (same port) cannot serve: this socket listens there first, as soon as the killed worker's
+        # socket is closed (a restarted worker is a cold Python start: seconds later).
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        while True:
+            try:
+                holder.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"port {port} of the killed cell 2 stays bound"
+                time.sleep(0.01)
+        holder.listen()
+        os.kill(_worker_pid(run_dir, 1), signal.SIGKILL)
+        out, err = proc.communicate(timeout=900)
+    finally:
+        holder.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    (tmp_path / "controller.log").write_bytes(err)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert json.loads(out.decode().splitlines()[-1])["steps"] == STEPS
+    text = err.decode()
+    assert "cell 2: restart failed" in text and "left out (lost for good)" in text, text[-3000:]
+
+    lines = list(iter_trace(run_dir / "trace.jsonl"))
+    assert sorted(x["cell"] for x in lines if x["ev"] == "cell_lost") == [1, 2]
+    restored = [(x["cell"], x["trains"]) for x in lines if x["ev"] == "cell_restored"]
+    assert restored == [(1, False), (1, True)], restored  # cell 2 never came back; cell 1 trains again
+    rejoined = next(i for i, x in enumerate(lines) if x["ev"] == "cell_restored" and x["trains"])
+    lost_2 = next(i for i, x in enumerate(lines) if x["ev"] == "cell_lost" and x["cell"] == 2)
+    assert not [x for x in lines[lost_2:] if x.get("cell") == 2 and x["ev"] == "microstep_claim"]
+    assert [x for x in lines[rejoined:] if x["ev"] == "microstep_claim" and x["cell"] == 1], (
+        "cell 1 claimed no micro-step after the world was re-formed without cell 2"
+    )
+    trace = read_trace(run_dir / "trace.jsonl")
+    state = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
+    assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
+    assert [r for _, _, r in trace.roles[2]][-1] == "lost"

@@ -21,15 +21,17 @@ that it serves that version, adds it to the proxy's routes, and tells the policy
 makes it load again first (the policy hears of it only once it serves the published version).
 
 Training rejoin: the fixed K-rank gloo world cannot take a new process as an old rank, so at the next burst boundary
-(the policy publishes: no batch open, every satellite back in rollout) with all K workers alive, the controller has
+(the policy publishes: no batch open, every satellite back in rollout) with no restart under way, the controller has
 every cell re-form the world as a new generation on a fresh port (`POST /cell/reform`: the restarted cell builds its
 training side in it, the core's coordinator lets it join batches again), then tells the policy
 `CellRestored(i, trains=True)`: from then on the cell joins batches and claims micro-steps like any satellite. The
 re-form is bounded (`[launcher] reform_timeout_s`): a cell that dies or hangs inside it is lost (and restarted), the
 others give up at the rendezvous with no world, and every live satellite is rollout-only (`CellUntrained`) until
-the next boundary with all K alive re-forms the world with all of them; the core trains alone meanwhile. Not
+the next boundary with all K alive re-forms the world with all of them; the core trains alone meanwhile. A cell
+lost for good (its restarts spent, or its restart failed) is left out of later worlds (`ReformCommand.members`: one
+rank per remaining cell), so it blocks no later rejoin; a re-form waits only while a restart is under way. Not
 done (the cell stays rollout-only, one line says why): pipelined or Megatron cells (their groups are built over the
-world), Async's fixed split (its satellites never leave training), a lost cell still dead (its rank would be missing).
+world), Async's fixed split (its satellites never leave training).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class CellLosses:
         self.restart: Callable[[int], Awaitable[CellWorkerClient | None]] | None = None
         """The launcher's `restart_cell` (None: a lost cell stays lost)."""
         self.untrained: set[int] = set()  # restored cells whose training side has not rejoined yet
+        self.gone: set[int] = set()  # lost for good (restarts spent or failed): later worlds leave them out
         self.restarting: dict[int, asyncio.Event] = {}  # set once the restart ended (restored, or it failed)
         self.generation = 0  # of the gloo world (0: the one formed at start)
         self._refused_said = False
@@ -93,26 +96,33 @@ class CellLosses:
         if self.restart is not None:
             self.restarting[cell] = asyncio.Event()
             self.c._spawn(self._restore(cell))
+        else:
+            self.gone.add(cell)
         return True
 
     async def open_batch(self, version: int, final: bool) -> None:
-        """The core opens the policy's batch; with the `train.hold_core_for_join` test gate on a restarting cell,
-        once that restart ended (so a short run surely sees the restarted cell rejoin before its last burst)."""
-        hold = self.restarting.get(self.c.cfg.train.hold_core_for_join)
-        if hold is not None:
-            await hold.wait()
+        """The core opens the policy's batch; with the `train.hold_core_for_join` test gate, once every restart
+        under way ended (so a short run surely sees a restarted cell rejoin, or one left out, before its last
+        burst)."""
+        if self.c.cfg.train.hold_core_for_join is not None:
+            while pending := [e for e in self.restarting.values() if not e.is_set()]:
+                await pending[0].wait()
         await self.c.cells[0].open_batch(version, final)
 
     async def _restore(self, cell: int) -> None:
         """Restart the dead worker, then load the current weights (the policy hears of it once they are served)."""
         try:
             if await self.restart(cell) is None:
-                self.restarting[cell].set()
+                self._gone(cell)
                 return  # its restarts are spent (the launcher said so)
             await self._load_current(cell)
         except Exception as exc:  # the run goes on without it
             log.warning("cell %d: restart failed (%s: %s): it stays lost", cell, type(exc).__name__, exc)
-            self.restarting[cell].set()
+            self._gone(cell)
+
+    def _gone(self, cell: int) -> None:
+        self.gone.add(cell)
+        self.restarting[cell].set()
 
     async def _load_current(self, cell: int) -> None:
         ref = self.c.published
@@ -153,7 +163,7 @@ class CellLosses:
             await self._load_current(cell)
         except Exception as exc:
             log.warning("cell %d: restart failed (%s: %s): it stays lost", cell, type(exc).__name__, exc)
-            self.restarting[cell].set()
+            self._gone(cell)
 
     async def check(self, targets: Sequence, results: Sequence) -> list:
         """Results of one call per target (gather with return_exceptions): a dead satellite's failure is absorbed,
@@ -168,12 +178,12 @@ class CellLosses:
                 raise result
         return ok
 
-    async def _reform_failed(self, results: Sequence) -> None:
+    async def _reform_failed(self, members: list[int], results: Sequence) -> None:
         """A cell died or hung inside the re-form: the others gave up at the bounded rendezvous and hold no world
         (the old one is destroyed). The dead one is lost (and restarted, within its budget); every live satellite
         becomes rollout-only (`CellUntrained`) until the next boundary with all K alive re-forms the world with
         all of them rejoining. The core trains alone meanwhile (a batch of one cell needs no collective)."""
-        for i, result in enumerate(results):
+        for i, result in zip(members, results, strict=True):
             if not isinstance(result, BaseException) or await self.absorb(i, result):
                 continue  # formed, or the cell is dead (lost now)
             if "not formed" not in str(result):  # anything but the bounded rendezvous stops the run
@@ -203,7 +213,7 @@ class CellLosses:
 
     async def rejoin_training(self) -> None:
         """At a burst boundary (called while the policy publishes): restored cells take their training rank again."""
-        if not self.untrained or self.lost:  # nothing to do, or a rank would be missing from the new world
+        if not self.untrained or self.lost - self.gone:  # nothing to do, or a restart is still under way
             return
         if (why := self._rejoin_refused()) is not None:
             if not self._refused_said:
@@ -211,8 +221,9 @@ class CellLosses:
                 log.warning("restarted cell(s) %s serve rollout only: training rejoin is not done when %s",
                             sorted(self.untrained), why)  # fmt: skip
             return
+        members = [i for i in range(len(self.c.cells)) if i not in self.gone]  # the gone are left out
         roles = self.c.policy.roles
-        if any(r is not CellRole.ROLLOUT for r in roles[1:]):
+        if any(roles[i] is not CellRole.ROLLOUT for i in members[1:]):
             return  # a satellite still trains or switches: not a boundary for every cell
         rejoining = sorted(self.untrained)
         self.generation += 1
@@ -221,18 +232,23 @@ class CellLosses:
         command = ReformCommand(
             generation=self.generation, master_port=port, rejoining=rejoining,
             rendezvous_timeout_s=self.c.cfg.launcher.reform_timeout_s,
+            members=members if self.gone else None,
         )  # fmt: skip
         t0 = self.c.now()
         # A hung cell (its HTTP call never answers) is bounded too: it gets the rendezvous time and a margin.
         bound = command.rendezvous_timeout_s + STATUS_TIMEOUT_S
         results = await asyncio.gather(
-            *(asyncio.wait_for(cell.reform(command), bound) for cell in self.c.cells), return_exceptions=True
+            *(asyncio.wait_for(self.c.cells[i].reform(command), bound) for i in members),
+            return_exceptions=True,
         )
         if any(isinstance(r, BaseException) for r in results):
-            await self._reform_failed(results)
+            await self._reform_failed(members, results)
             return
-        log.info("gloo world generation %d formed with cell(s) %s in %.1f s", self.generation, rejoining,
-                 self.c.now() - t0)  # fmt: skip
+        log.info("gloo world generation %d formed with cell(s) %s rejoining in %.1f s", self.generation,
+                 rejoining, self.c.now() - t0)  # fmt: skip
+        if self.gone:  # the run trains on fewer cells from now on: an operator should see it
+            log.warning("gloo world generation %d: cell(s) %s left out (lost for good); %d cell(s) train",
+                        self.generation, sorted(self.gone), len(members))  # fmt: skip
         self.untrained.clear()
         for cell in rejoining:
             self.c.events.put_nowait(ev.CellRestored(cell, trains=True, version=self.c.published.version))

@@ -93,8 +93,8 @@ class TrainConfig(_Section):
     """The GSPO objective; the loss and its metrics read this one config."""
     hold_core_for_join: int | None = None
     """Test gate: before its second micro-step of a batch the core waits (at most 30 s) for this satellite to
-    join and claim an item, until it has once; makes a mid-batch join that trains certain in short runs. After
-    this cell's worker died, no batch opens while it restarts, and the wait applies again once it rejoined."""
+    join and claim an item, until it has once; makes a mid-batch join that trains certain in short runs. While
+    any satellite's worker restarts no batch opens, and the wait applies again once this cell rejoined."""
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend of every cell: Hugging Face torch, or megatron-core (`gyre-train[megatron]`)."""
     tensor_parallel: int = Field(1, ge=1)

@@ -119,3 +119,57 @@ def test_a_rank_missing_from_the_rendezvous_fails_every_waiting_rank_in_bounded_
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+GONE = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.distributed as dist
+    from gyre_train.multicell import MultiCellConfig, init_cell_process, reform_cell_world
+
+    cell, first, second = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    cfg = MultiCellConfig(num_cells=4, master_port=first, control_port=1, snapshot_dir=".")
+    groups = init_cell_process(cfg, cell)
+    if cell == 2:
+        os._exit(0)  # cell 2 dies and never comes back (its restarts are spent)
+    sys.stdin.readline()  # the test's gate: cell 2 is gone
+    groups = reform_cell_world(cfg, cell, second, rendezvous_timeout_s=60.0, members=[0, 1, 3])
+    x = torch.tensor([float(cell + 1)])
+    dist.all_reduce(x, group=groups.for_members([0, 1, 3]))  # the three live cells: ranks 0, 1, 2
+    y = torch.tensor([float(cell + 1)])
+    group = groups.for_members([0, 3])  # not a prefix of ranks: a fresh group of ranks 0 and 2, made by them only
+    dist.all_reduce(y, group=group) if cell != 1 else None
+    print("formed", dist.get_world_size(), dist.get_rank(), groups.rank_of(cell), x.item(), y.item(), flush=True)
+    os._exit(0)
+    """
+)
+
+
+def test_a_cell_gone_for_good_is_left_out_of_the_next_generation():
+    """K=4, cell 2 dead for good: the next generation has the three others (rank = position, core first), and
+    collectives over cells map to their ranks, so the gone cell blocks no later re-form."""
+    first, second = _port(), _port()
+
+    def start(cell: int) -> subprocess.Popen:
+        argv = [sys.executable, "-c", GONE, str(cell), str(first), str(second)]
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    procs = [start(c) for c in range(4)]
+    try:
+        assert procs[2].wait(timeout=120) == 0
+        live = [procs[c] for c in (0, 1, 3)]
+        for p in live:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        lines = [p.stdout.readline().split() for p in live]
+        # world of 3; cell 3 is rank 2; 1+2+4 = 7 over the three; cells 0 and 3: 1+4 = 5 (cell 1 keeps its 2)
+        assert lines == [
+            ["formed", "3", "0", "0", "7.0", "5.0"],
+            ["formed", "3", "1", "1", "7.0", "2.0"],
+            ["formed", "3", "2", "2", "7.0", "5.0"],
+        ], lines
+        assert all(p.wait(timeout=60) == 0 for p in live)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

@@ -61,9 +61,15 @@ def _snapshot_channel(cfg: CellWorkerConfig):
 class CellTraining:
     """Backend, training state and (core) trainer + coordinator, or (satellite) the claiming runner."""
 
-    def __init__(self, cfg: CellWorkerConfig, emit: Emit, rendezvous_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CellWorkerConfig,
+        emit: Emit,
+        rendezvous_timeout_s: float | None = None,
+        members: list[int] | None = None,
+    ) -> None:
         """``rendezvous_timeout_s``: this (restarted) cell joins a re-formed world generation, whose rendezvous is
-        bounded (`reform_cell_world`); None: the run's first world."""
+        bounded (`reform_cell_world`), of the cells ``members`` (None: all K); None: the run's first world."""
         if cfg.training is None:
             raise ValueError("a cell without a [training] section has no training side")
         self.cfg, self.emit = cfg, emit
@@ -81,7 +87,7 @@ class CellTraining:
         if self.stages is not None:
             self.groups = self.stages.rendezvous()
         elif rendezvous_timeout_s is not None:
-            self.groups = reform_cell_world(mc, cfg.cell, mc.master_port, rendezvous_timeout_s)
+            self.groups = reform_cell_world(mc, cfg.cell, mc.master_port, rendezvous_timeout_s, members)
         else:
             self.groups = init_cell_process(mc, cfg.cell)
         self.backend = build_backend(
@@ -290,16 +296,22 @@ class CellTraining:
         self.wait_idle()
 
     # ---- a new world generation ----------------------------------------------------------------------------------
-    def reform(self, master_port: int, rejoining: list[int], rendezvous_timeout_s: float) -> None:
-        """Join the next generation of the gloo world (a restarted cell takes its rank again); at a burst boundary:
-        no step or burst runs here. The core lets the rejoining cells join batches (and its `hold_core_for_join`
-        gate applies again to a rejoining hold cell)."""
+    def reform(
+        self,
+        master_port: int,
+        rejoining: list[int],
+        rendezvous_timeout_s: float,
+        members: list[int] | None = None,
+    ) -> None:
+        """Join the next generation of the gloo world (a restarted cell takes its rank again; ``members``: its
+        cells, None for all K); at a burst boundary: no step or burst runs here. The core lets the rejoining cells
+        join batches (and its `hold_core_for_join` gate applies again to a rejoining hold cell)."""
         if self.stages is not None:
             raise ValueError(
                 "a pipelined cell (PP > 1) cannot re-form the training world: its stages are one group"
             )
         self.wait_idle()
-        self.groups = reform_cell_world(self.mc, self.cfg.cell, master_port, rendezvous_timeout_s)
+        self.groups = reform_cell_world(self.mc, self.cfg.cell, master_port, rendezvous_timeout_s, members)
         self.mc = replace(self.mc, master_port=master_port)
         if self.core is not None:
             self.core.groups = self.groups

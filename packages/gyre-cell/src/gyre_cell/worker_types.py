@@ -125,8 +125,8 @@ class CellWorkerConfig(_Wire):
 
 
 class ReformCommand(_Wire):
-    """Re-form the gloo world (a new generation, same K ranks) so a restarted cell trains again; sent to every
-    elastic cell at a burst boundary (gyre_train.multicell.reform_cell_world)."""
+    """Re-form the gloo world (a new generation) so a restarted cell trains again; sent to every member cell at a
+    burst boundary (gyre_train.multicell.reform_cell_world)."""
 
     generation: int = Field(ge=1)
     master_port: int = Field(ge=1)
@@ -137,6 +137,9 @@ class ReformCommand(_Wire):
     rendezvous_timeout_s: float = Field(120.0, gt=0, le=86400)
     """How long the core waits for all K cells at the new world's rendezvous; past it every waiting cell answers
     503 and has no world until the next re-form (a cell that died or hangs must not hold the others)."""
+    members: list[int] | None = Field(None, max_length=4096)
+    """The cells of the new world (rank = position, the core first); None: all K. A cell gone for good (its
+    restarts spent) is left out, so it does not block later re-forms."""
 
 
 class RendezvousPort(_Wire):

@@ -34,7 +34,9 @@ closed (during the reduce) is not handled: the collective fails after gloo's tim
 satellite was restarted, every cell re-forms the world at a burst boundary (no batch open, no collective in flight):
 :func:`reform_cell_world` destroys the old world and its groups and joins a new one of the same K ranks on a fresh
 rendezvous port (the restarted process takes its old rank); the coordinator's control connection is untouched, and
-:meth:`Coordinator.revive` lets the restarted cell join batches again.
+:meth:`Coordinator.revive` lets the restarted cell join batches again. A cell that is gone for good (its restarts
+spent) is left out of the new generation (``members``): the world then has one rank per member, in cell order
+(rank = position, the core still rank 0), and :class:`PrefixGroups` maps the cells it is given to those ranks.
 """
 
 from __future__ import annotations
@@ -104,7 +106,11 @@ class RendezvousTimeout(RuntimeError):
 
 
 def reform_cell_world(
-    cfg: MultiCellConfig, cell: int, master_port: int, rendezvous_timeout_s: float = 120.0
+    cfg: MultiCellConfig,
+    cell: int,
+    master_port: int,
+    rendezvous_timeout_s: float = 120.0,
+    members: list[int] | None = None,
 ) -> PrefixGroups:
     """A new generation of the gloo world (see the module docstring): every cell calls it, with the same fresh
     ``master_port``, while none is inside a batch; returns the new prefix groups (the old ones are destroyed).
@@ -113,57 +119,76 @@ def reform_cell_world(
     hold every cell for gloo's default timeout (30 min). The core (rank 0) hosts the rendezvous store and waits
     ``rendezvous_timeout_s`` for all K ranks; past it every waiting rank raises :class:`RendezvousTimeout` and is
     left without a world (none is initialized: the old one is destroyed), ready to call this again with the next
-    port. The new world's collectives keep gloo's default timeout (a slow micro-step must not trip them)."""
+    port. The new world's collectives keep gloo's default timeout (a slow micro-step must not trip them).
+
+    ``members``: the cells of the new generation, None for all K; a cell gone for good is left out, and every member
+    passes the same list. Rank = position in it (the core, first, stays rank 0)."""
+    members = sorted(members) if members is not None else list(range(cfg.num_cells))
+    if not members or members[0] != 0 or cell not in members or members[-1] >= cfg.num_cells:
+        raise ValueError(f"members {members}: need the core (0), this cell ({cell}) and cells below K")
+    size = len(members)
     if dist.is_initialized():
         dist.destroy_process_group()
     timeout = timedelta(seconds=rendezvous_timeout_s)
     try:
-        store = dist.TCPStore(cfg.host, master_port, cfg.num_cells, is_master=cell == 0, timeout=timeout)
+        store = dist.TCPStore(cfg.host, master_port, size, is_master=cell == 0, timeout=timeout)
         # Every rank checks in, so a non-core rank too stops waiting once the timeout passed (it may have reached
         # the store while another rank never did).
         store.add("arrived", 1)
         deadline = time.monotonic() + rendezvous_timeout_s
-        while int(store.add("arrived", 0)) < cfg.num_cells:
+        while int(store.add("arrived", 0)) < size:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{int(store.add('arrived', 0))} of {cfg.num_cells} ranks arrived")
+                raise TimeoutError(f"{int(store.add('arrived', 0))} of {size} ranks arrived")
             time.sleep(0.05)
     except Exception as exc:  # DistStoreError / TimeoutError / a closed store (the core gave up first)
         raise RendezvousTimeout(
-            f"world generation on port {master_port}: not every one of the {cfg.num_cells} cells arrived "
+            f"world generation on port {master_port}: not every one of the cells {members} arrived "
             f"within {rendezvous_timeout_s:g} s ({type(exc).__name__}: {exc})"
         ) from exc
-    dist.init_process_group("gloo", store=store, rank=cell, world_size=cfg.num_cells)
-    return PrefixGroups(cfg.num_cells)
+    dist.init_process_group("gloo", store=store, rank=members.index(cell), world_size=size)
+    return PrefixGroups(cfg.num_cells, members)
 
 
 class PrefixGroups:
-    """K-1 communication-group sets, one per prefix of 2..K cells, built once at start-up."""
+    """Communication groups over the world's ranks, one per prefix of 2..n ranks, built once per world.
 
-    def __init__(self, num_cells: int) -> None:
+    ``cells``: the cell of each rank (rank = position; None: rank = cell, all K). Callers speak cells; a world that
+    left out a cell gone for good maps them to its ranks."""
+
+    def __init__(self, num_cells: int, cells: list[int] | None = None) -> None:
         self.num_cells = num_cells
-        self.groups = {p: dist.new_group(list(range(p))) for p in range(2, num_cells + 1)}
+        self.cells = list(cells) if cells is not None else list(range(num_cells))
+        self._rank = {c: r for r, c in enumerate(self.cells)}
+        self.groups = {p: dist.new_group(list(range(p))) for p in range(2, len(self.cells) + 1)}
         self._fresh: dict[tuple[int, ...], object] = {}
 
     def for_prefix(self, prefix: int):
+        """The group of ranks 0..prefix-1 (cells 0..prefix-1 when no cell was left out)."""
         if prefix not in self.groups:
-            raise ValueError(f"no communication group for a prefix of {prefix} cells (K={self.num_cells})")
+            raise ValueError(f"no communication group for a prefix of {prefix} ranks (cells {self.cells})")
         return self.groups[prefix]
 
+    def rank_of(self, cell: int) -> int:
+        if cell not in self._rank:
+            raise ValueError(f"cell {cell} is not in this world (cells {self.cells})")
+        return self._rank[cell]
+
     def for_members(self, members: list[int]):
-        """Group of exactly ``members`` (None for one cell): a prefix group, else a fresh group of those ranks.
+        """Group of exactly the cells ``members`` (None for one cell): a prefix group, else a fresh group of their
+        ranks.
 
         A fresh group is created by its members only (``use_local_synchronization``), so a dead rank outside it
         is never contacted; it is cached by rank set, and every member calls this with the same set in the same
         order (the coordinator's ``members``), so their group names agree.
         """
-        members = sorted(members)
-        if len(members) <= 1:
+        ranks = sorted(self.rank_of(c) for c in members)
+        if len(ranks) <= 1:
             return None
-        if members == list(range(len(members))):
-            return self.for_prefix(len(members))
-        key = tuple(members)
+        if ranks == list(range(len(ranks))):
+            return self.for_prefix(len(ranks))
+        key = tuple(ranks)
         if key not in self._fresh:
-            self._fresh[key] = dist.new_group(members, use_local_synchronization=True)
+            self._fresh[key] = dist.new_group(ranks, use_local_synchronization=True)
         return self._fresh[key]
 
     def barrier(self, members: list[int]) -> None:
