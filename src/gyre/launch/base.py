@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import httpx
 
 from gyre.config import RunConfig
 from gyre.launch.tokens import RunTokens, TokenPipes
+from gyre_cell import ports
 from gyre_cell.engine.config import EngineConfig
 from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellTrainingConfig, CellWorkerConfig
@@ -49,9 +49,8 @@ class ServiceError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free on `host` now, outside the kernel's ephemeral range (`gyre_cell.ports`)."""
+    return ports.free_port(host)
 
 
 def bin_path(name: str) -> str:

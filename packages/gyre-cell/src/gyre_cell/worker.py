@@ -30,7 +30,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -46,6 +45,7 @@ from pydantic import ValidationError
 from gyre_cell.client import RolloutEngine
 from gyre_cell.engine.core import TorchEngine
 from gyre_cell.engine.server import create_app
+from gyre_cell.ports import free_port
 from gyre_cell.roles import CellRoleManager, CellRoleManagerConfig, IllegalRoleTransition, RoleSwitchError
 from gyre_cell.worker_types import (
     CellEvent,
@@ -111,13 +111,6 @@ class _NoTraining:
 
     async def offload(self) -> None:  # pragma: no cover
         raise RuntimeError("a standalone engine has no training side")
-
-
-def _free_port(host: str) -> int:
-    """A port the OS says is free on `host` now (bound and released: the rendezvous binds it right after)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class CellWorkerProcess:
@@ -324,7 +317,7 @@ class CellWorkerProcess:
                 message = f"standalone engine {worker.cfg.cell} hosts no gloo rendezvous"
                 return JSONResponse({"error": {"message": message}}, status_code=409)
             host = worker.cfg.training.master_host or worker.cfg.host
-            return RendezvousPort(port=await asyncio.to_thread(_free_port, host))
+            return RendezvousPort(port=await asyncio.to_thread(free_port, host))
 
         @r.post("/reform")
         async def reform(request: Request):

@@ -1,0 +1,42 @@
+"""Choosing a port for a server that binds it a moment later.
+
+Asking the OS for port 0 returns one from the kernel's ephemeral range, the range every outgoing TCP connection
+also takes its local port from; on a busy machine one of them can take the port between the choice and the bind
+(seen: a cell worker's HTTP server failing with "address already in use" while tests ran beside it). So the port is
+drawn at random below that range and above Ray's default worker ports (10002-19999), and checked free by binding it.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+__all__ = ["free_port"]
+
+_LOW = 20000
+"""Above Ray's default worker port range."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """A port nothing holds on `host` now, outside the ephemeral range when there is room below it."""
+    high = _ephemeral_low() - 1
+    rng = random.Random()  # not the process's seeded generator: runs with the same seed must not collide
+    for _ in range(attempts if high > _LOW else 0):
+        port = rng.randint(_LOW, high)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range (or all taken): the OS's choice
+        s.bind((host, 0))
+        return s.getsockname()[1]
