@@ -160,8 +160,9 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
 class Launcher:
     """Starts a run's cell workers, standalone engines and proxy; stops them all.
 
-    Subclasses implement `start_cells` (and extend `stop` for what they start other than subprocesses). The proxy is
-    a subprocess on the controller's machine for every launcher: the agents it serves run there.
+    Subclasses implement `start_cells` (and extend `stop` for what they start other than subprocesses). The proxy and
+    gyre-eval are subprocesses beside the controller, unless a launcher places them elsewhere (`_service_address`,
+    `_start_process`: the ray launcher with `[launcher] proxy_resources` / `eval_resources`).
     """
 
     run_dir: Path
