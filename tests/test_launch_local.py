@@ -40,8 +40,10 @@ def test_ray_kind_from_config_and_cli_flag(tmp_path):
     with pytest.raises(ConfigError, match=r"launcher\.kind"):
         load_config(None, {"launcher.kind": "slurm"})
     # Placing a service is Ray's: on the local launcher it is one line naming the field, not a silent no-op.
-    with pytest.raises(ConfigError, match=r"eval_resources places a service on a Ray cluster"):
+    with pytest.raises(ConfigError, match=r"eval_resources places a process on a Ray cluster"):
         load_config(None, {"launcher.eval_resources": {"node_b": 1}})
+    with pytest.raises(ConfigError, match=r"controller_resources places a process on a Ray cluster"):
+        load_config(None, {"launcher.controller_resources": {}})
     args = _parser().parse_args(["demo", "--ray", "local", "--set", 'launcher.proxy_resources={"node_b":1}'])
     assert _resolve(args).launcher.proxy_resources == {"node_b": 1.0}
 

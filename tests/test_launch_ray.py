@@ -114,11 +114,16 @@ def test_local_ray_run_matches_the_reference_step_for_step(tmp_path):
         )
 
 
-def test_sigterm_stops_the_ray_run_with_one_line(tmp_path):
-    """Ray's driver would exit on SIGTERM at once: gyre's handler stays, every actor and the instance stop."""
+@pytest.mark.parametrize("placed", [False, True], ids=["driver", "placed-controller"])
+def test_sigterm_stops_the_ray_run_with_one_line(tmp_path, placed):
+    """Ray's driver would exit on SIGTERM at once: gyre's handler stays, every actor and the instance stop. With
+    the controller placed on a node (`controller_resources`), the `gyre run` that placed it passes the signal on:
+    the controller stops everything and says so, and its line is the last one."""
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "gyre.cli", "demo", "--ray", "local", "--run-dir", str(run_dir), "--steps", "50",
             "--set", "dashboard.enabled=false", "--quiet"]  # fmt: skip
+    if placed:
+        argv += ["--set", "launcher.controller_resources={}"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, **RAY_ENV})  # fmt: skip
     trace, deadline = run_dir / "trace.jsonl", time.monotonic() + 600
@@ -126,6 +131,10 @@ def test_sigterm_stops_the_ray_run_with_one_line(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
         time.sleep(0.2)
     placement = json.loads((run_dir / "logs" / "placement.json").read_text())
+    if placed:
+        controller = json.loads((run_dir / "logs" / "controller.json").read_text())
+        assert controller["pid"] != proc.pid
+        placement.append(controller)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
@@ -373,8 +382,9 @@ def test_two_hosts_elastic_run_crosses_hosts(two_hosts, tmp_path):
         run_dir = tmp_path / "run"
         summary = _gyre(run_dir, "--ray", f"{IPS[0]}:6379", "--steps", "2",
                         "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
-                        "--set", 'launcher.proxy_resources={"host_b":0.5}',
-                        "--set", 'launcher.eval_resources={"host_b":0.5}',
+                        "--set", 'launcher.proxy_resources={"host_a":0.5}',
+                        "--set", 'launcher.eval_resources={"host_a":0.5}',
+                        "--set", 'launcher.controller_resources={"host_b":0.5}',
                         "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
                         "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false",
                         "--set", "scheduler.mu=1", "--set", "scheduler.B=2",
@@ -386,11 +396,16 @@ def test_two_hosts_elastic_run_crosses_hosts(two_hosts, tmp_path):
         cell1 = json.loads((run_dir / "cells" / "cell-1.json").read_text())
         assert (cell1["host"], cell1["mooncake"]["local_hostname"]) == (IPS[1], IPS[1])
         assert cell1["training"]["master_host"] == IPS[0]
-        # The proxy and gyre-eval were placed on host B by the config: the agents (beside the controller on host
-        # A) called the model through host B, and the assessments of host A's workspaces were made there.
+        # `gyre run` ran on host A and placed the controller on host B by the config; the controller placed the
+        # proxy and gyre-eval on host A: the agents (beside the controller on host B) called the model through host
+        # A, and the assessments of host B's workspaces were made there.
+        controller = json.loads((run_dir / "logs" / "controller.json").read_text())
+        assert controller["ip"] == IPS[1] and controller["pid"] != controller["actor_pid"]
+        # It joined the cluster that placed it (the head's GCS on host A) as Ray's driver.
+        assert json.loads((run_dir / "config.json").read_text())["launcher"]["address"] == f"{IPS[0]}:6379"
         services = _services_placed(run_dir)
-        assert services["proxy"]["ip"] == services["gyre-eval"]["ip"] == IPS[1]
-        assert json.loads((run_dir / "services.json").read_text())["proxy"].startswith(f"http://{IPS[1]}:")
+        assert services["proxy"]["ip"] == services["gyre-eval"]["ip"] == IPS[0]
+        assert json.loads((run_dir / "services.json").read_text())["proxy"].startswith(f"http://{IPS[0]}:")
         # Gradients crossed hosts over gloo: a step with micro-steps of both cells (the remote one joined).
         rows = _steps(run_dir)
         assert any(

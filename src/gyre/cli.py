@@ -7,6 +7,9 @@
 - `gyre config [--config FILE] [--set key=value ...]`: print the resolved config without running anything.
 - `gyre report RUN`: rebuild RUN/report.html from the run directory.
 
+With `[launcher] controller_resources` (Ray), `gyre run` places the controller on a cluster node and follows it
+(gyre.launch.placed): its log on stderr, its summary on stdout, its exit status.
+
 SIGINT or SIGTERM stops a run: every child process is ended, one line says what was interrupted, the exit status is
 128 + the signal number.
 """
@@ -19,6 +22,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from gyre.config import ConfigError, RunConfig, load_config
@@ -77,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                            help="place cells on a Ray cluster (auto, HOST:PORT, or local for a Ray instance "
                                 "on this machine); same as [launcher] kind = 'ray'")  # fmt: skip
             p.add_argument("--quiet", action="store_true", help="warnings and errors only, no progress bar")
+            p.add_argument("--placed-controller", default=None, help=argparse.SUPPRESS)  # gyre.launch.placed
             p.add_argument("--log-format", choices=["text", "json"], default="text",
                            help="stderr as text with a progress bar, or one JSON object per line")  # fmt: skip
     r = sub.add_parser("report", help="rebuild RUN/report.html")
@@ -127,7 +132,28 @@ async def _run_until_signal(cfg: RunConfig, command: str, resume=None) -> int:
     return 0
 
 
+def _on_cluster(cfg: RunConfig, gcs: str) -> RunConfig:
+    """The placed controller's config: it joins the cluster that placed it."""
+    return cfg.model_copy(update={"launcher": cfg.launcher.model_copy(update={"address": gcs})})
+
+
+def _place(cfg: RunConfig, argv: list[str], run_dir: Path) -> int:
+    """`[launcher] controller_resources`: the controller runs on a Ray node; this process follows it."""
+    from gyre.launch import ServiceError
+    from gyre.launch.placed import run_placed
+
+    try:
+        return run_placed(cfg, argv, run_dir.resolve())
+    except ServiceError as exc:
+        print(f"gyre run: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # joining the cluster failed: one line, no traceback
+        print(f"gyre run: placing the controller failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     from gyre import progress
 
@@ -157,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             except ResumeError as exc:
                 print(f"gyre run: cannot resume: {exc}", file=sys.stderr)
                 return 2
+            if args.placed_controller:
+                resume.cfg = _on_cluster(resume.cfg, args.placed_controller)
+            elif resume.cfg.launcher.controller_resources is not None:
+                return _place(resume.cfg, argv, resume.run_dir)
             return asyncio.run(_run_until_signal(resume.cfg, args.command, resume))
         if args.command == "run" and args.config is None:
             print("gyre run: a config file is needed (or --resume RUN_DIR)", file=sys.stderr)
@@ -168,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(json.dumps(cfg.model_dump(mode="json"), indent=2))
         return 0
+    if args.placed_controller:
+        cfg = _on_cluster(cfg, args.placed_controller)
+    elif cfg.launcher.controller_resources is not None:  # both processes must know the run directory
+        run_dir = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())).resolve()
+        return _place(cfg, [*argv, "--run-dir", str(run_dir)], run_dir)
     return asyncio.run(_run_until_signal(cfg, args.command))
 
 

@@ -191,6 +191,10 @@ class LauncherConfig(_Section):
     at its node's address."""
     eval_resources: dict[str, float] | None = None
     """Ray: the same for gyre-eval (its checks read the workspaces: the run directory is on a shared filesystem)."""
+    controller_resources: dict[str, float] | None = None
+    """Ray: run the controller (scheduler, execution runner and harnesses, the trainer's coordination) as the child
+    of an actor on a node offering these resources (`gyre.launch.placed`); the `gyre run` that placed it follows its
+    log and ends with it. None: the controller is the `gyre run` process itself."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Ray: how long the placement groups may wait for resources."""
     cell_restarts: int = Field(1, ge=0)
@@ -201,10 +205,10 @@ class LauncherConfig(_Section):
 
     @model_validator(mode="after")
     def _placement_needs_ray(self) -> LauncherConfig:
-        for name in ("proxy_resources", "eval_resources"):
+        for name in ("proxy_resources", "eval_resources", "controller_resources"):
             if getattr(self, name) is not None and self.kind != "ray":
                 raise ValueError(
-                    f"{name} places a service on a Ray cluster: it needs kind = 'ray' (or --ray)"
+                    f"{name} places a process on a Ray cluster: it needs kind = 'ray' (or --ray)"
                 )
         return self
 

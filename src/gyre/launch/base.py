@@ -72,19 +72,20 @@ def _die_with_parent(parent: int) -> None:
 
 
 def spawn_child(
-    argv: list[str], tokens: dict[str, str], env: dict[str, str], log_path: Path
-) -> subprocess.Popen:
-    """A child in its own process group that dies with this process, logging to `log_path`; `tokens` maps a
-    `--...-fd` flag to the token the child reads from that inherited fd."""
+    argv: list[str], tokens: dict[str, str], env: dict[str, str], log_path: Path,
+    cwd: str | None = None, stdout_path: Path | None = None,
+) -> subprocess.Popen:  # fmt: skip
+    """A child in its own process group that dies with this process, logging to `log_path` (its stdout to
+    `stdout_path` when given); `tokens` maps a `--...-fd` flag to the token the child reads from that inherited fd."""
     pipes = TokenPipes()
     for flag, token in tokens.items():
         argv = [*argv, *pipes.arg(flag, token)]
     child_env = {**os.environ, **env}
     child_env.pop("GYRE_TITO_ADMIN_TOKEN", None)  # a token from the caller's environment stays there
     try:
-        with log_path.open("ab") as log:
+        with log_path.open("ab") as log, (stdout_path or log_path).open("ab") as out:
             return subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
+                argv, stdout=out, stderr=log, env=child_env, start_new_session=True, cwd=cwd,
                 pass_fds=pipes.fds, preexec_fn=partial(_die_with_parent, os.getpid()),
             )  # fmt: skip
     finally:

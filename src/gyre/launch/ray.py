@@ -15,7 +15,7 @@ every worker's node, IP, PID and placement group. The run directory must be on a
 
 The proxy and the evaluator run beside the controller, or as actors on the nodes the config names
 (`proxy_resources`, `eval_resources`: `gyre.launch.ray_services`), bound to those nodes' addresses. The controller
-itself is Ray's driver: where `gyre run` runs (the README's cluster guide places it with `ray job submit`).
+is Ray's driver: where `gyre run` runs, or on the node `controller_resources` names (`gyre.launch.placed`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from gyre_cell.worker_types import CellWorkerConfig
 
 log = logging.getLogger("gyre.launch")
 
-__all__ = ["CellActor", "RayLauncher", "place"]
+__all__ = ["CellActor", "RayLauncher", "connect", "place"]
 
 
 def _import_ray():
@@ -52,6 +52,27 @@ def _import_ray():
         raise ServiceError(
             f"[launcher] kind = 'ray' needs Ray ({exc}): install gyre[ray] (uv sync --extra ray)"
         ) from None
+    return ray
+
+
+def connect(lc: LauncherConfig):
+    """Ray, joined to the cluster `lc.address` names (or a new instance on this machine); idempotent."""
+    ray = _import_ray()
+    if ray.is_initialized():
+        return ray
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+    if lc.address:
+        kwargs["address"] = lc.address
+    else:  # a new instance on this machine, never one a previous `ray start` left in /tmp/ray
+        kwargs["address"] = "local"
+        if lc.num_cpus is not None:
+            kwargs["num_cpus"] = lc.num_cpus
+    # ray.init makes SIGTERM exit the driver at once (sys.exit); gyre's own handler stops every process and prints
+    # one line, so it is put back.
+    previous = signal.getsignal(signal.SIGTERM)
+    ray.init(**kwargs)
+    if previous is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, previous)
     return ray
 
 
@@ -181,21 +202,8 @@ class RayLauncher(Launcher):
     def _init_ray(self):
         ray = _import_ray()
         if not ray.is_initialized():
-            lc = self.launcher
-            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-            if lc.address:
-                kwargs["address"] = lc.address
-            else:  # a new instance on this machine, never one a previous `ray start` left in /tmp/ray
-                kwargs["address"] = "local"
-                if lc.num_cpus is not None:
-                    kwargs["num_cpus"] = lc.num_cpus
-            # ray.init makes SIGTERM exit the driver at once (sys.exit); gyre's own handler stops every process and
-            # prints one line, so it is put back.
-            previous = signal.getsignal(signal.SIGTERM)
-            ray.init(**kwargs)
-            if previous is not None and threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, previous)
-            self._started_ray = True
+            connect(self.launcher)
+            self._started_ray = True  # this launcher ends it (stop)
         return ray
 
     def _bundle(self, i: int, cpu_threads: int) -> dict[str, float]:

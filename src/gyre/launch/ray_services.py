@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,12 @@ class ServiceActor:
 
         ip = ray.util.get_node_ip_address()
         return {"ip": ip, "actor_pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "port": free_port(ip)}  # fmt: skip
+                "port": free_port(ip), "python": sys.executable}  # fmt: skip
 
-    def spawn(self, argv: list[str], tokens: dict[str, str], env: dict[str, str]) -> int:
+    def spawn(
+        self, argv: list[str], tokens: dict[str, str], env: dict[str, str],
+        cwd: str | None = None, stdout_path: str | None = None,
+    ) -> int:  # fmt: skip
         """Start the service; returns its PID. The child is started, then waited for, by one thread that lives as
         long as it: the child's parent-death signal fires when the thread that forked it ends."""
         started = threading.Event()
@@ -51,7 +55,8 @@ class ServiceActor:
 
         def run() -> None:
             try:
-                self._proc = spawn_child(argv, tokens, env, Path(self.log_path))
+                out = Path(stdout_path) if stdout_path else None
+                self._proc = spawn_child(argv, tokens, env, Path(self.log_path), cwd, out)
                 self._returncode = None
             except BaseException as exc:  # reported to the caller below
                 failure.append(exc)
