@@ -132,9 +132,12 @@ async def _run_until_signal(cfg: RunConfig, command: str, resume=None) -> int:
     return 0
 
 
-def _on_cluster(cfg: RunConfig, gcs: str) -> RunConfig:
-    """The placed controller's config: it joins the cluster that placed it."""
-    return cfg.model_copy(update={"launcher": cfg.launcher.model_copy(update={"address": gcs})})
+def _join(cfg: RunConfig, gcs: str) -> None:
+    """The placed controller joins the cluster that placed it (its launcher finds Ray connected). The run's config
+    keeps the user's address: a resume places the controller again from it."""
+    from gyre.launch.ray import connect
+
+    connect(cfg.launcher.model_copy(update={"address": gcs}))
 
 
 def _place(cfg: RunConfig, argv: list[str], run_dir: Path) -> int:
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"gyre run: cannot resume: {exc}", file=sys.stderr)
                 return 2
             if args.placed_controller:
-                resume.cfg = _on_cluster(resume.cfg, args.placed_controller)
+                _join(resume.cfg, args.placed_controller)
             elif resume.cfg.launcher.controller_resources is not None:
                 return _place(resume.cfg, argv, resume.run_dir)
             return asyncio.run(_run_until_signal(resume.cfg, args.command, resume))
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cfg.model_dump(mode="json"), indent=2))
         return 0
     if args.placed_controller:
-        cfg = _on_cluster(cfg, args.placed_controller)
+        _join(cfg, args.placed_controller)
     elif cfg.launcher.controller_resources is not None:  # both processes must know the run directory
         run_dir = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())).resolve()
         return _place(cfg, [*argv, "--run-dir", str(run_dir)], run_dir)
