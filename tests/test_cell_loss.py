@@ -67,12 +67,12 @@ def _spans(path: Path) -> list[dict]:
     return [s for row in pq.read_table(path).to_pylist() for s in row["weight_versions"]]
 
 
-def test_killed_satellite_worker_is_restarted_and_the_run_completes(tmp_path):
-    run_dir = tmp_path / "run"
+def _kill_cell1_at_its_first_claim(tmp_path: Path, run_dir: Path, *sets: str) -> dict:
+    """Run elastic-k3.toml with `sets`, SIGKILL cell 1's worker at its first traced claim (the gate), and return the
+    run's summary once it completed (its stderr is kept in tmp_path/controller.log)."""
     argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
             str(run_dir), "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false", "--quiet",
-            "--set", f"train.steps={STEPS}", "--set", "train.dtype=float64",
-            "--set", f"train.dump_batches={list(range(STEPS))}"]  # fmt: skip
+            *(x for kv in sets for x in ("--set", kv))]  # fmt: skip
     proc = subprocess.Popen(
         argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -90,14 +90,40 @@ def test_killed_satellite_worker_is_restarted_and_the_run_completes(tmp_path):
             proc.communicate()
     (tmp_path / "controller.log").write_bytes(err)  # its warnings (lost, restarted), for a failure below
     assert proc.returncode == 0, err.decode()[-3000:]
-    summary = json.loads(out.decode().splitlines()[-1])
+    return json.loads(out.decode().splitlines()[-1])
+
+
+def _requeued(lines: list[dict], lost: dict) -> int:
+    """Every micro-step cell 1 claimed in the batch it died in was claimed again by a live cell; returns that batch."""
+    claims = [x for x in lines[: lines.index(lost)] if x["ev"] == "microstep_claim" and x["cell"] == 1]
+    died_in = max(x["batch"] for x in claims)
+    mine = {x["index"] for x in claims if x["batch"] == died_in}
+    again = {x["index"] for x in lines[lines.index(claims[-1]) + 1 :]
+             if x["ev"] == "microstep_claim" and x["batch"] == died_in and x["cell"] != 1}  # fmt: skip
+    assert mine <= again, (mine, again)
+    return died_in
+
+
+def _equals_replay(run_dir: Path, batch: int, row: dict) -> None:
+    """The step of `batch` (its dump) equals the single-process float64 reference: loss and summed gradient."""
+    dump = run_dir / "metrics" / "batches" / f"batch-{batch}"
+    loss, grads = replay_batch(
+        dump, str(run_dir / "model"), dtype="float64", loss=LossConfig(), temperature=1.0
+    )
+    assert loss == pytest.approx(row["loss"], abs=1e-6)
+    assert torch.allclose(grads, torch.load(dump / "summed_grads.pt"), atol=1e-6, rtol=0)
+
+
+def test_killed_satellite_worker_is_restarted_and_the_run_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = _kill_cell1_at_its_first_claim(tmp_path, run_dir, f"train.steps={STEPS}", "train.dtype=float64",
+                                             f"train.dump_batches={list(range(STEPS))}")  # fmt: skip
     assert summary["steps"] == STEPS
 
     lines = list(iter_trace(run_dir / "trace.jsonl"))
     (lost,) = [x for x in lines if x["ev"] == "cell_lost"]
     assert lost["cell"] == 1
     at = lines.index(lost)
-    before = lines[:at]
     # Restarted once, serving the version published last before it took work again.
     (restored,) = [x for x in lines if x["ev"] == "cell_restored" and not x["trains"]]
     back = lines.index(restored)
@@ -120,12 +146,7 @@ def test_killed_satellite_worker_is_restarted_and_the_run_completes(tmp_path):
     print(f"restored at t={restored['t']:.1f} s (lost at {lost['t']:.1f} s), serving v{restored['serves']}; "
           f"{len(on_it)} executions launched on it, {len(served)} spans served by it")  # fmt: skip
     # Its claims of the batch it died in were requeued: each (batch, index) claimed again by a live cell.
-    claims = [x for x in before if x["ev"] == "microstep_claim" and x["cell"] == 1]
-    died_in = max(x["batch"] for x in claims)
-    mine = {x["index"] for x in claims if x["batch"] == died_in}
-    again = {x["index"] for x in lines[lines.index(claims[-1]) + 1 :]
-             if x["ev"] == "microstep_claim" and x["batch"] == died_in and x["cell"] != 1}  # fmt: skip
-    assert mine <= again, (mine, again)
+    died_in = _requeued(lines, lost)
     # Every step done, with B groups each; steps after the loss summed no micro-step of cell 1.
     rows = [json.loads(x) for x in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
@@ -144,12 +165,7 @@ def test_killed_satellite_worker_is_restarted_and_the_run_completes(tmp_path):
     assert [r["step"] for r in rows if r["step"] > died_in and r["microsteps_by_cell"].get("1", 0)] == later
     # That step (cells 0 and 1, maybe 2) equals the single-process reference on the same batch.
     batch = later[0]
-    dump = run_dir / "metrics" / "batches" / f"batch-{batch}"
-    loss, grads = replay_batch(
-        dump, str(run_dir / "model"), dtype="float64", loss=LossConfig(), temperature=1.0
-    )
-    assert loss == pytest.approx(rows[batch]["loss"], abs=1e-6)
-    assert torch.allclose(grads, torch.load(dump / "summed_grads.pt"), atol=1e-6, rtol=0)
+    _equals_replay(run_dir, batch, rows[batch])
     print(f"rejoined at t={rejoined['t']:.1f} s; cell 1 claimed in batches {later}; "
           f"batch {batch} by cell {rows[batch]['microsteps_by_cell']}, loss {rows[batch]['loss']:.6f} = replay")  # fmt: skip
     # The trace still recomputes the scheduler's counters; the final weights are saved.
@@ -221,3 +237,39 @@ def test_a_cell_lost_for_good_does_not_block_another_cells_rejoin(tmp_path):
     state = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
     assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
     assert [r for _, _, r in trace.roles[2]][-1] == "lost"
+
+
+def test_async_training_satellite_lost_restarts_idle_and_trains_again(tmp_path):
+    """Async, K=3, cells 0 and 1 train (the fixed split), cell 2 rolls out. Cell 1's worker is SIGKILLed after its
+    first claim: its claims are requeued, it is restarted and takes no rollout work while it waits, the training
+    world re-forms at the publication (the core and cell 1 re-form from training), cell 1 switches back to training
+    and claims micro-steps of a later batch, whose step equals the single-process float64 reference."""
+    steps, run_dir = 4, tmp_path / "run"
+    summary = _kill_cell1_at_its_first_claim(tmp_path, run_dir, "scheduler.kind=async", "scheduler.async_train_cells=2",
+                                             f"train.steps={steps}", "train.dtype=float64",
+                                             f"train.dump_batches={list(range(steps))}")  # fmt: skip
+    assert summary["steps"] == steps
+
+    lines = list(iter_trace(run_dir / "trace.jsonl"))
+    (lost,) = [x for x in lines if x["ev"] == "cell_lost"]
+    (restored,) = [x for x in lines if x["ev"] == "cell_restored" and not x["trains"]]
+    (rejoined,) = [x for x in lines if x["ev"] == "cell_restored" and x["trains"]]
+    assert lost["cell"] == restored["cell"] == rejoined["cell"] == 1
+    assert lines.index(lost) < lines.index(restored) < lines.index(rejoined)
+    # The split holds: cell 1 never rolls out (no launch or route to its engine), and it switches back to training
+    # only after its training side rejoined.
+    assert not [x for x in lines if x["ev"] in ("launch", "route") and x.get("engine") == "cell:1"]
+    back = [x for x in lines[lines.index(rejoined) :] if x["ev"] == "transition_begin" and x["cell"] == 1]
+    assert back and back[0]["to"] == "to_training", back
+    # Its claims of the batch it died in were claimed again; after the rejoin it claims in a later batch.
+    died_in = _requeued(lines, lost)
+    later = sorted({x["batch"] for x in lines[lines.index(rejoined) :]
+                    if x["ev"] == "microstep_claim" and x["cell"] == 1})  # fmt: skip
+    assert later and min(later) > died_in, "cell 1 claimed no micro-step after rejoining"
+    rows = [json.loads(x) for x in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    _equals_replay(run_dir, later[0], rows[later[0]])
+    trace = read_trace(run_dir / "trace.jsonl")
+    state = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
+    assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
+    assert [r for _, _, r in trace.roles[1]][-1] == "training"

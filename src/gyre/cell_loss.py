@@ -29,9 +29,13 @@ re-form is bounded (`[launcher] reform_timeout_s`): a cell that dies or hangs in
 others give up at the rendezvous with no world, and every live satellite is rollout-only (`CellUntrained`) until
 the next boundary with all K alive re-forms the world with all of them; the core trains alone meanwhile. A cell
 lost for good (its restarts spent, or its restart failed) is left out of later worlds (`ReformCommand.members`: one
-rank per remaining cell), so it blocks no later rejoin; a re-form waits only while a restart is under way. Not
-done (the cell stays rollout-only, one line says why): pipelined or Megatron cells (their groups are built over the
-world), Async's fixed split (its satellites never leave training).
+rank per remaining cell), so it blocks no later rejoin; a re-form waits only while a restart is under way.
+
+Under Async the boundary is the policy's publication too (no batch is open then): the training satellites of the
+split re-form from training (each worker stops its wait for the next batch around the rendezvous and starts it
+again), and a restarted satellite of the split takes no rollout work while it waits, then switches back to
+training (gyre_sched.policies.AsyncPolicy), so the split stays what the config says. Not done (the cell stays
+rollout-only, one line says why): pipelined or Megatron cells (their groups are built over the world).
 """
 
 from __future__ import annotations
@@ -207,8 +211,6 @@ class CellLosses:
         t = self.c.cfg.train
         if t.backend != "torch" or t.pipeline_parallel > 1:
             return f"the {t.backend} backend (PP={t.pipeline_parallel}) builds its groups over the gloo world"
-        if self.c.policy.kind == "async":
-            return "Async's training satellites never leave training (no burst boundary without a collective)"
         return None
 
     async def rejoin_training(self) -> None:
@@ -223,8 +225,10 @@ class CellLosses:
             return
         members = [i for i in range(len(self.c.cells)) if i not in self.gone]  # the gone are left out
         roles = self.c.policy.roles
-        if any(roles[i] is not CellRole.ROLLOUT for i in members[1:]):
-            return  # a satellite still trains or switches: not a boundary for every cell
+        # No batch is open while the policy publishes: a satellite in training (Async's split) waits for the next
+        # one and re-forms like the others (its worker stops and restarts its wait around the rendezvous).
+        if any(roles[i] not in (CellRole.ROLLOUT, CellRole.TRAINING) for i in members[1:]):
+            return  # a satellite still switches: not a boundary for every cell
         rejoining = sorted(self.untrained)
         self.generation += 1
         # The core picks the port: it hosts the rendezvous, and the controller may run on another machine.

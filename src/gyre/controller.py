@@ -314,9 +314,12 @@ class Controller:
         """A satellite the policy keeps in training (Async) joins the next burst's batches.
 
         Its burst may end before the core's step_end reaches the policy; if the policy then sends it back to
-        rollout, `to_rollout` makes the waiting join leave (it holds no claim), so joining early is harmless.
+        rollout, `to_rollout` makes the waiting join leave (it holds no claim), so joining early is harmless. Under
+        Async it may also end after: the policy's burst end (publication) keeps it in training, so it joins then
+        too and waits for the next batch (else it would never train again).
         """
-        if self.policy.roles[index] is CellRole.TRAINING and not self.policy.burst_ending:
+        roles, policy = self.policy.roles, self.policy
+        if roles[index] is CellRole.TRAINING and (not policy.burst_ending or policy.kind == "async"):
             await self.cells[index].join()
 
     def _after_transition(self, cell: int, decisions: list[ev.Decision]) -> None:

@@ -118,6 +118,32 @@ def test_live_satellites_without_a_training_world_serve_and_train_again_after_th
         d.send(CellUntrained(2))
 
 
+def test_async_keeps_its_split_a_restored_training_satellite_idles_then_trains_again(driver):
+    """Async, K=3, cells 0 and 1 train: cell 1 lost and restarted takes no rollout work (eq. 3's capacity leaves it
+    out) until its training side is back, then switches to training again; a failed re-form sends a training
+    satellite out of training to wait the same way."""
+    d = driver(make_policy(params(kind="async", async_train_cells=2, phi=1.0), deep_checks=True))
+    assert d.policy.roles == [CellRole.TRAINING, CellRole.TRAINING, CellRole.ROLLOUT]
+    assert d.policy.capacity() == 2
+    d.send(CellLost(1), dt=1.0)
+    d.send(CellRestored(1), dt=1.0)  # serving the published weights, no training side yet
+    assert d.policy.roles[1] is CellRole.ROLLOUT and d.policy.capacity() == 2
+    for eid in list(d.running)[:1]:  # a slot frees: the launch goes to cell 2, never to the waiting cell 1
+        d.finish(eid)
+    assert {x.spec.engine for x in d.of(Launch)} == {"cell:2"}
+    assert not d.of(BeginTransition)
+    out = d.send(CellRestored(1, trains=True), dt=1.0)  # the world re-formed with it
+    assert [(x.cell, x.to_role) for x in out if isinstance(x, BeginTransition)] == [(1, CellRole.TO_TRAINING)]
+    d.finish_transitions()
+    assert d.policy.roles == [CellRole.TRAINING, CellRole.TRAINING, CellRole.ROLLOUT]
+    assert d.policy.trainable() == [0, 1, 2] and d.policy.capacity() == 2
+    out = d.send(CellUntrained(1), dt=1.0)  # a later re-form failed: no world to reduce in
+    assert [(x.cell, x.to_role) for x in out if isinstance(x, BeginTransition)] == [(1, CellRole.TO_ROLLOUT)]
+    d.finish_transitions()
+    assert d.policy.roles[1] is CellRole.ROLLOUT and d.policy.capacity() == 2
+    assert d.policy.trainable() == [0, 2]
+
+
 def test_the_core_cannot_be_lost(driver):
     d = driver(make_policy(params()))
     with pytest.raises(InvariantError, match="core"):

@@ -310,6 +310,11 @@ class CellTraining:
             raise ValueError(
                 "a pipelined cell (PP > 1) cannot re-form the training world: its stages are one group"
             )
+        # A satellite that stays in training (Async) waits for the next batch in its burst thread: it leaves the
+        # wait (it holds no claim: no batch is open at a boundary) and waits again in the new world.
+        waiting = self.satellite is not None and self._may_join
+        if waiting:
+            self.stop_burst()
         self.wait_idle()
         self.groups = reform_cell_world(self.mc, self.cfg.cell, master_port, rendezvous_timeout_s, members)
         self.mc = replace(self.mc, master_port=master_port)
@@ -321,6 +326,9 @@ class CellTraining:
                 self._held_until_joined = False
         else:
             self.satellite.groups = self.groups
+            if waiting:
+                self.arm()
+                self.join()
 
     def close(self) -> None:
         self.abort.set()

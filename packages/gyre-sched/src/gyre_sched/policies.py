@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gyre_sched.config import PolicyParams
 from gyre_sched.events import Decision
-from gyre_sched.policy import PolicyCore
+from gyre_sched.policy import PolicyCore, cell_engine
 from gyre_sched.types import CellRole
 
 
@@ -43,19 +43,50 @@ class ElasticPolicy(PolicyCore):
 
 
 class AsyncPolicy(PolicyCore):
-    """A fixed split: cells 0..a-1 train for the whole run, the rest (and the standalone pool) roll out."""
+    """A fixed split: cells 0..a-1 train for the whole run, the rest (and the standalone pool) roll out.
+
+    A training satellite that was lost and restarted keeps its place in the split: it takes no rollout work (it is
+    out of the destinations and of eq. 3's capacity) while its training side is not back, and once it is
+    (`CellRestored(trains=True)`, the next re-form of the training world) it switches to training again. A training
+    satellite whose world is gone (`CellUntrained`: a failed re-form) leaves training and waits the same way."""
 
     kind = "async"
 
     def _initial_roles(self) -> list[Decision]:
+        # Assigned at start-up; only a lost-and-restarted cell ever moves.
         for i in range(self.params.async_train_cells):
-            self.roles[i] = CellRole.TRAINING  # assigned at start-up; no cell ever moves
+            self.roles[i] = CellRole.TRAINING
         out: list[Decision] = []
         self._open_batch(out)
         return out
 
+    def _returning(self) -> list[int]:
+        """Satellites of the training split back from a loss (or a failed re-form), in rollout: no rollout work."""
+        return [i for i in range(1, self.params.async_train_cells)
+                if i not in self.lost and self.roles[i] is CellRole.ROLLOUT]  # fmt: skip
+
+    def _destinations(self) -> list[str]:
+        idle = {cell_engine(i) for i in self._returning()}
+        return [e for e in super()._destinations() if e not in idle]
+
+    def capacity(self) -> int:
+        return super().capacity() - len(self._returning()) * self.params.C_e
+
     def _maybe_transition(self, out: list[Decision]) -> None:
-        return None
+        if self.publishing:  # the publication loads rollout engines; the switch waits for it
+            return
+        for cell in self._returning():  # back to training once its training side is back
+            if cell not in self.rollout_only and not self.load[cell_engine(cell)]:
+                self._begin([cell], out)
+
+    def _cell_untrained(self, cell: int) -> list[Decision]:
+        if cell != 0 and cell not in self.lost and self.roles[cell] is CellRole.TRAINING:
+            out: list[Decision] = []
+            self._begin([cell], out)  # no world to reduce in: out of training until the next re-form
+            self.rollout_only.add(cell)
+            self._trainable_pending.discard(cell)
+            return out
+        return super()._cell_untrained(cell)
 
     def _stays_in_training(self, cell: int) -> bool:
         return True

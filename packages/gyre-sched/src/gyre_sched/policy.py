@@ -153,7 +153,7 @@ class PolicyCore:
             case CellRestored(cell, trains, _):
                 self._cell_restored(cell, trains)
             case CellUntrained(cell):
-                self._cell_untrained(cell)
+                out += self._cell_untrained(cell)
             case TransitionDone(cell):
                 out += self._transition_done(cell)
             case PublishDone(version):
@@ -303,7 +303,7 @@ class PolicyCore:
         self._roles_changed()
         self._reset_supply()
 
-    def _cell_untrained(self, cell: int) -> None:
+    def _cell_untrained(self, cell: int) -> list[Decision]:
         """A live satellite's training world is gone (a failed re-form, at a burst boundary): rollout-only."""
         if cell == 0 or cell in self.lost:
             raise InvariantError(f"cell {cell} cannot become rollout-only (core or lost)")
@@ -311,6 +311,7 @@ class PolicyCore:
             raise InvariantError(f"cell {cell} lost its training world while {self.roles[cell].value}")
         self.rollout_only.add(cell)
         self._trainable_pending.discard(cell)
+        return []
 
     def _admit_trainable(self) -> None:
         for cell in sorted(self._trainable_pending):
@@ -321,6 +322,7 @@ class PolicyCore:
             ):
                 self._trainable_pending.discard(cell)
                 self.rollout_only.discard(cell)
+                self._roles_changed()  # a policy may route by trainability (Async's returning cells)
 
     def trainable(self) -> list[int]:
         """Cells that may train: neither lost nor restored rollout-only."""
@@ -428,8 +430,8 @@ class PolicyCore:
         out: list[Decision] = [EndTransition(cell, src, dst)]
         self._reset_supply()
         if dst is CellRole.TRAINING:
-            if cell != 0 and self.burst_ending:  # too late for this burst: straight back
-                self._begin([cell], out)
+            if cell != 0 and self.burst_ending and not self._stays_in_training(cell):
+                self._begin([cell], out)  # too late for this burst: straight back
             else:
                 self._on_training(cell, out)
         self._maybe_publish(out)
