@@ -146,6 +146,21 @@ def test_sigterm_stops_the_ray_run_with_one_line(tmp_path, placed):
     assert not any(Path(f"/proc/{p['pid']}").exists() for p in placement)
 
 
+def test_a_controller_no_node_can_take_is_one_line(tmp_path):
+    """No node offers the controller's resources: one line naming them and the cluster's, nothing of the run."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "gyre.cli", "demo", "--ray", "local", "--run-dir", str(run_dir),
+                           "--set", 'launcher.controller_resources={"gpu_node":1}',
+                           "--set", "launcher.start_timeout_s=5", "--quiet"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, **RAY_ENV})  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("gyre demo: ray: the controller not placed after 5 s") and "gpu_node" in last, last
+    assert not (run_dir / "trace.jsonl").exists()
+
+
 def test_a_placed_controller_whose_node_is_lost_is_resumed_on_a_node(tmp_path):
     """The controller runs on a node by the config; its actor is SIGKILLed after the first step (as a node loss
     would end it). The `gyre run` that placed it ends in one line naming the node and the resume command, and nothing

@@ -140,18 +140,18 @@ def _join(cfg: RunConfig, gcs: str) -> None:
     connect(cfg.launcher.model_copy(update={"address": gcs}))
 
 
-def _place(cfg: RunConfig, argv: list[str], run_dir: Path) -> int:
+def _place(cfg: RunConfig, argv: list[str], run_dir: Path, command: str) -> int:
     """`[launcher] controller_resources`: the controller runs on a Ray node; this process follows it."""
     from gyre.launch import ServiceError
     from gyre.launch.placed import run_placed
 
     try:
-        return run_placed(cfg, argv, run_dir.resolve())
+        return run_placed(cfg, argv, run_dir.resolve(), command)
     except ServiceError as exc:
-        print(f"gyre run: {exc}", file=sys.stderr)
+        print(f"gyre {command}: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # joining the cluster failed: one line, no traceback
-        print(f"gyre run: placing the controller failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"gyre {command}: placing the controller failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 
 
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.placed_controller:
                 _join(resume.cfg, args.placed_controller)
             elif resume.cfg.launcher.controller_resources is not None:
-                return _place(resume.cfg, argv, resume.run_dir)
+                return _place(resume.cfg, argv, resume.run_dir, args.command)
             return asyncio.run(_run_until_signal(resume.cfg, args.command, resume))
         if args.command == "run" and args.config is None:
             print("gyre run: a config file is needed (or --resume RUN_DIR)", file=sys.stderr)
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         _join(cfg, args.placed_controller)
     elif cfg.launcher.controller_resources is not None:  # both processes must know the run directory
         run_dir = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())).resolve()
-        return _place(cfg, [*argv, "--run-dir", str(run_dir)], run_dir)
+        return _place(cfg, [*argv, "--run-dir", str(run_dir)], run_dir, args.command)
     return asyncio.run(_run_until_signal(cfg, args.command))
 
 

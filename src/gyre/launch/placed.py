@@ -47,8 +47,9 @@ POLL_S = 0.5
 """How often the controller's state and log are read (the cadence of the streamed log, not an ordering)."""
 
 
-def run_placed(cfg: RunConfig, argv: list[str], run_dir: Path) -> int:
-    """Place the controller for `gyre ARGV` (with run directory `run_dir`), follow it, return its exit status."""
+def run_placed(cfg: RunConfig, argv: list[str], run_dir: Path, command: str = "run") -> int:
+    """Place the controller for `gyre ARGV` (with run directory `run_dir`), follow it, return its exit status;
+    `command` names it in this process's own lines."""
     from gyre.launch.ray import connect
     from gyre.launch.ray_services import RemoteProcess, ServiceActor
 
@@ -69,12 +70,25 @@ def run_placed(cfg: RunConfig, argv: list[str], run_dir: Path) -> int:
         sig: signal.signal(sig, lambda s, _f: caught.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
+        ref, deadline = actor.node.remote(), time.monotonic() + lc.start_timeout_s
+        # A signal meanwhile ends the wait: nothing of the run started yet.
+        while not ray.wait([ref], timeout=POLL_S)[0]:
+            if caught:
+                name = signal.Signals(caught[0]).name
+                print(
+                    f"gyre {command}: interrupted by {name} before the controller was placed", file=sys.stderr
+                )
+                return 128 + caught[0]
+            if time.monotonic() > deadline:
+                raise ServiceError(
+                    f"ray: the controller not placed after {lc.start_timeout_s:.0f} s; it asks for "
+                    f"{lc.controller_resources}, the cluster has {ray.cluster_resources()}"
+                )
         try:
-            node = ray.get(actor.node.remote(), timeout=lc.start_timeout_s)
+            node = ray.get(ref)
         except Exception as exc:
             raise ServiceError(
-                f"ray: the controller not placed after {lc.start_timeout_s:.0f} s ({type(exc).__name__}); it asks "
-                f"for {lc.controller_resources}, the cluster has {ray.cluster_resources()}"
+                f"ray: the controller's actor failed to start: {type(exc).__name__}: {exc}"
             ) from None
         gcs = ray.get_runtime_context().gcs_address
         offset = log_path.stat().st_size if log_path.exists() else 0  # a resumed run's log goes on
@@ -96,8 +110,9 @@ def run_placed(cfg: RunConfig, argv: list[str], run_dir: Path) -> int:
     if caught:
         return 128 + caught[0]
     if returncode < 0:
-        print(f"gyre run: the controller on node {node['ip']} ended: killed by {signal.Signals(-returncode).name} "
-              f"(its node lost?); `gyre run --resume {run_dir}` continues the run", file=sys.stderr)  # fmt: skip
+        how = signal.Signals(-returncode).name
+        print(f"gyre {command}: the controller on node {node['ip']} ended: killed by {how} (its node lost?); "
+              f"`gyre run --resume {run_dir}` continues the run", file=sys.stderr)  # fmt: skip
         return 1
     return returncode
 
