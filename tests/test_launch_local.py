@@ -48,6 +48,22 @@ def test_ray_kind_from_config_and_cli_flag(tmp_path):
     assert _resolve(args).launcher.proxy_resources == {"node_b": 1.0}
 
 
+def test_a_placed_controller_never_writes_into_a_finished_run(tmp_path, capsys):
+    """With `controller_resources`, the run directory is checked before anything is placed or written there."""
+    from gyre.cli import main
+
+    (tmp_path / "trace.jsonl").write_text("{}\n")
+    code = main(
+        ["demo", "--ray", "local", "--run-dir", str(tmp_path), "--set", "launcher.controller_resources={}"]
+    )
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gyre demo: {tmp_path} already holds a run (trace.jsonl); choose another --run-dir"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.jsonl"]
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
 def test_ray_placement_binds_each_worker_to_its_node_and_the_rendezvous_to_the_core(tmp_path):
     from gyre.launch.ray import place
 

@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         _join(cfg, args.placed_controller)
     elif cfg.launcher.controller_resources is not None:  # both processes must know the run directory
         run_dir = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())).resolve()
+        if (run_dir / "trace.jsonl").exists():  # refused before anything is written there
+            print(f"gyre {args.command}: {run_dir} already holds a run (trace.jsonl); choose another --run-dir",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         return _place(cfg, [*argv, "--run-dir", str(run_dir)], run_dir, args.command)
     return asyncio.run(_run_until_signal(cfg, args.command))
 
