@@ -121,6 +121,65 @@ def test_a_rank_missing_from_the_rendezvous_fails_every_waiting_rank_in_bounded_
                 p.kill()
 
 
+ARRIVED_THEN_DIED = textwrap.dedent(
+    """
+    import os, sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from gyre_train.multicell import MultiCellConfig, RendezvousTimeout, reform_cell_world
+
+    rank, first, second = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    cfg = MultiCellConfig(num_cells=3, master_port=first, control_port=1, snapshot_dir=".")
+    if rank == 2:  # checks in at the rendezvous as reform_cell_world does, then dies before the world is built
+        store = dist.TCPStore(cfg.host, first, 3, is_master=False, timeout=timedelta(seconds=30))
+        store.add("arrived", 1)
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        reform_cell_world(cfg, rank, first, rendezvous_timeout_s=3.0)
+        print("formed-with-a-dead-rank", flush=True)
+    except RendezvousTimeout:
+        print("timeout", round(time.monotonic() - t0), dist.is_initialized(), flush=True)
+    sys.stdin.readline()  # the test's gate: the replacement rank 2 is started
+    groups = reform_cell_world(cfg, rank, second, rendezvous_timeout_s=60.0)
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x, group=groups.for_prefix(3))
+    print("formed", x.item(), flush=True)
+    os._exit(0)
+    """
+)
+
+
+def test_a_rank_that_dies_after_checking_in_fails_the_others_in_bounded_time_and_a_retry_forms():
+    """The narrowest part of the re-form window: a cell arrives at the rendezvous, then dies before the gloo world
+    is built. The live ranks must not wait in gloo's own rendezvous past the timeout nor fail with another error:
+    the same RendezvousTimeout, no world held, and the next generation forms once the replacement arrives."""
+    first, second = _port(), _port()
+
+    def start(rank: int, script: str = ARRIVED_THEN_DIED) -> subprocess.Popen:
+        argv = [sys.executable, "-c", script, str(rank), str(first), str(second)]
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    procs = [start(0), start(1)]
+    try:
+        dying = start(2)
+        assert dying.wait(timeout=120) == 0
+        outcomes = [p.stdout.readline().split() for p in procs]
+        for word, seconds, initialized in outcomes:
+            assert (word, initialized) == ("timeout", "False"), outcomes
+            assert int(seconds) < 30, outcomes  # bounded by the 3 s rendezvous, not gloo's default
+        procs.append(start(2, BOUNDED))  # the replacement: it joins the second generation directly
+        for p in procs[:2]:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        assert [p.stdout.readline().split() for p in procs] == [["formed", "6.0"]] * 3
+        assert all(p.wait(timeout=60) == 0 for p in procs)
+    finally:
+        for p in [*procs, dying]:
+            if p.poll() is None:
+                p.kill()
+
+
 GONE = textwrap.dedent(
     """
     import os, sys

@@ -145,8 +145,30 @@ def reform_cell_world(
             f"world generation on port {master_port}: not every one of the cells {members} arrived "
             f"within {rendezvous_timeout_s:g} s ({type(exc).__name__}: {exc})"
         ) from exc
-    dist.init_process_group("gloo", store=store, rank=members.index(cell), world_size=size)
-    return PrefixGroups(cfg.num_cells, members)
+    # A rank can also die after checking in: gloo's own rendezvous (inside init) then waits for it, bounded by the
+    # same timeout. Only the world's default group gets it: every collective runs on the prefix and member groups,
+    # which keep gloo's default (a slow step must not trip them).
+    try:
+        dist.init_process_group(
+            "gloo", store=store, rank=members.index(cell), world_size=size, timeout=timeout
+        )
+    except Exception as exc:
+        _forget_failed_world()
+        raise RendezvousTimeout(
+            f"world generation on port {master_port}: a rank of the cells {members} checked in but the world was "
+            f"not built within {rendezvous_timeout_s:g} s ({type(exc).__name__}: {exc})"
+        ) from exc
+    return PrefixGroups(cfg.num_cells, members, timeout=dist.default_pg_timeout)
+
+
+def _forget_failed_world() -> None:
+    """After a world that was not built: torch names groups by a per-process count, which the failed init advanced
+    and only a destroyed world resets. A restarted process starts from zero, so without this the next generation's
+    ranks would wait for each other under different names. A one-rank world on a local store, destroyed at once,
+    resets it with public calls only."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.destroy_process_group()
 
 
 class PrefixGroups:
@@ -155,11 +177,16 @@ class PrefixGroups:
     ``cells``: the cell of each rank (rank = position; None: rank = cell, all K). Callers speak cells; a world that
     left out a cell gone for good maps them to its ranks."""
 
-    def __init__(self, num_cells: int, cells: list[int] | None = None) -> None:
+    def __init__(
+        self, num_cells: int, cells: list[int] | None = None, timeout: timedelta | None = None
+    ) -> None:
         self.num_cells = num_cells
         self.cells = list(cells) if cells is not None else list(range(num_cells))
         self._rank = {c: r for r, c in enumerate(self.cells)}
-        self.groups = {p: dist.new_group(list(range(p))) for p in range(2, len(self.cells) + 1)}
+        self._timeout = timeout  # of every group's collectives (None: the world's)
+        self.groups = {
+            p: dist.new_group(list(range(p)), timeout=timeout) for p in range(2, len(self.cells) + 1)
+        }
         self._fresh: dict[tuple[int, ...], object] = {}
 
     def for_prefix(self, prefix: int):
@@ -188,7 +215,7 @@ class PrefixGroups:
             return self.for_prefix(len(ranks))
         key = tuple(ranks)
         if key not in self._fresh:
-            self._fresh[key] = dist.new_group(ranks, use_local_synchronization=True)
+            self._fresh[key] = dist.new_group(ranks, timeout=self._timeout, use_local_synchronization=True)
         return self._fresh[key]
 
     def barrier(self, members: list[int]) -> None:
