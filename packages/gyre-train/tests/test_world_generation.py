@@ -93,22 +93,28 @@ BOUNDED = textwrap.dedent(
 )
 
 
-def test_a_rank_missing_from_the_rendezvous_fails_every_waiting_rank_in_bounded_time_and_a_retry_forms():
-    """A cell that died or hangs after the re-form was asked must not hold the others for gloo's 30 minutes: the
-    core and the other live rank give up after the rendezvous timeout, hold no world, and form the next
-    generation once the replacement arrives."""
+def _times_out_then_a_fresh_rank_2_forms(
+    wait: int, arrival: str, seconds: range, beside: str | None = None
+) -> None:
+    """Ranks 0 and 1 run BOUNDED (first re-form with a `wait` s rendezvous) while rank 2 is missing, or while
+    `beside` (a script given the first port) checks in for it and dies. Each must raise RendezvousTimeout after
+    `seconds` with no world held, `arrival` ("True" when the arrival count timed out, "False" when gloo's init did);
+    then a fresh rank 2 forms the second generation with them."""
     first, second = _port(), _port()
 
     def start(rank: int) -> subprocess.Popen:
-        argv = [sys.executable, "-c", BOUNDED, str(rank), str(first), str(second), "3"]
+        argv = [sys.executable, "-c", BOUNDED, str(rank), str(first), str(second), str(wait)]
         return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     procs = [start(0), start(1)]
+    dying = subprocess.Popen([sys.executable, "-c", beside, str(first)]) if beside else None
     try:
+        if dying is not None:
+            assert dying.wait(timeout=120) == 0
         outcomes = [p.stdout.readline().split() for p in procs]
-        for word, seconds, initialized, named in outcomes:
-            assert (word, initialized, named) == ("timeout", "False", "True"), outcomes
-            assert 3 <= int(seconds) < 30, outcomes  # bounded by the 3 s timeout, not gloo's default
+        for word, took, initialized, named in outcomes:
+            assert (word, initialized, named) == ("timeout", "False", arrival), outcomes
+            assert int(took) in seconds, outcomes  # bounded by the rendezvous timeout, not gloo's default
         procs.append(start(2))
         for p in procs[:2]:
             p.stdin.write("go\n")
@@ -116,9 +122,16 @@ def test_a_rank_missing_from_the_rendezvous_fails_every_waiting_rank_in_bounded_
         assert [p.stdout.readline().split() for p in procs] == [["formed", "6.0"]] * 3
         assert all(p.wait(timeout=60) == 0 for p in procs)
     finally:
-        for p in procs:
+        for p in [*procs, *([dying] if dying else [])]:
             if p.poll() is None:
                 p.kill()
+
+
+def test_a_rank_missing_from_the_rendezvous_fails_every_waiting_rank_in_bounded_time_and_a_retry_forms():
+    """A cell that died or hangs after the re-form was asked must not hold the others for gloo's 30 minutes: the
+    core and the other live rank give up after the rendezvous timeout, hold no world, and form the next
+    generation once the replacement arrives."""
+    _times_out_then_a_fresh_rank_2_forms(3, arrival="True", seconds=range(3, 30))
 
 
 CHECKS_IN_THEN_DIES = textwrap.dedent(
@@ -140,30 +153,10 @@ def test_a_rank_that_dies_after_checking_in_fails_the_others_in_bounded_time_and
     is built. The live ranks must not wait in gloo's own rendezvous past the timeout nor fail with another error:
     the same RendezvousTimeout, no world held, and the next generation forms once a fresh rank 2 arrives (the
     failed init advanced torch's group-name count in the live ranks only)."""
-    first, second = _port(), _port()
-
-    def start(rank: int) -> subprocess.Popen:  # 20 s: all three surely check in; rank 2 then dies
-        argv = [sys.executable, "-c", BOUNDED, str(rank), str(first), str(second), "20"]
-        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    procs = [start(0), start(1)]
-    dying = subprocess.Popen([sys.executable, "-c", CHECKS_IN_THEN_DIES, str(first)])
-    try:
-        assert dying.wait(timeout=120) == 0
-        outcomes = [p.stdout.readline().split() for p in procs]
-        for word, seconds, initialized, arrival in outcomes:  # not the arrival count: gloo's init timed out
-            assert (word, initialized, arrival) == ("timeout", "False", "False"), outcomes
-            assert 20 <= int(seconds) < 60, outcomes  # bounded by the 20 s rendezvous, not gloo's default
-        procs.append(start(2))
-        for p in procs[:2]:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        assert [p.stdout.readline().split() for p in procs] == [["formed", "6.0"]] * 3
-        assert all(p.wait(timeout=60) == 0 for p in procs)
-    finally:
-        for p in [*procs, dying]:
-            if p.poll() is None:
-                p.kill()
+    # 20 s: all three surely check in before rank 2 dies, so the timeout is gloo's init, not the arrival count.
+    _times_out_then_a_fresh_rank_2_forms(
+        20, arrival="False", seconds=range(20, 60), beside=CHECKS_IN_THEN_DIES
+    )
 
 
 GONE = textwrap.dedent(
