@@ -34,8 +34,10 @@ rank per remaining cell), so it blocks no later rejoin; a re-form waits only whi
 Under Async the boundary is the policy's publication too (no batch is open then): the training satellites of the
 split re-form from training (each worker stops its wait for the next batch around the rendezvous and starts it
 again), and a restarted satellite of the split takes no rollout work while it waits, then switches back to
-training (gyre_sched.policies.AsyncPolicy), so the split stays what the config says. Not done (the cell stays
-rollout-only, one line says why): pipelined or Megatron cells (their groups are built over the world).
+training (gyre_sched.policies.AsyncPolicy), so the split stays what the config says. A megatron cell (one process,
+float32) re-creates megatron's groups over the new world in every cell (`TrainBackend.regroup`). Not done (the cell
+stays rollout-only, one line says why): pipelined cells (PP > 1: their stages are one group) and megatron in
+bfloat16 (its DDP buffers hold the world's groups).
 """
 
 from __future__ import annotations
@@ -209,8 +211,10 @@ class CellLosses:
 
     def _rejoin_refused(self) -> str | None:
         t = self.c.cfg.train
-        if t.backend != "torch" or t.pipeline_parallel > 1:
-            return f"the {t.backend} backend (PP={t.pipeline_parallel}) builds its groups over the gloo world"
+        # A megatron cell of one process in float32 re-creates its groups in the new world (MegatronBackend.regroup);
+        # a pipelined cell's stages, or megatron's DDP buffers (bfloat16), keep the groups they were built with.
+        if t.backend == "megatron" and (t.pipeline_parallel > 1 or t.dtype != "float32"):
+            return f"the megatron backend (PP={t.pipeline_parallel}, {t.dtype}) builds its groups over the gloo world"
         return None
 
     async def rejoin_training(self) -> None:

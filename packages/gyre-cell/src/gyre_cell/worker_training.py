@@ -317,6 +317,9 @@ class CellTraining:
             self.stop_burst()
         self.wait_idle()
         self.groups = reform_cell_world(self.mc, self.cfg.cell, master_port, rendezvous_timeout_s, members)
+        # A megatron backend built its groups over the old world: it re-creates them now, at the point where the
+        # restarted cell builds its backend (after its own reform_cell_world), so the collective calls match.
+        self.backend.regroup()
         self.mc = replace(self.mc, master_port=master_port)
         if self.core is not None:
             self.core.groups = self.groups

@@ -98,22 +98,35 @@ def replay_batch(
     dtype: str = "float64",
     loss: LossConfig | None = None,
     temperature: float | None = None,
+    backend: str = "torch",
 ) -> tuple[float, torch.Tensor]:
     """Recompute a dumped batch on one in-process cell from ``params_before``: (loss, flat gradient).
 
     ``model_path`` gives the architecture (its weights are replaced by ``params_before``); ``dtype`` the parameter
     dtype of the replay; ``loss`` the objective settings of the run (default ``LossConfig()``); ``temperature``
-    overrides the micro-steps' rollout temperature (None: the one they carry). Every micro-step's ``s_i`` sums are
-    recomputed by a fresh pre-pass (the single-pass path is not used), then every micro-step is trained once.
+    overrides the micro-steps' rollout temperature (None: the one they carry); ``backend`` the backend the run
+    trained with (its flat layout is the dump's: ``"megatron"`` replays on a one-process megatron backend, whose
+    process groups are torn down after). Every micro-step's ``s_i`` sums are recomputed by a fresh pre-pass (the
+    single-pass path is not used), then every micro-step is trained once.
     """
-    from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
+    from gyre_train.backends.factory import build_backend
+
+    one = build_backend(backend, model_path=model_path, dtype=dtype, optimizer=False)
+    try:
+        return _replay_on(one, directory, model_path, loss or LossConfig(), temperature)
+    finally:
+        if backend == "megatron":
+            one.close()
+
+
+def _replay_on(
+    backend, directory: str | Path, model_path: str, loss: LossConfig, temperature: float | None
+) -> tuple[float, torch.Tensor]:
     from gyre_train.cell import CellWorker
     from gyre_train.queue import MicroStepQueue
     from gyre_train.types import PrepassResult
 
-    loss = loss or LossConfig()
     dump = load_dump(directory)
-    backend = TorchBackend(TorchBackendConfig(model_path=model_path, dtype=dtype, optimizer=False))
     reference = backend.flat_params()
     if dump.params_before.numel() != reference.numel():
         raise ValueError(

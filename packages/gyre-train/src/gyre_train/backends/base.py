@@ -104,3 +104,10 @@ class TrainBackend(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def regroup(self) -> None:
+        """The default process group was replaced by a new generation of the world
+        (gyre_train.multicell.reform_cell_world): re-create the process groups this backend built over the old one.
+        Collective: every rank of the new world calls it at the same point (a restarted rank builds its backend
+        there instead, which creates the same groups in the same order)."""
+        ...

@@ -163,6 +163,10 @@ class TorchBackend:
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
 
+    def regroup(self) -> None:
+        """Nothing to do: this backend builds no process group (the cells' collectives run on gyre_train.multicell's
+        groups, which the re-form itself rebuilds)."""
+
     # --- publication (the same two calls on every backend) ---------------------------------------------------
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -188,6 +188,25 @@ class MegatronBackend:
         """Tear down the process groups this backend created (none if it joined existing ones)."""
         destroy_model_parallel(*self._owned)
 
+    def regroup(self) -> None:
+        """Re-create megatron's groups over a new world generation (see ``TrainBackend.regroup``): a cell worker
+        whose gloo world of cells was re-formed after a cell's restart. Only for a replica of one rank in float32:
+        its modules and optimizer hold no group (what a `gyre run` cell of one process is); a wider replica's
+        layers and megatron's DDP buffers keep the groups they were built with, so it is refused."""
+        p = self.cfg.parallel
+        wide = (p.tensor_parallel, p.pipeline_parallel, p.context_parallel, p.expert_parallel) != (1, 1, 1, 1)
+        if wide or self.mixed:
+            raise ValueError(
+                f"a megatron replica of TP={p.tensor_parallel} PP={p.pipeline_parallel} CP={p.context_parallel} "
+                f"EP={p.expert_parallel} in {self.cfg.params_dtype} cannot move to a new world: its layers and "
+                "buffers hold their groups (only TP=PP=CP=EP=1 in float32 can)"
+            )
+        parallel_state.destroy_model_parallel()  # the old generation's groups (their world is destroyed)
+        created_pg, _ = self._owned
+        _, created_mp = init_model_parallel(p, seed=self.cfg.seed)
+        self._owned = (created_pg, created_mp)
+        self._partial_grads = self._partial_grad_groups()  # none at TP = PP = 1; rebuilt for the rule's sake
+
     # --- one micro-batch through megatron's schedule -----------------------------------------------------------
 
     def _inputs(self, batch: PackedTensors) -> _Prepared:

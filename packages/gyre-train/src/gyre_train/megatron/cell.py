@@ -284,6 +284,9 @@ class PipelinedBackend:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.call("load_state_dict", state)
 
+    def regroup(self) -> None:
+        raise ValueError("a pipelined cell (PP > 1) cannot move to a new world: its stages are one group")
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.call("hf_state_dict")
 
