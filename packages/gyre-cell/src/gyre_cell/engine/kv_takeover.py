@@ -51,6 +51,7 @@ class Takeovers:
     _geometry: Callable[[], tuple[int, int]]
     _notify: Callable[[str, str], None]
     layout: Callable[[], KVLayout]
+    _ack_client: httpx.Client | None = None  # made at the first ack (this engine's, reused)
 
     # ---- destination: takeover ---------------------------------------------------------------------------------
     def _refusal(self, export: KVExport, token_ids: list[int] | None) -> str | None:
@@ -204,7 +205,9 @@ class Takeovers:
     def _http_ack(self, export: KVExport) -> bool:
         assert export.source_url
         headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        r = httpx.post(
+        if self._ack_client is None:  # one client: a new one per ack built a TLS context each time (~ms)
+            self._ack_client = httpx.Client()
+        r = self._ack_client.post(
             f"{export.source_url.rstrip('/')}/kv/ack",
             json={"migration_id": export.migration_id},
             headers=headers,
