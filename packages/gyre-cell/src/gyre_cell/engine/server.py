@@ -205,6 +205,10 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
             try:
                 while not finished:
                     out, finished = await queue.get()
+                    # Outputs are cumulative (SGLang's default): of those already queued only the newest is sent,
+                    # as SGLang's own stream does when the client reads slower than the engine decodes.
+                    while not finished and not queue.empty():
+                        out, finished = queue.get_nowait()
                     yield b"data: " + orjson.dumps(out) + b"\n\n"
                 yield b"data: [DONE]\n\n"
             finally:
