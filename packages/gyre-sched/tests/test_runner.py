@@ -25,7 +25,8 @@ HARNESS = r"""
 import json, os, subprocess, sys, time, urllib.request
 workspace, task = sys.argv[1], sys.argv[2]
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) if "spawn" in task else None
-body = {"env": dict(os.environ), "cwd": os.getcwd(), "argv": sys.argv[1:], "child": child and child.pid}
+body = {"env": dict(os.environ), "cwd": os.getcwd(), "argv": sys.argv[1:], "child": child and child.pid,
+        "pid": os.getpid()}
 req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/hello", data=json.dumps(body).encode(),
                              headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
 urllib.request.urlopen(req).read()
@@ -208,6 +209,36 @@ def test_process_group_killed(tmp_path, proxy, how):
     assert done.outcome == ("harness_timeout" if how == "timeout" else "cancelled")
     assert proxy.ends("e") == 1
     assert wait_dead(hello["child"])  # the harness's own child went with its process group
+
+
+# A runner in its own process (as in the controller): it launches one hanging harness, then waits to be killed.
+RUNNER = r"""
+import asyncio, sys
+from pathlib import Path
+from gyre_sched.runner import ExecutionRunner
+run_dir, url, token, harness = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+runner = ExecutionRunner(run_dir, url, token, [sys.executable, "-c", harness, "{workspace}", "{task}"], 600.0)
+asyncio.run(runner.run("orphan", "g", "http://engine-0", "hang"))
+"""
+
+
+def test_a_killed_runner_process_takes_its_harness_with_it(tmp_path, proxy):
+    """SIGKILL the runner's process while its harness runs: the harness gets SIGKILL too (its death signal, set by
+    setpriv before exec, or by the fork's preexec where there is no setpriv), so no harness outlives a controller."""
+    import signal
+    import subprocess
+
+    runner = subprocess.Popen([sys.executable, "-c", RUNNER, str(tmp_path), proxy.url, ADMIN_TOKEN, HARNESS])
+    try:
+        hello = asyncio.run(proxy.hello("orphan"))  # the gate: the harness runs
+        harness = hello["pid"]
+        assert not wait_dead(harness, timeout=0)
+        runner.send_signal(signal.SIGKILL)
+        runner.wait(timeout=60)
+        assert wait_dead(harness), "the harness outlived its runner"
+    finally:
+        if runner.poll() is None:
+            runner.kill()
 
 
 def test_group_leftovers_killed_after_a_normal_exit(tmp_path, proxy):
