@@ -3,7 +3,8 @@
 - :mod:`~gyre_train.megatron.compat`: the CPU compatibility layer (the only place CUDA assumptions are patched).
 - :mod:`~gyre_train.megatron.weights`: HF Qwen3 <-> GPTModel names, fused layouts, TP sharding (no megatron import).
 - :mod:`~gyre_train.megatron.model`: process groups, GPTModel built from a HF Qwen3 config, weight load/export.
-- :mod:`~gyre_train.megatron.backend`: :class:`MegatronBackend`, the ``TrainBackend`` implementation.
+- :mod:`~gyre_train.megatron.backend`: :class:`MegatronBackend`, the ``TrainBackend`` implementation; its settings
+  in :mod:`~gyre_train.megatron.config`.
 - :mod:`~gyre_train.megatron.pipeline`: the continuous 1F1B of a pipelined cell (``StreamingPipeline``), fed by
   :mod:`~gyre_train.megatron.sources` (``WorkSource``, ``QueueSource``, ``PipelineStats``) and steered over
   :mod:`~gyre_train.megatron.control` (``ControlChannel``).
@@ -22,7 +23,7 @@ __all__ = ["MegatronBackend", "MegatronBackendConfig", "ParallelConfig"]
 
 _LAZY = {
     "MegatronBackend": "gyre_train.megatron.backend",
-    "MegatronBackendConfig": "gyre_train.megatron.backend",
+    "MegatronBackendConfig": "gyre_train.megatron.config",
     "ParallelConfig": "gyre_train.megatron.model",
 }
 
