@@ -101,3 +101,50 @@ def test_agent_starts_without_site_packages(tmp_path):
     proc = subprocess.run([sys.executable, "-I", "-S", agent.__file__, "--workspace", str(tmp_path), "--task", "t"],
                           capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     assert proc.returncode == 3 and "model endpoint failed" in proc.stderr
+
+
+def test_http_complete_posts_to_the_endpoint_and_names_its_refusal(tmp_path):
+    """The agent's own HTTP client (http.client, no TLS context for plain http) against a loopback server."""
+    import http.server
+    import threading
+
+    seen: list[tuple[str, str, dict]] = []
+
+    class Endpoint(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, self.headers["Authorization"], body))
+            refused = self.headers["Authorization"] != "Bearer right"
+            reply = b'{"error": "no such key"}' if refused else json.dumps(
+                {"choices": [{"message": {"role": "assistant", "content": "pink"}}]}).encode()  # fmt: skip
+            self.send_response(401 if refused else 200)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}/v1"
+        config = agent.AgentConfig(base_url=base, api_key="right", workspace=tmp_path, max_tokens=7)
+        message = agent.http_complete(config)([{"role": "user", "content": "hi"}])
+        assert message == {"role": "assistant", "content": "pink"}
+        path, auth, body = seen[0]
+        assert (path, auth) == ("/v1/chat/completions", "Bearer right")
+        assert (
+            body["max_tokens"] == 7
+            and body["messages"][0]["content"] == "hi"
+            and body["tools"] == agent.TOOLS
+        )
+        wrong = agent.AgentConfig(base_url=base, api_key="wrong", workspace=tmp_path)
+        try:
+            agent.http_complete(wrong)([{"role": "user", "content": "hi"}])
+            raise AssertionError("a 401 must raise")
+        except agent.EndpointError as exc:
+            assert str(exc) == '401 {"error": "no such key"}'
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -22,11 +22,11 @@ so the demo policy's synthetic pre-training transcripts come from this same code
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,8 +218,25 @@ class EndpointError(RuntimeError):
 
 def http_complete(config: AgentConfig) -> Complete:
     """`complete` over HTTP: POST {base_url}/chat/completions with the execution's credential."""
-    url = config.base_url.rstrip("/") + "/chat/completions"
+    url = urllib.parse.urlsplit(config.base_url.rstrip("/") + "/chat/completions")
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise EndpointError(f"the model endpoint must be an http(s) URL, not {config.base_url!r}")
+    target = url.path + (f"?{url.query}" if url.query else "")
     headers = {"Authorization": f"Bearer {config.api_key}", "Content-Type": "application/json"}
+    tls = []  # one TLS context per agent, made on its first https call (plain http, the proxy's usual: none)
+
+    def connection() -> http.client.HTTPConnection:
+        # http.client, not urllib: urlopen's default opener builds a TLS context with the system's certificates
+        # even for plain http, about a quarter of a short agent's CPU (py-spy, gyre demo)
+        if url.scheme == "http":
+            return http.client.HTTPConnection(url.hostname, url.port or 80, timeout=config.timeout_s)
+        if not tls:
+            import ssl
+
+            tls.append(ssl.create_default_context())
+        return http.client.HTTPSConnection(
+            url.hostname, url.port or 443, timeout=config.timeout_s, context=tls[0]
+        )
 
     def complete(messages: list[dict]) -> dict:
         body = {
@@ -229,14 +246,20 @@ def http_complete(config: AgentConfig) -> Complete:
             "max_tokens": config.max_tokens,
             "temperature": config.temperature,
         }
-        request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+        conn = None
         try:
-            with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
-                return json.loads(response.read())["choices"][0]["message"]
-        except urllib.error.HTTPError as exc:
-            raise EndpointError(f"{exc.code} {exc.read()[:500].decode(errors='replace')}") from exc
-        except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as exc:
+            conn = connection()
+            conn.request("POST", target, json.dumps(body).encode(), headers)
+            response = conn.getresponse()
+            data = response.read()
+            if response.status >= 400:
+                raise EndpointError(f"{response.status} {data[:500].decode(errors='replace')}")
+            return json.loads(data)["choices"][0]["message"]
+        except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError) as exc:
             raise EndpointError(str(exc)) from exc
+        finally:
+            if conn is not None:
+                conn.close()
 
     return complete
 

@@ -36,7 +36,7 @@ def report_data(run_dir: Path, max_details: int = MAX_DETAILS) -> dict:
         details = {}
         for row in executions[:max_details]:
             try:
-                details[row["execution"]] = view.execution(row["execution"])
+                details[row["execution"]] = view.execution(row["execution"], refresh=False)
             except Exception as exc:  # one unreadable execution must not cost the whole report
                 log.warning("report: execution %s left out: %s", row["execution"], exc)
         return {

@@ -406,17 +406,17 @@ class RunView:
 
     def executions(self) -> list[dict]:
         with self._lock:
-            rows = []
-            for e in self._executions.values():
-                reward = self._rewards.get(e.id, {})
-                rows.append({
-                    "execution": e.id, "group": e.group, "query": e.query, "v_d": e.v_d, "status": e.status,
-                    "engine": e.engine, "dispatch_t": e.dispatch_t, "launch_t": e.launch_t, "end_t": e.end_t,
-                    "calls": e.calls, "input_tokens": e.input_tokens, "output_tokens": e.output_tokens,
-                    "reward": reward.get("score"), "assessment": e.assessment or reward.get("status"),
-                    "attempts": reward.get("attempts"),
-                })  # fmt: skip
-            return rows
+            return [self._row(e) for e in self._executions.values()]
+
+    def _row(self, e: _Execution) -> dict:
+        reward = self._rewards.get(e.id, {})
+        return {
+            "execution": e.id, "group": e.group, "query": e.query, "v_d": e.v_d, "status": e.status,
+            "engine": e.engine, "dispatch_t": e.dispatch_t, "launch_t": e.launch_t, "end_t": e.end_t,
+            "calls": e.calls, "input_tokens": e.input_tokens, "output_tokens": e.output_tokens,
+            "reward": reward.get("score"), "assessment": e.assessment or reward.get("status"),
+            "attempts": reward.get("attempts"),
+        }  # fmt: skip
 
     def execution_ids(self) -> list[str]:
         with self._lock:
@@ -436,17 +436,21 @@ class RunView:
             return None
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def execution(self, execution_id: str) -> dict | None:
-        """Everything about one execution (None if the run never dispatched it)."""
+    def execution(self, execution_id: str, *, refresh: bool = True) -> dict | None:
+        """Everything about one execution (None if the run never dispatched it). ``refresh=False`` reads it as of
+        the last `refresh` (a report reads hundreds of executions of a finished run: one refresh, not one each,
+        since a refresh re-reads every assessment)."""
         from gyre_tito.export import read_trajectories
         from gyre_tito.records import log_path, read_log
         from gyre_tito.tree import ExecutionTree
 
         with self._lock:
-            self.refresh()
-            row = next((r for r in self.executions() if r["execution"] == execution_id), None)
-            if row is None:
+            if refresh:
+                self.refresh()
+            e = self._executions.get(execution_id)
+            if e is None:
                 return None
+            row = self._row(e)
             path = log_path(self._records_dir(), execution_id)
             records = read_log(path).records if path.exists() else []
             tree = ExecutionTree.from_records(execution_id, records)
