@@ -241,6 +241,29 @@ def test_a_killed_runner_process_takes_its_harness_with_it(tmp_path, proxy):
             runner.kill()
 
 
+@pytest.mark.parametrize("spawn", ["setpriv", "fork"])
+def test_a_harness_whose_runner_died_before_its_death_signal_never_starts(tmp_path, monkeypatch, spawn):
+    """The race the death signal alone leaves open: the runner dies after the spawn but before PR_SET_PDEATHSIG, so
+    no signal will ever come. The harness is then another process's child; it must exit instead of starting. Played
+    by naming a runner that is not the parent (this test's process is)."""
+    import subprocess
+
+    from gyre_sched import runner as runner_mod
+
+    if spawn == "setpriv" and runner_mod._SETPRIV is None:
+        pytest.skip("no setpriv on this machine")
+    if spawn == "fork":
+        monkeypatch.setattr(runner_mod, "_SETPRIV", None)
+    marker = tmp_path / "started"
+    harness = [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('x')"]
+    for runner_pid, started in ((os.getpid(), True), (os.getppid(), False)):
+        argv, preexec = runner_mod._dying_with_runner(harness, runner_pid)
+        proc = subprocess.run(argv, preexec_fn=preexec, timeout=60)
+        assert marker.exists() is started, (runner_pid, proc.returncode)
+        assert proc.returncode == (0 if started else 70 if spawn == "setpriv" else -9)
+        marker.unlink(missing_ok=True)
+
+
 def test_group_leftovers_killed_after_a_normal_exit(tmp_path, proxy):
     async def main():
         runner = make_runner(tmp_path, proxy)

@@ -111,14 +111,25 @@ code run between fork and exec, so the spawn can use vfork. A controller of hund
 about 20 ms of page-table copying per plain fork, per harness (py-spy, `gyre demo`). Without setpriv: the fork."""
 
 
-def _dying_with_runner(argv: list[str]) -> tuple[list[str], Callable[[], None] | None]:
+_SH = shutil.which("dash") or shutil.which("sh") or "/bin/sh"
+_PARENT_CHECK = '[ "$PPID" = "$0" ] || exit 70; unset PWD OLDPWD SHLVL; exec "$@"'
+"""Run by sh after setpriv's PR_SET_PDEATHSIG, before the harness: a runner that died before the death signal was
+set left its child to another parent, so the harness must not start (exit 70, nobody waits for it). The variables
+the shell itself exports are dropped: the harness's environment stays the runner's allow-list."""
+
+
+def _dying_with_runner(
+    argv: list[str], runner_pid: int | None = None
+) -> tuple[list[str], Callable[[], None] | None]:
     """An unsandboxed harness's argv and preexec_fn so that it gets SIGKILL when the runner's process dies.
 
-    With setpriv the harness is exec'd by it after its PR_SET_PDEATHSIG; a runner that dies in the millisecond
-    before that line leaves the harness running against a dead proxy (its next model call fails and it exits)."""
+    With setpriv the harness is exec'd after its PR_SET_PDEATHSIG through a one-line sh check of its parent: a
+    runner that died in the millisecond before the prctl (no signal will come) is caught by the check, one that dies
+    after it sends the signal. The shell costs one exec (about a millisecond), not a fork of the runner."""
+    runner_pid = os.getpid() if runner_pid is None else runner_pid
     if _SETPRIV is not None:
-        return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv], None
-    return argv, partial(_die_with_runner, os.getpid(), ())
+        return [_SETPRIV, "--pdeathsig", "KILL", "--", _SH, "-c", _PARENT_CHECK, str(runner_pid), *argv], None
+    return argv, partial(_die_with_runner, runner_pid, ())
 
 
 class ExecutionRunner:
