@@ -70,7 +70,7 @@ def test_group_demands_skip_dropped_groups_and_count_excluded_executions(small):
     assert seqs[-1] > 39  # some groups can never become ready (more than k_spare of 5 excluded)
 
 
-@pytest.mark.parametrize("policy", [{"planner": "adaptive"}, {"dispatch": "continuous"}])
+@pytest.mark.parametrize("policy", [{"planner": "adaptive"}, {"dispatch": "continuous", "q_c": 1}])
 def test_capacity_bound_refuses_what_it_cannot_bound(small, policy):
     with pytest.raises(ValueError, match="boundary dispatch with the fixed planner"):
         capacity_bound(small("elastic", 0.5, 3, bursts=2, policy=policy))

@@ -75,6 +75,12 @@ def test_policy_config_builds_params_for_a_real_run():
         ({"kind": "async", "async_train_cells": 2}, {"K": 2}, ["async_train_cells=2", "K=2"]),
         ({"phi": 0.25, "B": 2}, {}, ["phi=0.25", "B=2"]),
         ({"kind": "colocate", "phi": 0.0, "dispatch": "continuous"}, {}, ["dispatch=continuous"]),
+        (
+            {"dispatch": "continuous", "N": 4, "B": 2, "mu": 1, "phi": 0.0},
+            {},
+            ["2 * 4 > (K-1)*C_e + C_s = 4", "set q_c <= 1"],
+        ),
+        ({"dispatch": "continuous", "N": 5, "B": 1, "q_c": 1}, {}, ["1 * 5 > (K-1)*C_e + C_s = 4", "q_c=1"]),
         ({}, {"harness_timeout_s": 600.0, "overall_budget_s": 300.0}, ["harness_timeout_s=600.0"]),
         ({}, {"C_e": 0}, ["C_e=0"]),
     ],

@@ -33,9 +33,11 @@ STATUSES = ["valid", "valid", "valid", "no_work", "excluded"]
 def params(kind, streaming, k_spare, continuous, c_s, phi2, mu):
     if kind == "colocate":
         continuous, phi2 = False, (phi2 if c_s else 0)
+    # elastic + continuous: as many groups in flight as the other cells hold (more is refused: training might never start)
+    q_c = (2 * 3 + c_s) // (2 + k_spare) if continuous and kind == "elastic" else None
     return PolicyParams(
         kind=kind, K=3, C_e=3, C_s=c_s, N=2, B=2, phi=phi2 / 2, mu=mu, rho_min=0.5, tau_s=5.0, k_spare=k_spare,
-        streaming=streaming, dispatch="continuous" if continuous else "boundary", async_train_cells=1,
+        streaming=streaming, dispatch="continuous" if continuous else "boundary", q_c=q_c, async_train_cells=1,
     )  # fmt: skip
 
 

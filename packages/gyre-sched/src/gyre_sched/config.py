@@ -108,6 +108,20 @@ class PolicyParams:
                 "colocate waits for its admitted executions to finish: continuous dispatch never lets it "
                 "(kind=colocate, dispatch=continuous)"
             )
+        if self.kind == "elastic" and self.dispatch == "continuous":
+            # Elastic moves a cell to training when the outstanding work fits the cells that stay in rollout (eq. 5),
+            # which boundary dispatch lets happen as a burst drains. Continuous dispatch refills every finished
+            # group at once, so with more than that in flight the core may never train (the run spins in rollout).
+            groups = self.q_c if self.q_c is not None else self.phi_B + self.mu * self.B
+            rest = (self.K - 1) * self.C_e + self.C_s
+            if groups * self.N_d > rest:
+                fix = f"set q_c <= {rest // self.N_d} or " if rest >= self.N_d else ""
+                errs.append(
+                    f"elastic trains only when the outstanding executions fit the other cells (eq. 5), and continuous "
+                    f"dispatch keeps q_c groups of N_d executions outstanding: {groups} * {self.N_d} > (K-1)*C_e + "
+                    f"C_s = {rest}, so training might never start; {fix}use dispatch=boundary (kind=elastic, "
+                    f"dispatch=continuous, q_c={self.q_c}, N_d={self.N_d}, K={self.K}, C_e={self.C_e}, C_s={self.C_s})"
+                )
         if self.dispatch == "continuous" and self.q_c is not None and self.q_c < 1:
             errs.append(f"q_c must be >= 1 (q_c={self.q_c})")
         if self.planner == "adaptive" and self.dispatch != "boundary":
