@@ -171,6 +171,24 @@ def test_view_reads_every_part_of_a_run(run):
     view.close()
 
 
+def test_report_reads_the_run_with_one_refresh(run, monkeypatch):
+    """report.html shows up to 200 executions' details: one refresh of the view for all of them, not one each (a
+    refresh re-reads every assessment; a finished default demo spent 12 s that way), with the same details."""
+    from gyre.report import report_data
+
+    run_dir, _ = run
+    fresh = RunView(run_dir)
+    fresh.refresh()
+    expected = {e: fresh.execution(e) for e in fresh.execution_ids()}
+    fresh.close()
+    calls = []
+    refresh = RunView.refresh
+    monkeypatch.setattr(RunView, "refresh", lambda self: (calls.append(1), refresh(self))[1])
+    data = report_data(run_dir)
+    assert len(calls) == 1
+    assert data["details"] == expected and len(expected) == 4
+
+
 def test_view_follows_appends_and_waits_for_a_torn_line(run):
     run_dir, _ = run
     view = RunView(run_dir)
