@@ -1,8 +1,11 @@
 """A restore never reads an offload that is still being written (the core's final save restoring its state while a
-role switch offloads it: "SafetensorError: header too small" ended runs)."""
+role switch offloads it: "SafetensorError: header too small" ended runs), and an offload on CPU leaves no named file
+behind (a killed cell used to leave its whole training state in the temp folder)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 
 import torch
@@ -37,14 +40,14 @@ def test_restore_waits_for_an_offload_in_progress(monkeypatch):
     state = TorchTrainingState(model, opt)
     state._moving = watched = _WatchedLock()
     writing, release = threading.Event(), threading.Event()
-    real_save = roles.save_file
 
-    def held_save(tensors, path):  # the offload is mid-write: the file exists, empty
-        writing.set()
-        assert release.wait(60)
-        real_save(tensors, path)
+    class HeldSpill(roles.SpillFile):  # the offload is mid-write: nothing is in the spill yet
+        def __init__(self, tensors):
+            writing.set()
+            assert release.wait(60)
+            super().__init__(tensors)
 
-    monkeypatch.setattr(roles, "save_file", held_save)
+    monkeypatch.setattr(roles, "SpillFile", HeldSpill)
     errors: list[BaseException] = []
 
     def run(fn):
@@ -65,3 +68,29 @@ def test_restore_waits_for_an_offload_in_progress(monkeypatch):
     assert errors == [] and not state.offloaded
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
+
+
+def test_an_offload_on_cpu_names_no_file_and_restores_exactly(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 16, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    model(torch.randn(3, 16, dtype=torch.bfloat16)).float().sum().backward()  # grads of the next step held
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
+    opt_before = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
+    state = TorchTrainingState(model, opt)
+    resident = state.nbytes()
+    state.offload_blocking()
+    assert state.offloaded and state.nbytes() == 0
+    assert state._spill is not None and state._spill.nbytes == resident  # all of it is on disk ...
+    assert os.listdir(tmp_path) == []  # ... in a file without a name: a SIGKILL here leaves nothing
+    state.restore_blocking()
+    assert not state.offloaded and state._spill is None
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p.detach(), before[n][0]) and torch.equal(p.grad, before[n][1]), n
+    for s, s0 in zip(opt.state.values(), opt_before, strict=True):
+        for k, v in s0.items():
+            assert torch.equal(s[k], v), k

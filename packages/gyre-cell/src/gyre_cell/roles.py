@@ -12,8 +12,6 @@ Each phase is timed; the report is a wire type the controller can put in its tra
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -23,11 +21,11 @@ from typing import Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load_file, save_file
 
 from gyre_sched.types import CellRole, next_role
 
 from .client import RolloutEngine
+from .spill import SpillFile
 
 WeightLoader = Callable[[RolloutEngine], Awaitable[str]]
 """Loads the current weights into the engine and returns the weight version it now serves."""
@@ -46,14 +44,15 @@ class TrainingSide(Protocol):
 class TorchTrainingState:
     """A `TrainingSide` for a torch model and optimizer: offload really frees the memory.
 
-    On CUDA the tensors move to host memory; on CPU (nowhere cheaper to put them) they go to one temporary
-    safetensors file and every storage is swapped for an empty tensor, so the engine can take the RAM.
+    On CUDA the tensors move to host memory; on CPU (nowhere cheaper to put them) they go to one unnamed spill file
+    (`gyre_cell.spill`: nothing is left on disk if the cell is killed while offloaded) and every storage is swapped
+    for an empty tensor, so the engine can take the RAM.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
-        self._file: str | None = None
+        self._spill: SpillFile | None = None
         self._home: dict[str, torch.device] = {}
         self._offloaded: dict[str, tuple[object, str]] = {}
         # Offload and restore run on worker threads (a role switch, the core's final save): a restore must never
@@ -102,9 +101,7 @@ class TorchTrainingState:
         self._offloaded = slots
         on_cpu = all(d.type == "cpu" for d in self._home.values())
         if on_cpu:
-            fd, self._file = tempfile.mkstemp(prefix="gyre-train-state-", suffix=".safetensors")
-            os.close(fd)
-            save_file({n: t.contiguous() for n, t in tensors.items()}, self._file)
+            self._spill = SpillFile(tensors)
         for n, (h, k) in slots.items():  # params come before their grads: a grad must match its param
             t = tensors[n]
             if on_cpu and k == "grad":
@@ -121,13 +118,13 @@ class TorchTrainingState:
     def _restore_locked(self) -> None:
         if not self._home:
             return
-        saved = load_file(self._file) if self._file is not None else None
+        saved = self._spill.load() if self._spill is not None else None
         for n, (h, k) in self._offloaded.items():
             src = saved[n] if saved is not None else self._get(h, k)
             self._set(h, k, src.to(self._home[n]))
-        if self._file is not None:
-            os.unlink(self._file)
-        self._file, self._home, self._offloaded = None, {}, {}
+        if self._spill is not None:
+            self._spill.close()
+        self._spill, self._home, self._offloaded = None, {}, {}
 
     @property
     def offloaded(self) -> bool:

@@ -1,18 +1,19 @@
 """Model weights of the torch engine: loading, in-place updates by HF name, release and restore.
 
 Release really frees memory: every parameter's storage is swapped for an empty tensor after a backup is
-taken (a CPU copy on CUDA, a temporary safetensors file on CPU, or nothing with `none`).
+taken (a CPU copy on CUDA, an unnamed spill file on CPU: `gyre_cell.spill`, nothing left on disk by a killed engine;
+or nothing with `none`).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from ..spill import SpillFile
 
 
 class WeightError(ValueError):
@@ -67,7 +68,7 @@ class WeightStore:
         self._aliases = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
         self.released = False
         self._cpu_backup: dict[str, torch.Tensor] | None = None
-        self._disk_backup: Path | None = None
+        self._disk_backup: SpillFile | None = None
         self._meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
 
     def _resolve(self, name: str) -> torch.nn.Parameter:
@@ -124,10 +125,7 @@ class WeightStore:
         if mode == "cpu":
             self._cpu_backup = {n: p.detach().to("cpu", copy=True) for n, p in self._params.items()}
         elif mode == "disk":
-            fd, name = tempfile.mkstemp(prefix="gyre-weights-", suffix=".safetensors")
-            os.close(fd)
-            save_file({n: p.detach().to("cpu").contiguous() for n, p in self._params.items()}, name)
-            self._disk_backup = Path(name)
+            self._disk_backup = SpillFile(self._params)
         for p in self._params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.released = True
@@ -139,7 +137,7 @@ class WeightStore:
             return
         saved: Mapping[str, torch.Tensor] | None = self._cpu_backup
         if self._disk_backup is not None:
-            saved = load_file(str(self._disk_backup))
+            saved = self._disk_backup.load()
         for n, p in self._params.items():
             shape, dtype = self._meta[n]
             if saved is not None:
@@ -147,10 +145,10 @@ class WeightStore:
             else:  # like SGLang without a CPU backup: memory is back, contents need a weight update
                 p.data = torch.zeros(shape, dtype=dtype, device=self.device)
         if self._disk_backup is not None:
-            self._disk_backup.unlink(missing_ok=True)
+            self._disk_backup.close()
         self._cpu_backup, self._disk_backup = None, None
         self.released = False
 
     def close(self) -> None:
         if self._disk_backup is not None:
-            self._disk_backup.unlink(missing_ok=True)
+            self._disk_backup.close()
