@@ -67,22 +67,22 @@ def _spans(path: Path) -> list[dict]:
     return [s for row in pq.read_table(path).to_pylist() for s in row["weight_versions"]]
 
 
-def _kill_cell1_at_its_first_claim(tmp_path: Path, run_dir: Path, *sets: str) -> dict:
-    """Run elastic-k3.toml with `sets`, SIGKILL cell 1's worker at its first traced claim (the gate), and return the
-    run's summary once it completed (its stderr is kept in tmp_path/controller.log)."""
+def _run_k3(tmp_path: Path, run_dir: Path, gate, act, *sets: str, hold: int = 1) -> dict:
+    """Run elastic-k3.toml with `sets`; once `gate(trace lines)` holds, call `act()` (a fault), then wait for the run
+    and return its summary (its stderr is kept in tmp_path/controller.log)."""
     argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
-            str(run_dir), "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false", "--quiet",
+            str(run_dir), "--set", f"train.hold_core_for_join={hold}", "--set", "dashboard.enabled=false", "--quiet",
             *(x for kv in sets for x in ("--set", kv))]  # fmt: skip
     proc = subprocess.Popen(
         argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     deadline = time.monotonic() + 600
     try:
-        while not any(x["ev"] == "microstep_claim" and x["cell"] == 1 for x in _trace(run_dir)):  # the gate
+        while not gate(_trace(run_dir)):
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "cell 1 never claimed a micro-step"
+            assert time.monotonic() < deadline, "the gate never opened"
             time.sleep(0.05)
-        os.kill(_worker_pid(run_dir, 1), signal.SIGKILL)
+        act()
         out, err = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
@@ -91,6 +91,17 @@ def _kill_cell1_at_its_first_claim(tmp_path: Path, run_dir: Path, *sets: str) ->
     (tmp_path / "controller.log").write_bytes(err)  # its warnings (lost, restarted), for a failure below
     assert proc.returncode == 0, err.decode()[-3000:]
     return json.loads(out.decode().splitlines()[-1])
+
+
+def _cell1_claimed(lines: list[dict]) -> bool:
+    return any(x["ev"] == "microstep_claim" and x["cell"] == 1 for x in lines)
+
+
+def _kill_cell1_at_its_first_claim(tmp_path: Path, run_dir: Path, *sets: str) -> dict:
+    """SIGKILL cell 1's worker at its first traced claim (the gate)."""
+    return _run_k3(
+        tmp_path, run_dir, _cell1_claimed, lambda: os.kill(_worker_pid(run_dir, 1), signal.SIGKILL), *sets
+    )
 
 
 def _requeued(lines: list[dict], lost: dict) -> int:
@@ -194,25 +205,15 @@ def test_a_cell_lost_for_good_does_not_block_another_cells_rejoin(tmp_path):
     import socket
 
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
-            str(run_dir), "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false", "--quiet",
-            "--set", f"train.steps={STEPS}"]  # fmt: skip
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    deadline = time.monotonic() + 600
     holder = socket.socket()
-    try:
-        while not any(x["ev"] == "microstep_claim" and x["cell"] == 1 for x in _trace(run_dir)):  # the gate
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "cell 1 never claimed a micro-step"
-            time.sleep(0.05)
+
+    def kill_two() -> None:
         port = json.loads((run_dir / "cells" / "cell-2.json").read_text())["port"]
-        pid = _worker_pid(run_dir, 2)
-        os.kill(pid, signal.SIGKILL)
+        os.kill(_worker_pid(run_dir, 2), signal.SIGKILL)
         # Its restart (same port) cannot serve: this socket listens there first, as soon as the killed worker's
         # socket is closed (a restarted worker is a cold Python start: seconds later).
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline = time.monotonic() + 60
         while True:
             try:
                 holder.bind(("127.0.0.1", port))
@@ -222,16 +223,13 @@ def test_a_cell_lost_for_good_does_not_block_another_cells_rejoin(tmp_path):
                 time.sleep(0.01)
         holder.listen()
         os.kill(_worker_pid(run_dir, 1), signal.SIGKILL)
-        out, err = proc.communicate(timeout=900)
+
+    try:
+        summary = _run_k3(tmp_path, run_dir, _cell1_claimed, kill_two, f"train.steps={STEPS}")
     finally:
         holder.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    (tmp_path / "controller.log").write_bytes(err)
-    assert proc.returncode == 0, err.decode()[-3000:]
-    assert json.loads(out.decode().splitlines()[-1])["steps"] == STEPS
-    text = err.decode()
+    assert summary["steps"] == STEPS
+    text = (tmp_path / "controller.log").read_text()
     assert "cell 2: restart failed" in text and "left out (lost for good)" in text, text[-3000:]
 
     lines = list(iter_trace(run_dir / "trace.jsonl"))
@@ -284,3 +282,56 @@ def test_async_training_satellite_lost_restarts_idle_and_trains_again(tmp_path):
     state = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
     assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
     assert [r for _, _, r in trace.roles[1]][-1] == "training"
+
+
+def test_a_satellite_that_stops_answering_is_lost_restarted_and_trains_again(tmp_path):
+    """A host that loses power or its network sends nothing: no reset, no end of file, calls just hang. SIGSTOP plays
+    it on one machine (a SIGKILLed process's kernel still closes its sockets). Cell 1's worker is stopped at the first
+    publication (a burst boundary: no batch is open and it is back in rollout, so it hangs in no collective); the
+    controller's event stream from it times out, it is taken as lost (the executions it held move to free slots, or
+    are cancelled when there is none), the launcher kills and restarts it, and it trains again after the next
+    boundary's re-form. The run completes every step. (Stopping cell 2 instead once hung the run: its executions
+    were cancelled and their groups never settled; `packages/gyre-sched/tests/test_cell_lost.py` pins that fix, as
+    here free slots decide whether anything is cancelled.)"""
+    steps = 8  # four bursts: the restart ends before the last boundary, the re-form there
+    run_dir = tmp_path / "run"
+    stopped: list[tuple[int, float]] = []
+
+    def stop_cell1() -> None:
+        pid = _worker_pid(run_dir, 1)
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append((pid, _trace(run_dir)[-1]["t"]))
+
+    def boundary(lines: list[dict]) -> bool:
+        return any(x["ev"] == "publish" for x in lines)
+
+    summary = _run_k3(tmp_path, run_dir, boundary, stop_cell1, f"train.steps={steps}")
+    assert summary["steps"] == steps
+    ((pid, t_stop),) = stopped
+    assert not Path(f"/proc/{pid}").exists()  # the launcher killed the stopped worker before restarting
+    err = (tmp_path / "controller.log").read_text()
+
+    lines = list(iter_trace(run_dir / "trace.jsonl"))
+    (lost,) = [x for x in lines if x["ev"] == "cell_lost"]
+    assert lost["cell"] == 1 and lost["t"] > t_stop
+    assert "cell 1 lost (RunFailed: cell 1 stopped answering (ReadTimeout)" in err
+    restored = [(x["cell"], x["trains"]) for x in lines if x["ev"] == "cell_restored"]
+    assert restored == [(1, False), (1, True)], restored
+    rejoined = next(i for i, x in enumerate(lines) if x["ev"] == "cell_restored" and x["trains"])
+    assert [x for x in lines[rejoined:] if x["ev"] == "microstep_claim" and x["cell"] == 1], (
+        "cell 1 claimed no micro-step after rejoining"
+    )
+    # Every execution launched ended; the groups of cancelled executions settled (ready with a spare, or dropped).
+    launched = {x["execution"] for x in lines if x["ev"] == "launch"}
+    ended = {x["execution"] for x in lines if x["ev"] == "terminate"}
+    assert launched == ended, sorted(launched - ended)
+    cancelled = {x["execution"] for x in lines if x["ev"] == "terminate" and x["outcome"] == "cancelled"}
+    settled = {x["group"] for x in lines if x["ev"] in ("group_ready", "group_dropped")}
+    trained = {g for x in lines if x["ev"] == "step_end" for g in x["groups"]}
+    assert {e.split(".")[0] for e in cancelled} <= settled and trained <= settled
+    assert len(trained) == 2 * steps  # B = 2 groups a step
+    trace = read_trace(run_dir / "trace.jsonl")
+    state = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
+    assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
+    print(f"stopped at t={t_stop:.1f} s, lost at {lost['t']:.1f} s, rejoined at {lines[rejoined]['t']:.1f} s; "
+          f"{len(cancelled)} executions cancelled")  # fmt: skip

@@ -15,6 +15,7 @@ from gyre_sched.events import (
     CellRestored,
     CellUntrained,
     Dispatch,
+    GroupDropped,
     Launch,
     Reroute,
     Tick,
@@ -49,6 +50,30 @@ def test_lost_cell_executions_are_cancelled_without_a_free_slot(driver):
     assert sorted(d.cancelled) == on_cell2
     d.settle_cancels()
     assert not d.policy.load["cell:2"] and d.policy.ledger.running == 4
+
+
+def test_groups_of_cancelled_executions_settle_and_the_burst_trains(driver):
+    """Executions cancelled because their cell was lost with no free slot are never assessed: their groups are
+    dropped (no spare) and refilled at once, so every group of the burst settles. Before, such a group stayed open
+    for good and the burst's step never came (a `gyre run` whose satellite stopped answering hung)."""
+    d = driver(make_policy(params(phi=1.0), deep_checks=True))  # 8 executions, 6 slots: all full
+    on_cell2 = sorted(x.spec.execution_id for x in d.of(Launch) if x.spec.engine == "cell:2")
+    hit = {eid.split(".")[0] for eid in on_cell2}
+    d.send(CellLost(2), dt=1.0)
+    d.settle_cancels()
+    refills = [x for x in d.of(Dispatch) if x.refill]
+    assert len(refills) == len(hit)  # one refill per group that lost an execution
+    assert {x.group_id for x in d.of(GroupDropped)} == hit
+    assert all(d.policy.ledger.groups[g].state.value == "dropped" for g in hit)
+    for _ in range(20):  # finish whatever runs (refills launch as slots free); the step comes
+        for eid in list(d.running):
+            d.finish(eid)
+        d.finish_transitions()
+        d.send(Tick(), dt=1.0)
+        if d.policy.ledger.ready:
+            break
+    assert len(d.policy.ledger.ready) >= 2, "the burst's groups never became ready"
+    assert not any(x.status == "excluded" for x in d.policy.ledger.execs.values() if x.outcome != "cancelled")
 
 
 def test_elastic_prefix_skips_the_lost_cell(driver):

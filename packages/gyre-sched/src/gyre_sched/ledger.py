@@ -4,7 +4,8 @@ Counters are cumulative executions: d dispatched, p launched, f terminated, x wi
 launch). Invariant: 0 <= f <= p <= d - x. A group is ready when the first N non-excluded executions in dispatch-index
 order all have valid rewards (spares replace excluded executions in that order, never by completion order); it is
 dropped when it can no longer reach N valid rewards; a dropped group is refilled at once at the current published
-version, with launch priority.
+version, with launch priority. An execution that ends without a score (timeout, stall, or cancelled while its group
+is open) is excluded.
 
 Spares (dispatch index >= N) launch with the group (``spares = "eager"``) or only on capacity nothing else wants
 (``"idle"``): they queue behind every other entry, and one moves to the front of the queue (refill priority) the moment
@@ -80,6 +81,7 @@ class Ledger:
         self._queue: deque[str] = deque()
         self._spares: deque[str] = deque()  # idle spares: launched only when nothing else is queued
         self._promoted: set[str] = set()  # idle spares moved to the front of the queue
+        self._cancelling: set[str] = set()  # running executions with a Cancel out: never cancelled twice
         self._group_seq = 0
         self._ready_seq = 0
         self.ready: dict[str, Group] = {}  # READY groups (unassigned)
@@ -181,12 +183,19 @@ class Ledger:
             )
         e.state, e.outcome = ExecState.TERMINATED, outcome
         e.engine = None
+        self._cancelling.discard(eid)
         self.f += 1
         g = self.groups[e.group]
         g.outstanding -= 1
         if outcome in ("overall_timeout", "stalled"):  # no valid score can come: excluded, no assessment
             e.status = "excluded"
             return self._settle(g) if g.state is GroupState.OPEN else []
+        if outcome == "cancelled" and g.state is GroupState.OPEN:
+            # Cancelled while its group still needs it (its cell was lost with no free slot to move it to): it is
+            # never assessed, so it is excluded like a timeout and the group settles (a spare takes its place, or
+            # the group is dropped and refilled). Left OPEN, the group waited forever and so did the burst.
+            e.status = "excluded"
+            return self._settle(g)
         return []
 
     def assessed(self, eid: str, status: AssessedStatus) -> list[Decision]:
@@ -225,8 +234,9 @@ class Ledger:
             if e.id in keep:
                 continue
             if e.state is ExecState.RUNNING:
-                out.append(Cancel(e.id, "surplus"))
-                self.cancelled_surplus += 1
+                if (cancel := self.cancel(e.id, "surplus")) is not None:
+                    out.append(cancel)
+                    self.cancelled_surplus += 1
             elif e.state is ExecState.QUEUED:
                 out.append(self._withdraw(e, g, "surplus"))
                 self.withdrawn_surplus += 1
@@ -243,11 +253,20 @@ class Ledger:
         for eid in g.execs:
             e = self.execs[eid]
             if e.state is ExecState.RUNNING:
-                out.append(Cancel(eid, "dropped"))
+                if (cancel := self.cancel(eid, "dropped")) is not None:
+                    out.append(cancel)
             elif e.state is ExecState.QUEUED:
                 out.append(self._withdraw(e, g, "dropped"))
         out.append(self.dispatch(refill=True))  # refill at once at the current published version
         return out
+
+    def cancel(self, eid: str, reason: str) -> Cancel | None:
+        """The Cancel decision for running execution `eid`, or None if one is out already (its termination is
+        coming: a second Cancel would make the runner report it twice)."""
+        if eid in self._cancelling:
+            return None
+        self._cancelling.add(eid)
+        return Cancel(eid, reason)
 
     def _withdraw(self, e: Execution, g: Group, reason: str) -> Withdraw:
         e.state = ExecState.WITHDRAWN

@@ -14,7 +14,6 @@ from gyre_sched.events import (
     AssessmentRecorded,
     BeginTransition,
     BurstPlanned,
-    Cancel,
     CellLost,
     CellRestored,
     CellUntrained,
@@ -276,7 +275,8 @@ class PolicyCore:
         for eid in sorted(self.load[engine]):
             dest = self._free_engine()
             if dest is None:  # stays counted on the lost engine until the runner reports it cancelled
-                out.append(Cancel(eid, "cell_lost"))
+                if (cancel := self.ledger.cancel(eid, "cell_lost")) is not None:
+                    out.append(cancel)
                 continue
             self.load[engine].discard(eid)
             self.load[dest].add(eid)
