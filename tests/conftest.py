@@ -2,9 +2,16 @@
 selected test drives it and it is missing, so the README's test command works on a fresh machine. Without npm, or
 if the install fails, those tests fail with one line saying how to install it."""
 
+import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAUDE = ROOT / "node_modules" / ".bin" / "claude"
@@ -28,3 +35,77 @@ def pytest_collection_modifyitems(session, config, items):
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         print(f"\n`npm ci` failed ({last}): the Claude Code tests need `npm ci` at the repo root")
+
+
+class FaultRun:
+    """A `gyre run` of configs/elastic-k3.toml with a fault injected at a gate: call it with
+    `(tmp_path, run_dir, gate, act, *sets)`; once `gate(trace lines)` holds it calls `act()` (kill, stop a process),
+    waits for the run and returns its summary; the controller's stderr is kept in tmp_path/controller.log. A run
+    that fails is returned as None when `expect_failure`, else the test fails with its last lines."""
+
+    @staticmethod
+    def trace(run_dir: Path) -> list[dict]:
+        """The trace's complete lines so far."""
+        path = run_dir / "trace.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for raw in path.read_bytes().splitlines():
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                break  # a line being written
+        return out
+
+    @staticmethod
+    def worker_pid(run_dir: Path, cell: int) -> int:
+        """The `gyre-cell worker --config RUN/cells/cell-<cell>.json` process."""
+        needle = str(run_dir / "cells" / f"cell-{cell}.json").encode()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if needle in (entry / "cmdline").read_bytes():
+                        return int(entry.name)
+                except OSError:
+                    continue
+        raise AssertionError(f"no worker process for cell {cell}")
+
+    def __call__(
+        self,
+        tmp_path: Path,
+        run_dir: Path,
+        gate,
+        act,
+        *sets: str,
+        hold: int = 1,
+        expect_failure: bool = False,
+    ) -> dict | None:
+        argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
+                str(run_dir), "--set", f"train.hold_core_for_join={hold}", "--set", "dashboard.enabled=false",
+                "--quiet", *(x for kv in sets for x in ("--set", kv))]  # fmt: skip
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + 600
+        try:
+            while not gate(self.trace(run_dir)):
+                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+                assert time.monotonic() < deadline, "the gate never opened"
+                time.sleep(0.05)
+            act()
+            out, err = proc.communicate(timeout=900)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        (tmp_path / "controller.log").write_bytes(err)  # its warnings (lost, restarted), for a failure below
+        if expect_failure:
+            assert proc.returncode != 0, "the run succeeded"
+            return None
+        assert proc.returncode == 0, err.decode()[-3000:]
+        return json.loads(out.decode().splitlines()[-1])
+
+
+@pytest.fixture
+def fault_run() -> FaultRun:
+    return FaultRun()

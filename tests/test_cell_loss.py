@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,34 +29,7 @@ from gyre_train.replay import replay_batch
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
-
-
-def _trace(run_dir: Path) -> list[dict]:
-    path = run_dir / "trace.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for raw in path.read_bytes().splitlines():
-        try:
-            out.append(json.loads(raw))
-        except ValueError:
-            break  # a line being written
-    return out
-
-
-def _worker_pid(run_dir: Path, cell: int) -> int:
-    """The `gyre-cell worker --config RUN/cells/cell-<cell>.json` process."""
-    needle = str(run_dir / "cells" / f"cell-{cell}.json").encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "cmdline").read_bytes():
-                    return int(entry.name)
-            except OSError:
-                continue
-    raise AssertionError(f"no worker process for cell {cell}")
 
 
 def _spans(path: Path) -> list[dict]:
@@ -67,41 +38,17 @@ def _spans(path: Path) -> list[dict]:
     return [s for row in pq.read_table(path).to_pylist() for s in row["weight_versions"]]
 
 
-def _run_k3(tmp_path: Path, run_dir: Path, gate, act, *sets: str, hold: int = 1) -> dict:
-    """Run elastic-k3.toml with `sets`; once `gate(trace lines)` holds, call `act()` (a fault), then wait for the run
-    and return its summary (its stderr is kept in tmp_path/controller.log)."""
-    argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
-            str(run_dir), "--set", f"train.hold_core_for_join={hold}", "--set", "dashboard.enabled=false", "--quiet",
-            *(x for kv in sets for x in ("--set", kv))]  # fmt: skip
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    deadline = time.monotonic() + 600
-    try:
-        while not gate(_trace(run_dir)):
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the gate never opened"
-            time.sleep(0.05)
-        act()
-        out, err = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    (tmp_path / "controller.log").write_bytes(err)  # its warnings (lost, restarted), for a failure below
-    assert proc.returncode == 0, err.decode()[-3000:]
-    return json.loads(out.decode().splitlines()[-1])
-
-
 def _cell1_claimed(lines: list[dict]) -> bool:
     return any(x["ev"] == "microstep_claim" and x["cell"] == 1 for x in lines)
 
 
-def _kill_cell1_at_its_first_claim(tmp_path: Path, run_dir: Path, *sets: str) -> dict:
+def _kill_cell1_at_its_first_claim(fault_run, tmp_path: Path, run_dir: Path, *sets: str) -> dict:
     """SIGKILL cell 1's worker at its first traced claim (the gate)."""
-    return _run_k3(
-        tmp_path, run_dir, _cell1_claimed, lambda: os.kill(_worker_pid(run_dir, 1), signal.SIGKILL), *sets
-    )
+
+    def kill() -> None:
+        os.kill(fault_run.worker_pid(run_dir, 1), signal.SIGKILL)
+
+    return fault_run(tmp_path, run_dir, _cell1_claimed, kill, *sets)
 
 
 def _requeued(lines: list[dict], lost: dict) -> int:
@@ -136,9 +83,9 @@ BACKENDS = {
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_killed_satellite_worker_is_restarted_and_the_run_completes(tmp_path, backend):
+def test_killed_satellite_worker_is_restarted_and_the_run_completes(fault_run, tmp_path, backend):
     run_dir = tmp_path / "run"
-    summary = _kill_cell1_at_its_first_claim(tmp_path, run_dir, f"train.steps={STEPS}", *BACKENDS[backend],
+    summary = _kill_cell1_at_its_first_claim(fault_run, tmp_path, run_dir, f"train.steps={STEPS}", *BACKENDS[backend],
                                              f"train.dump_batches={list(range(STEPS))}")  # fmt: skip
     assert summary["steps"] == STEPS
 
@@ -199,7 +146,7 @@ def test_killed_satellite_worker_is_restarted_and_the_run_completes(tmp_path, ba
     assert (run_dir / "checkpoints" / f"policy-v{STEPS}" / "config.json").exists()
 
 
-def test_a_cell_lost_for_good_does_not_block_another_cells_rejoin(tmp_path):
+def test_a_cell_lost_for_good_does_not_block_another_cells_rejoin(fault_run, tmp_path):
     """Cells 2 and 1 killed together; cell 2's restart fails (the test holds its port), cell 1's succeeds. Cell 2 is
     lost for good: the next world generation leaves it out (cells 0 and 1, two ranks) and cell 1 trains again."""
     import socket
@@ -209,7 +156,7 @@ def test_a_cell_lost_for_good_does_not_block_another_cells_rejoin(tmp_path):
 
     def kill_two() -> None:
         port = json.loads((run_dir / "cells" / "cell-2.json").read_text())["port"]
-        os.kill(_worker_pid(run_dir, 2), signal.SIGKILL)
+        os.kill(fault_run.worker_pid(run_dir, 2), signal.SIGKILL)
         # Its restart (same port) cannot serve: this socket listens there first, as soon as the killed worker's
         # socket is closed (a restarted worker is a cold Python start: seconds later).
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -222,10 +169,10 @@ def test_a_cell_lost_for_good_does_not_block_another_cells_rejoin(tmp_path):
                 assert time.monotonic() < deadline, f"port {port} of the killed cell 2 stays bound"
                 time.sleep(0.01)
         holder.listen()
-        os.kill(_worker_pid(run_dir, 1), signal.SIGKILL)
+        os.kill(fault_run.worker_pid(run_dir, 1), signal.SIGKILL)
 
     try:
-        summary = _run_k3(tmp_path, run_dir, _cell1_claimed, kill_two, f"train.steps={STEPS}")
+        summary = fault_run(tmp_path, run_dir, _cell1_claimed, kill_two, f"train.steps={STEPS}")
     finally:
         holder.close()
     assert summary["steps"] == STEPS
@@ -248,13 +195,13 @@ def test_a_cell_lost_for_good_does_not_block_another_cells_rejoin(tmp_path):
     assert [r for _, _, r in trace.roles[2]][-1] == "lost"
 
 
-def test_async_training_satellite_lost_restarts_idle_and_trains_again(tmp_path):
+def test_async_training_satellite_lost_restarts_idle_and_trains_again(fault_run, tmp_path):
     """Async, K=3, cells 0 and 1 train (the fixed split), cell 2 rolls out. Cell 1's worker is SIGKILLed after its
     first claim: its claims are requeued, it is restarted and takes no rollout work while it waits, the training
     world re-forms at the publication (the core and cell 1 re-form from training), cell 1 switches back to training
     and claims micro-steps of a later batch, whose step equals the single-process float64 reference."""
     steps, run_dir = 4, tmp_path / "run"
-    summary = _kill_cell1_at_its_first_claim(tmp_path, run_dir, "scheduler.kind=async", "scheduler.async_train_cells=2",
+    summary = _kill_cell1_at_its_first_claim(fault_run, tmp_path, run_dir, "scheduler.kind=async", "scheduler.async_train_cells=2",
                                              f"train.steps={steps}", "train.dtype=float64",
                                              f"train.dump_batches={list(range(steps))}")  # fmt: skip
     assert summary["steps"] == steps
@@ -284,7 +231,7 @@ def test_async_training_satellite_lost_restarts_idle_and_trains_again(tmp_path):
     assert [r for _, _, r in trace.roles[1]][-1] == "training"
 
 
-def test_a_satellite_that_stops_answering_is_lost_restarted_and_trains_again(tmp_path):
+def test_a_satellite_that_stops_answering_is_lost_restarted_and_trains_again(fault_run, tmp_path):
     """A host that loses power or its network sends nothing: no reset, no end of file, calls just hang. SIGSTOP plays
     it on one machine (a SIGKILLed process's kernel still closes its sockets). Cell 1's worker is stopped at the first
     publication (a burst boundary: no batch is open and it is back in rollout, so it hangs in no collective); the
@@ -298,14 +245,14 @@ def test_a_satellite_that_stops_answering_is_lost_restarted_and_trains_again(tmp
     stopped: list[tuple[int, float]] = []
 
     def stop_cell1() -> None:
-        pid = _worker_pid(run_dir, 1)
+        pid = fault_run.worker_pid(run_dir, 1)
         os.kill(pid, signal.SIGSTOP)
-        stopped.append((pid, _trace(run_dir)[-1]["t"]))
+        stopped.append((pid, fault_run.trace(run_dir)[-1]["t"]))
 
     def boundary(lines: list[dict]) -> bool:
         return any(x["ev"] == "publish" for x in lines)
 
-    summary = _run_k3(tmp_path, run_dir, boundary, stop_cell1, f"train.steps={steps}")
+    summary = fault_run(tmp_path, run_dir, boundary, stop_cell1, f"train.steps={steps}")
     assert summary["steps"] == steps
     ((pid, t_stop),) = stopped
     assert not Path(f"/proc/{pid}").exists()  # the launcher killed the stopped worker before restarting

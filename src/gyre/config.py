@@ -199,6 +199,9 @@ class LauncherConfig(_Section):
     """Ray: how long the placement groups may wait for resources."""
     cell_restarts: int = Field(1, ge=0)
     """Restarts of one satellite cell's worker after it died mid-run (gyre.cell_loss); past them it stays lost."""
+    service_hang_s: float = Field(30.0, gt=0)
+    """The proxy or gyre-eval answering no health probe (every 5 s) for this long is hung: killed, then handled as a
+    dead one (gyre-eval restarted on its port; the proxy's death ends the run with one line naming it)."""
     reform_timeout_s: float = Field(120.0, gt=0)
     """A restarted satellite rejoins training when every cell re-forms the gloo world: how long the core waits for
     all K cells there. A cell that dies or hangs inside it costs this long, not gloo's 30 minutes."""

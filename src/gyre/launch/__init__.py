@@ -29,7 +29,14 @@ def make_launcher(cfg: RunConfig, run_dir: Path | None = None) -> Launcher:
     if cfg.launcher.kind == "ray":
         from gyre.launch.ray import RayLauncher
 
-        return RayLauncher(run_dir, cell_restarts=cfg.launcher.cell_restarts, launcher=cfg.launcher)
+        return RayLauncher(
+            run_dir,
+            cell_restarts=cfg.launcher.cell_restarts,
+            service_hang_s=cfg.launcher.service_hang_s,
+            launcher=cfg.launcher,
+        )
     from gyre.launch.local import LocalLauncher
 
-    return LocalLauncher(run_dir, cell_restarts=cfg.launcher.cell_restarts)
+    return LocalLauncher(
+        run_dir, cell_restarts=cfg.launcher.cell_restarts, service_hang_s=cfg.launcher.service_hang_s
+    )

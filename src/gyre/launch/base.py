@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from gyre.config import RunConfig
+from gyre.launch.health import HealthWatch
 from gyre.launch.tokens import RunTokens, TokenPipes
 from gyre_cell import ports
 from gyre_cell.engine.config import EngineConfig
@@ -177,10 +178,21 @@ class Launcher:
     """Set when a dead service ended the run: `stop` then gives the others a short grace (the run is failing)."""
     cell_restarts: int = 1
     """Restarts of one satellite cell's worker per run (`[launcher] cell_restarts`)."""
+    service_hang_s: float = 30.0
+    """A proxy or gyre-eval that answers no health probe for this long is hung: killed, then handled as dead
+    (`[launcher] service_hang_s`; `gyre.launch.health`)."""
     _procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     _restartable: dict[str, tuple[list[str], dict[str, str], str]] = field(default_factory=dict)
     _cell_configs: dict[int, CellWorkerConfig] = field(default_factory=dict)
     """Each elastic cell's config as started (a restart starts it again from it)."""
+    _health: HealthWatch | None = None
+    _hung: dict[str, str] = field(default_factory=dict)
+    """Services killed because they stopped answering: why, for the line that reports their death."""
+
+    def _watch(self, name: str, url: str) -> None:
+        if self._health is None:
+            self._health = HealthWatch(self.service_hang_s)
+        self._health.add(name, url)
 
     kind = "base"
 
@@ -285,6 +297,7 @@ class Launcher:
         tokens = {"--admin-token-fd": self.tokens.admin, "--engine-api-key-fd": self.tokens.engine}
         proc = self._spawn("proxy", argv, tokens)
         await self._wait_healthy("proxy", proc, f"{self.proxy_url}/health", timeout_s)
+        self._watch("proxy", f"{self.proxy_url}/health")
 
     async def start_eval(self, config: ServiceConfig, timeout_s: float = 120.0) -> EvalClient:
         """gyre-eval as a child on the run directory (RUN/assessments.sqlite); returns a client with its token."""
@@ -304,7 +317,11 @@ class Launcher:
         self._restartable["gyre-eval"] = (argv, tokens, f"{self.eval_url}/healthz")
         proc = self._spawn("gyre-eval", argv, tokens)
         await self._wait_healthy("gyre-eval", proc, f"{self.eval_url}/healthz", timeout_s)
-        return EvalClient(self.eval_url, token=self.tokens.eval, retry_s=60.0)
+        self._watch("gyre-eval", f"{self.eval_url}/healthz")
+        # Calls keep retrying through a restart: a hung gyre-eval is found and restarted within service_hang_s + ~10 s.
+        return EvalClient(
+            self.eval_url, token=self.tokens.eval, retry_s=max(60.0, 2 * self.service_hang_s + 30.0)
+        )
 
     async def _wait_healthy(self, name: str, proc: subprocess.Popen, url: str, timeout_s: float) -> None:
         log_file = self.log_path(name)
@@ -331,8 +348,24 @@ class Launcher:
         """One line naming the first watched service that is gone, and its log; None while all are alive."""
         for name, proc in self._procs:
             if self.watched(name) and proc.poll() is not None:
-                return f"{name} exited ({_how(proc.returncode)}); see {self.log_path(name)}"
+                return f"{name} {self._end_of(name, proc)}; see {self.log_path(name)}"
         return None
+
+    def _end_of(self, name: str, proc: subprocess.Popen) -> str:
+        if name in self._hung:
+            return f"stopped answering ({self._hung[name]}) and was killed"
+        return f"exited ({_how(proc.returncode)})"
+
+    async def _kill_hung(self, every_s: float = 5.0) -> None:
+        """Probe the services every `every_s`; kill the ones that stopped answering (their death is then seen)."""
+        while self._health is not None:
+            await asyncio.sleep(every_s)
+            for name in await self._health.hung():
+                self._hung[name] = f"no answer to its health check for {self._health.hang_s:.0f} s"
+                log.warning("%s %s: killing it", name, self._hung[name])
+                for proc_name, proc in self._procs:
+                    if proc_name == name and proc.poll() is None:
+                        _signal_group(proc, signal.SIGKILL)
 
     async def _restart_dead(self) -> bool:
         """Start again each dead restartable service (same argv, port and token); False if one cannot be."""
@@ -341,23 +374,28 @@ class Launcher:
                 continue
             if name not in self._restartable or self.restarts.get(name, 0) >= MAX_RESTARTS:
                 return False
-            log.warning("%s exited (%s); restarted (%d of at most %d); see %s", name, _how(proc.returncode),
+            log.warning("%s %s; restarted (%d of at most %d); see %s", name, self._end_of(name, proc),
                         self.restarts.get(name, 0) + 1, MAX_RESTARTS, self.log_path(name))  # fmt: skip
             argv, tokens, health = self._restartable[name]
             del self._procs[i]
+            self._hung.pop(name, None)
             await self._wait_healthy(name, self._spawn(name, argv, tokens), health, 60.0)
             self.restarts[name] = self.restarts.get(name, 0) + 1  # counted once it answers again
+            if self._health is not None:
+                self._health.add(name, health)
             return True
         return True
 
     async def supervise[T](self, work: Awaitable[T], poll_s: float = 0.2, settle_s: float = 1.0) -> T:
         """Await `work` while watching the services: a dead gyre-eval is restarted; any other dead one cancels the
-        work and raises ServiceError naming it.
+        work and raises ServiceError naming it. A service that stopped answering its health probe is killed first
+        (`gyre.launch.health`), so a hung one takes the same path.
 
         When `work` fails first (a client of a service that just died sees a refused connection before the
         watcher looks), the dead service is what is reported, not the client's error.
         """
         task = asyncio.ensure_future(work)
+        prober = asyncio.ensure_future(self._kill_hung())
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=poll_s)
@@ -374,6 +412,8 @@ class Launcher:
                     self.service_died = True
                     raise ServiceError(dead)
         finally:
+            prober.cancel()
+            await asyncio.gather(prober, return_exceptions=True)
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
