@@ -71,6 +71,10 @@ def test_health_watch_reports_a_stopped_service_once_and_never_an_answering_one(
         watch.add("stopped", stopped_url)  # watched again (after a restart): its silence counts from now
         clock.t = 1010.0
         assert asyncio.run(watch.hung()) == []
+        clock.t = 2000.0  # a pause in probing (between two supervised phases) is not silence
+        watch.restart_clock()
+        clock.t = 2001.0
+        assert asyncio.run(watch.hung()) == [] and watch.silent_for("stopped") == 1.0
     finally:
         for proc in (live, stopped):
             proc.kill()

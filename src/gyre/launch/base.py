@@ -358,9 +358,16 @@ class Launcher:
 
     async def _kill_hung(self, every_s: float = 5.0) -> None:
         """Probe the services every `every_s`; kill the ones that stopped answering (their death is then seen)."""
+        if self._health is not None:
+            self._health.restart_clock()  # not probed since the last supervise: that gap is not silence
         while self._health is not None:
             await asyncio.sleep(every_s)
-            for name in await self._health.hung():
+            try:
+                hung = await self._health.hung()
+            except Exception as exc:  # a probe that cannot run is no reason to stop watching
+                log.warning("health probe failed (%s: %s)", type(exc).__name__, exc)
+                continue
+            for name in hung:
                 self._hung[name] = f"no answer to its health check for {self._health.hang_s:.0f} s"
                 log.warning("%s %s: killing it", name, self._hung[name])
                 for proc_name, proc in self._procs:
@@ -379,6 +386,10 @@ class Launcher:
             argv, tokens, health = self._restartable[name]
             del self._procs[i]
             self._hung.pop(name, None)
+            if (
+                self._health is not None
+            ):  # not probed while it starts (the probe would take the new one as hung)
+                self._health.remove(name)
             await self._wait_healthy(name, self._spawn(name, argv, tokens), health, 60.0)
             self.restarts[name] = self.restarts.get(name, 0) + 1  # counted once it answers again
             if self._health is not None:

@@ -45,6 +45,12 @@ class HealthWatch:
         self._urls[name] = url
         self._last_ok[name] = self.clock()
 
+    def restart_clock(self) -> None:
+        """Count silence from now for every service (probing resumes after a pause: only silence seen counts)."""
+        now = self.clock()
+        for name in self._last_ok:
+            self._last_ok[name] = now
+
     def remove(self, name: str) -> None:
         self._urls.pop(name, None)
         self._last_ok.pop(name, None)
