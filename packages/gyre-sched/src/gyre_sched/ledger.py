@@ -262,7 +262,7 @@ class Ledger:
 
     def cancel(self, eid: str, reason: str) -> Cancel | None:
         """The Cancel decision for running execution `eid`, or None if one is out already (its termination is
-        coming: a second Cancel would make the runner report it twice)."""
+        coming: a second Cancel would end it twice in the simulator, and cancel it twice in the runner)."""
         if eid in self._cancelling:
             return None
         self._cancelling.add(eid)
