@@ -4,9 +4,12 @@ The controller writes the proxy's migration totals after each drain into RUN/met
 (with what the moved execution's next call was served from) into RUN/metrics/kv_reroutes.jsonl at the end.
 
 The executions run `turns_harness.py`: a fixed number of chat turns, each extending the previous call's context, so
-an execution moved at a drain keeps calling the model after its KV moved. Four steps: the first burst's executions
-end together, before any group is ready, so its switches may move nothing; the second burst starts with a ready group
-left over, so the core leaves rollout as soon as the other cells can hold what still runs, and its executions move.
+an execution moved at a drain keeps calling the model after its KV moved. Which executions are still running when a
+cell leaves rollout is the policy's timing: with one length for all, a CI run's three drains found nothing running
+(the cells' executions had ended just before each switch). So group g3, which the first dispatch places on the core
+(destinations are filled from the highest cell down: g0, g1.e0-1 on cell 2, g1.e2-3, g2 on cell 1, g3, g4.e0-1 on
+cell 0), makes 48 turns instead of 30: when g0 or g2 is ready the core leaves rollout with g3 still mid-way (its
+executions fit the other two cells), and they move and call again on their new engines.
 
 The same run checks the stall watchdog (issue 18): one execution's harness hangs; with `[agent] stall_detect_s` it
 ends `stalled`, is never assessed, its group is dropped (N = N_d) and the run still completes its steps. The hang
@@ -31,8 +34,10 @@ def test_role_switch_moves_kv_and_the_moved_executions_are_served_from_it(tmp_pa
     run_dir = tmp_path / "run"
     harness = [sys.executable, "-I", str(ROOT / "tests" / "turns_harness.py"), "--task", "{task}"]
     # 30 turns: an execution moved at a switch is mid-way and calls again (with 12, a CI run moved only executions
-    # that were in their last turn, and no move was served).
+    # that were in their last turn, and no move was served). 48 in g3 (docstring); about 30 tokens a turn, so its
+    # context stays inside the demo policy's 2048 positions.
     harness += ["--turns", "30", "--max-tokens", "16", "--hang-in", "g1.e3"]
+    harness += ["--long-in", "g3.", "--long-turns", "48"]
     argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml")]
     argv += ["--run-dir", str(run_dir), "--set", "train.steps=4", "--set", "dashboard.enabled=false"]
     argv += ["--set", "harness.kind=command", "--set", f"harness.command={json.dumps(harness)}"]

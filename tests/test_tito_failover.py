@@ -2,7 +2,6 @@
 valid response. The record keeps one output segment per engine, and the merged output equals an uninterrupted one."""
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -12,6 +11,7 @@ import anthropic
 import httpx
 import pytest
 
+from gyre_cell.ports import free_port
 from gyre_tito.proxy import ProxyConfig
 from gyre_tito.scripted_engine import scripted_logprob
 from gyre_tito.testing import ProxyServer
@@ -21,16 +21,10 @@ REPLY = " ".join(f"word{i}" for i in range(60)) + " done."
 HELD = 25  # tokens engine A streams before its gate holds the request (then it is killed)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn_engine(
     tok_dir, script, version: str, hold_after: int | None = None
 ) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     hold = ["--hold-after", str(hold_after)] if hold_after is not None else []
     p = subprocess.Popen(
         [

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gyre_cell.client import TorchEngineClient
+from gyre_cell.ports import free_port
 from gyre_cell.roles import (
     CellRoleManager,
     CellRoleManagerConfig,
@@ -31,17 +32,9 @@ PROMPT = [5, 17, 42, 99, 7]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def engine_url(tiny_model: Path) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     exe = Path(sys.executable).parent / "gyre-cell"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "gyre_cell.cli"]
     cmd += ["engine", "serve", "--model", str(tiny_model), "--port", str(port), "--weights-backup", "none"]

@@ -290,6 +290,63 @@ def test_stale_sandbox_copies_of_a_dead_service_are_swept(tmp_path):
         os.close(live_fd)
 
 
+def test_concurrent_checks_sweeping_at_once_never_fail_or_remove_a_live_sandbox(tmp_path):
+    """Every check sweeps before it starts. Two sweeps listing the same finished lock once raced: the loser's open
+    failed (FileNotFoundError ended a check in CI). Several threads now create, sweep and remove roots at once; none
+    fails, no live root is removed, and nothing is left behind."""
+    import threading
+
+    from gyre_eval.sandbox import _new_root, _remove_root, sweep_stale_sandboxes
+
+    errors: list[BaseException] = []
+    lost: list[str] = []
+
+    def check_loop() -> None:
+        try:
+            for _ in range(60):
+                sweep_stale_sandboxes(str(tmp_path))
+                root, owner = _new_root(str(tmp_path))
+                (root / "copy.txt").write_text("mine")
+                sweep_stale_sandboxes(str(tmp_path))
+                if not (root / "copy.txt").exists():
+                    lost.append(root.name)
+                _remove_root(root, owner)
+        except BaseException as e:  # reported to the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=check_loop) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and lost == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gyre-sbx-locks"]
+    assert list((tmp_path / "gyre-sbx-locks").iterdir()) == []
+
+
+def test_probe_folders_of_killed_probers_are_swept(tmp_path):
+    """A process killed mid-probe never ran the probe's cleanup (11 empty folders in /tmp after one CI run); the next
+    probe removes the folders whose prober is gone, and none of a live process."""
+    import subprocess
+    import sys
+
+    from gyre_eval.sandbox import _sweep_stale_probes
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"gyre-sbx-probe-{dead_pid}-abc"
+    mine = tmp_path / f"gyre-sbx-probe-{os.getpid()}-def"
+    live = tmp_path / "gyre-sbx-probe-1-ghi"  # pid 1 is alive
+    other = tmp_path / "gyre-sbx-probe-unnamed"  # not ours to judge
+    for d in (stale, mine, live, other):
+        d.mkdir()
+    assert not Path(f"/proc/{dead_pid}").exists()
+    assert _sweep_stale_probes(str(tmp_path)) == 1
+    assert not stale.exists() and mine.exists() and live.exists() and other.exists()
+
+
 @needs_isolation
 def test_checks_die_when_the_service_dies(workspace, tmp_path):
     """Before: a gyre-eval crash orphaned running checks (and leaked their copies)."""

@@ -199,6 +199,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
 def test_service_restart_in_the_middle_of_an_evaluation_loses_no_assessment(tmp_path, workspace):
     store = tmp_path / "run"
     marker = tmp_path / "slow-started"
+    release = tmp_path / "release"  # gate: the attempt holds until the server is killed (no sleep races)
     config = {
         "retry_wait_min_s": 0.05,
         "retry_wait_max_s": 0.2,
@@ -207,8 +208,12 @@ def test_service_restart_in_the_middle_of_an_evaluation_loses_no_assessment(tmp_
             # Unsandboxed so it can drop a marker that shows the attempt is running when the server dies.
             "task": {
                 "kind": "exec",
-                "command": ["bash", "-c", f"touch {marker}; sleep 1.5; grep -q hello main.py"],
-                "sandbox": {"isolation": "off", "timeout_s": 10, "scratch_dir": str(tmp_path)},
+                "command": [
+                    "bash",
+                    "-c",
+                    f"touch {marker}; while [ ! -e {release} ]; do sleep 0.05; done; grep -q hello main.py",
+                ],
+                "sandbox": {"isolation": "off", "timeout_s": 120, "scratch_dir": str(tmp_path)},
             },
         },
     }
@@ -240,6 +245,7 @@ def test_service_restart_in_the_middle_of_an_evaluation_loses_no_assessment(tmp_
         os.kill(proc.pid, signal.SIGKILL)  # no graceful shutdown
         proc.wait(10)
         assert before[ids[2]]["final"] is False
+        release.touch()  # the restarted service's attempt runs through
         proc = _start_server(store, port, config_path)
         _wait_healthy(url, proc)
         client_result = run(_after_restart(url, ids))

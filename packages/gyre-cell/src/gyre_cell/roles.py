@@ -154,7 +154,7 @@ class RoleSwitchError(RuntimeError):
     """A phase of a switch failed; the cell stays in the transitional role and the same switch may be retried."""
 
     def __init__(self, phase: str, cause: BaseException) -> None:
-        super().__init__(f"role switch failed in phase {phase!r}: {cause}")
+        super().__init__(f"role switch failed in phase {phase!r}: {type(cause).__name__}: {cause}")
         self.phase = phase
 
 

@@ -202,8 +202,9 @@ class Sandbox:
         finally:
             if cgroup is not None:
                 await asyncio.to_thread(cgroup.remove)  # kills what is left in it first
-            await asyncio.to_thread(shutil.rmtree, root, True)
-            os.close(owner)  # after the copy is gone: a sweep never removes a live sandbox
+            await asyncio.to_thread(
+                _remove_root, root, owner
+            )  # the lock goes last: no sweep sees a live root
             if lease is not None:
                 os.close(lease[1])
 
@@ -351,24 +352,63 @@ def _lock_dir(scratch_dir: str | None) -> Path:
 
 
 def _new_root(scratch_dir: str | None) -> tuple[Path, int]:
-    """A fresh sandbox root and the fd of its owner lock (flock'ed until the root is removed)."""
-    root = Path(tempfile.mkdtemp(prefix="gyre-sbx-", dir=scratch_dir)).resolve()
-    fd = os.open(_lock_dir(scratch_dir) / (root.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return root, fd
+    """A fresh sandbox root and the fd of its owner lock (flock'ed until the root is removed).
+
+    The lock comes first and the root after it, so a concurrent sweep never sees a root without a held lock. A sweep
+    can still take a lock in the instant between its creation and our flock and unlink it; we then hold a lock on an
+    unlinked file, which protects nothing, so we check that the path still names our file and try again if not."""
+    locks = _lock_dir(scratch_dir)
+    while True:
+        fd, lock = tempfile.mkstemp(prefix="gyre-sbx-", suffix=".lock", dir=locks)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _names_fd(lock, fd):
+            root = Path(scratch_dir or tempfile.gettempdir()).resolve() / Path(lock).name[: -len(".lock")]
+            try:
+                root.mkdir(mode=0o700)
+                return root, fd
+            except FileExistsError:  # a stale root whose lock is already gone: leave it to its sweep
+                Path(lock).unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _remove_root(root: Path, owner: int) -> None:
+    """Remove our root, then our lock file while we still hold it (no sweep can take it), then release it."""
+    shutil.rmtree(root, ignore_errors=True)
+    lock = _lock_dir(str(root.parent)) / (root.name + ".lock")
+    if _names_fd(str(lock), owner):
+        lock.unlink(missing_ok=True)
+    os.close(owner)
+
+
+def _names_fd(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (it was not unlinked or replaced meanwhile)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def sweep_stale_sandboxes(scratch_dir: str | None) -> list[str]:
-    """Remove sandbox roots whose owner died (its lock is free): a crashed service leaks no private copies."""
+    """Remove sandbox roots whose owner died (its lock is free): a crashed service leaks no private copies.
+
+    Several checks sweep at once (every check sweeps before it starts); a lock another sweep or its owner removed
+    between our listing and our open is skipped, and so is one whose path no longer names the file we locked."""
     removed = []
     locks = _lock_dir(scratch_dir)
     for lock in locks.glob("gyre-sbx-*.lock"):
-        fd = os.open(lock, os.O_RDWR)
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except FileNotFoundError:
+            continue
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # a live sandbox
+            if not _names_fd(str(lock), fd):
+                continue  # its owner or another sweep removed it after our open
             root = lock.parent.parent / lock.name[: -len(".lock")]
             shutil.rmtree(root, ignore_errors=True)
             lock.unlink(missing_ok=True)
@@ -428,9 +468,26 @@ def _tail(path: Path) -> str:
         return ""
 
 
+_PROBE_PREFIX = "gyre-sbx-probe-"
+
+
+def _sweep_stale_probes(scratch: str | None) -> int:
+    """Remove the probe folders of processes that are gone (killed mid-probe: their cleanup never ran); their names
+    carry the prober's pid. Returns how many were removed."""
+    removed = 0
+    for path in Path(scratch or tempfile.gettempdir()).glob(f"{_PROBE_PREFIX}*-*"):
+        pid = path.name[len(_PROBE_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
 def _probe(config: SandboxConfig) -> tuple[bool, str | None]:
     """Run ``true`` fully isolated once; any failure means this platform cannot isolate."""
-    root = Path(tempfile.mkdtemp(prefix="gyre-sbx-probe-", dir=config.scratch_dir)).resolve()
+    _sweep_stale_probes(config.scratch_dir)
+    prefix = f"{_PROBE_PREFIX}{os.getpid()}-"
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=config.scratch_dir)).resolve()
     try:
         os.chmod(root, 0o755)
         spec = {
