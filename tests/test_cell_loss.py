@@ -62,6 +62,14 @@ def _requeued(lines: list[dict], lost: dict) -> int:
     return died_in
 
 
+def _counters_recompute(run_dir: Path):
+    """The trace alone recomputes the scheduler's counters (d, p, f, x) as the run ended with them; returns it."""
+    trace = read_trace(run_dir / "trace.jsonl")
+    state = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
+    assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
+    return trace
+
+
 def _equals_replay(run_dir: Path, batch: int, row: dict, backend: str = "torch") -> None:
     """The step of `batch` (its dump) equals the single-process reference: loss and summed gradient (float64 for
     the torch backend; a one-process megatron backend in float32, the dump's layout, for megatron)."""
@@ -138,10 +146,8 @@ def test_killed_satellite_worker_is_restarted_and_the_run_completes(fault_run, t
     print(f"rejoined at t={rejoined['t']:.1f} s; cell 1 claimed in batches {later}; "
           f"batch {batch} by cell {rows[batch]['microsteps_by_cell']}, loss {rows[batch]['loss']:.6f} = replay")  # fmt: skip
     # The trace still recomputes the scheduler's counters; the final weights are saved.
-    trace = read_trace(run_dir / "trace.jsonl")
-    state = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
-    assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
-    assert trace.steps == state["version"] == STEPS
+    trace = _counters_recompute(run_dir)
+    assert trace.steps == json.loads((run_dir / "metrics" / "scheduler.json").read_text())["version"] == STEPS
     assert [r for _, _, r in trace.roles[1]][-1] != "lost"
     assert (run_dir / "checkpoints" / f"policy-v{STEPS}" / "config.json").exists()
 
@@ -189,9 +195,7 @@ def test_a_cell_lost_for_good_does_not_block_another_cells_rejoin(fault_run, tmp
     assert [x for x in lines[rejoined:] if x["ev"] == "microstep_claim" and x["cell"] == 1], (
         "cell 1 claimed no micro-step after the world was re-formed without cell 2"
     )
-    trace = read_trace(run_dir / "trace.jsonl")
-    state = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
-    assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
+    trace = _counters_recompute(run_dir)
     assert [r for _, _, r in trace.roles[2]][-1] == "lost"
 
 
@@ -225,9 +229,7 @@ def test_async_training_satellite_lost_restarts_idle_and_trains_again(fault_run,
     rows = [json.loads(x) for x in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
     _equals_replay(run_dir, later[0], rows[later[0]])
-    trace = read_trace(run_dir / "trace.jsonl")
-    state = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
-    assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
+    trace = _counters_recompute(run_dir)
     assert [r for _, _, r in trace.roles[1]][-1] == "training"
 
 
@@ -277,8 +279,84 @@ def test_a_satellite_that_stops_answering_is_lost_restarted_and_trains_again(fau
     trained = {g for x in lines if x["ev"] == "step_end" for g in x["groups"]}
     assert {e.split(".")[0] for e in cancelled} <= settled and trained <= settled
     assert len(trained) == 2 * steps  # B = 2 groups a step
-    trace = read_trace(run_dir / "trace.jsonl")
-    state = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
-    assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
+    _counters_recompute(run_dir)
     print(f"stopped at t={t_stop:.1f} s, lost at {lost['t']:.1f} s, rejoined at {lines[rejoined]['t']:.1f} s; "
           f"{len(cancelled)} executions cancelled")  # fmt: skip
+
+
+def test_a_satellite_that_hangs_inside_the_reduce_is_recomputed_by_the_core_and_the_satellites_train_again(
+    fault_run, tmp_path
+):
+    """A host that stops answering inside the end-of-batch reduce: the `stop_gate` test gate SIGSTOPs cell 1 right
+    before its first one (batch 0: the core holds for cell 1's claim; cell 2 joins that batch or not, as the policy's
+    timing goes). The core's reduce fails after the collective timeout (10 s here), the core runs every satellite
+    micro-step of that batch again and updates alone (trace: `collective_failed`), a live cell 2 of that batch is out
+    of training until the world is re-formed, cell 1 is lost when its event stream times out and is restarted, and at
+    a later boundary they take their training rank again in a re-formed world. Before, the core waited out gloo's 30
+    minutes and then the run failed."""
+    steps = 6  # three bursts: cell 1 is restarted before the second boundary, where the world is re-formed
+    run_dir = tmp_path / "run"
+    summary = fault_run(tmp_path, run_dir, lambda lines: True, lambda: None, f"train.steps={steps}",
+                        'train.stop_gate={"cell": 1, "at": "reduce"}', "train.collective_timeout_s=10")  # fmt: skip
+    assert summary["steps"] == steps
+    lines = list(iter_trace(run_dir / "trace.jsonl"))
+    (failed,) = [x for x in lines if x["ev"] == "collective_failed"]
+    cells = failed["cells"]
+    assert failed["version"] == 0 and cells in ([1], [1, 2]), failed
+    at = lines.index(failed)
+    # the failed batch's step counts the core's micro-steps only: it ran the satellites' again
+    (report,) = [json.loads(r) for r in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()
+                 if json.loads(r)["step"] == failed["version"]]  # fmt: skip
+    assert report["collective_failed"] == cells
+    assert set(report["microsteps_by_cell"]) == {"0"} and report["num_microsteps"] >= 2
+    (lost,) = [x for x in lines if x["ev"] == "cell_lost"]
+    assert lost["cell"] == 1 and lost["t"] > failed["t"]
+    restored = [(x["cell"], x["trains"]) for x in lines[at:] if x["ev"] == "cell_restored"]
+    assert (1, False) in restored and (1, True) in restored, restored
+    if 2 in cells:  # alive, but its world with the core broke: rollout-only until the re-form, then trainable
+        assert (2, True) in restored, restored
+        assert any(x["ev"] == "cell_untrained" and x["cell"] == 2 for x in lines[at:])
+    # the restarted cell 1 claims micro-steps again in the re-formed world
+    rejoined = max(i for i, x in enumerate(lines) if x["ev"] == "cell_restored" and x["trains"])
+    claims = {x["cell"] for x in lines[rejoined:] if x["ev"] == "microstep_claim"}
+    assert 1 in claims, f"after the re-form only cells {claims} claimed micro-steps"
+    _counters_recompute(run_dir)
+    print(f"collective with cells {cells} failed at t={failed['t']:.1f} s, cell 1 lost at {lost['t']:.1f} s, "
+          f"re-formed at {lines[rejoined]['t']:.1f} s")  # fmt: skip
+
+
+def test_a_satellite_that_hangs_inside_the_re_form_is_lost_and_the_world_is_formed_at_the_next_boundary(
+    fault_run, tmp_path
+):
+    """Cell 1's worker is SIGKILLed at its first claim and restarted; at the boundary where the world is re-formed for
+    it, cell 2 stops answering inside the re-form (the `stop_gate` test gate SIGSTOPs it there). The others give up at
+    the bounded rendezvous (`launcher.reform_timeout_s`, 10 s here) with no world, the controller's call to cell 2
+    times out and cell 2 is lost and restarted (`CellLosses._reform_failed`), the core trains alone meanwhile, and
+    at a later boundary, with all three alive, the world is formed again with both satellites rejoining."""
+    steps = 8
+    run_dir = tmp_path / "run"
+    summary = _kill_cell1_at_its_first_claim(fault_run, tmp_path, run_dir, f"train.steps={steps}",
+                                             'train.stop_gate={"cell": 2, "at": "reform"}',
+                                             "launcher.reform_timeout_s=10")  # fmt: skip
+    assert summary["steps"] == steps
+    err = (tmp_path / "controller.log").read_text()
+    assert "gloo world generation 1 not formed" in err, err[-3000:]
+    lines = list(iter_trace(run_dir / "trace.jsonl"))
+    lost = [(x["cell"], x["t"]) for x in lines if x["ev"] == "cell_lost"]
+    assert [c for c, _ in lost] == [1, 2], lost
+    restored = [(x["cell"], x["trains"]) for x in lines if x["ev"] == "cell_restored"]
+    # cell 1 serves again, cell 2 (lost in the failed re-form) too, then one re-form takes both back into training
+    assert restored[:2] == [(1, False), (2, False)] and sorted(restored[2:]) == [(1, True), (2, True)], (
+        restored
+    )
+    rejoined = next(i for i, x in enumerate(lines) if x["ev"] == "cell_restored" and x["trains"])
+    assert lines[rejoined]["t"] > lost[1][1]
+    # between the failed re-form and the next one the core trained alone
+    alone = [x for x in lines[lines.index(next(x for x in lines if x["ev"] == "cell_lost" and x["cell"] == 2)) :
+                              rejoined] if x["ev"] == "microstep_claim"]  # fmt: skip
+    assert {x["cell"] for x in alone} <= {0}
+    assert [x for x in lines[rejoined:] if x["ev"] == "microstep_claim" and x["cell"] == 1], (
+        "cell 1 claimed no micro-step after the world was formed again"
+    )
+    _counters_recompute(run_dir)
+    print(f"cells lost at {lost}; both rejoined at t={lines[rejoined]['t']:.1f} s")

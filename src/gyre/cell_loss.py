@@ -11,7 +11,10 @@ What happens when a call to satellite cell i fails (its event stream, a role swi
 - its claimed but unfinished micro-steps are requeued by gyre-train's coordinator (the control connection closed),
   which also leaves it out of every later batch's collectives: the reduce runs over the remaining members' group
   (a prefix group, or a fresh group of exactly those ranks), so the dead rank of the fixed-K gloo world is never
-  contacted again. A satellite that dies inside the reduce itself is not covered (gloo's timeout ends the run).
+  contacted again. A satellite that dies or hangs inside the end-of-batch reduce or broadcast fails that collective
+  (at once, or after `[train] collective_timeout_s`): the core runs the batch's satellite micro-steps itself and
+  updates alone, and reports the satellites (`StepReport.collective_failed`, traced `collective_failed`); the live
+  ones serve rollout from the next boundary until the world is re-formed (`collective_failed`, `rejoin_training`).
 
 The core (cell 0) holds the optimizer: its loss still ends the run (`gyre run --resume` continues it).
 
@@ -72,6 +75,7 @@ class CellLosses:
         self.restart: Callable[[int], Awaitable[CellWorkerClient | None]] | None = None
         """The launcher's `restart_cell` (None: a lost cell stays lost)."""
         self.untrained: set[int] = set()  # restored cells whose training side has not rejoined yet
+        self.unformed: set[int] = set()  # live satellites of a failed collective, not untrained yet
         self.gone: set[int] = set()  # lost for good (restarts spent or failed): later worlds leave them out
         self.restarting: dict[int, asyncio.Event] = {}  # set once the restart ended (restored, or it failed)
         self.generation = 0  # of the gloo world (0: the one formed at start)
@@ -93,11 +97,11 @@ class CellLosses:
                     type(exc).__name__, exc, self.c.run_dir / "logs" / f"cell-{cell}.log")  # fmt: skip
         self.c.events.put_nowait(ev.CellLost(cell))
         roles = self.c.policy.roles
-        serving = [c.base_url for i, c in enumerate(self.c.cells)
+        serving = [c.engine_url for i, c in enumerate(self.c.cells)
                    if i not in self.lost and roles[i] is CellRole.ROLLOUT]  # fmt: skip
         try:
             await self.c.runner.admin_call(
-                "PUT", "/routes", {"engines": serving + [s.base_url for s in self.c.standalone]}
+                "PUT", "/routes", {"engines": serving + [s.engine_url for s in self.c.standalone]}
             )
         except Exception as routes_failed:  # the proxy refused: that stops the run, as any failed part does
             self.c.events.put_nowait(routes_failed)
@@ -142,10 +146,10 @@ class CellLosses:
                 f"the restarted engine serves version {served}, not the published {ref.version}"
             )
         roles = self.c.policy.roles
-        serving = [c.base_url for i, c in enumerate(self.c.cells)
+        serving = [c.engine_url for i, c in enumerate(self.c.cells)
                    if i == cell or (i not in self.lost and roles[i] is CellRole.ROLLOUT)]  # fmt: skip
         await self.c.runner.admin_call(
-            "PUT", "/routes", {"engines": serving + [s.base_url for s in self.c.standalone]}
+            "PUT", "/routes", {"engines": serving + [s.engine_url for s in self.c.standalone]}
         )
         self.c.events.put_nowait(ev.CellRestored(cell, version=ref.version))
 
@@ -204,6 +208,27 @@ class CellLosses:
             self.untrained.add(cell)
             self.c.events.put_nowait(ev.CellUntrained(cell))
 
+    def collective_failed(self, version: int, cells: list[int]) -> None:
+        """The core's end-of-batch reduce or broadcast of batch `version` failed with `cells` (one died or hangs in
+        it): the core ran their micro-steps itself and updated alone, and its world with them is broken. They may
+        still be in training (mid-burst: their joins wait); at the next boundary they become rollout-only and the
+        world is re-formed, at once or after a restart under way (`rejoin_training`)."""
+        self.c.trace.write(self.c.now(), "collective_failed", version=version, cells=cells)
+        log.warning("batch %d: the end-of-batch collective with cell(s) %s failed; the core ran their micro-steps "
+                    "and updated alone; they train again once the world is re-formed", version, cells)  # fmt: skip
+        self.unformed.update(c for c in cells if c not in self.lost)
+
+    def _untrain_unformed(self) -> None:
+        """At a boundary: the satellites of a failed collective become rollout-only until the next re-form."""
+        for cell in sorted(self.unformed):
+            if cell in self.lost or cell in self.untrained:
+                continue  # lost meanwhile: its restart rejoins it
+            if self.c.policy.roles[cell] is not CellRole.ROLLOUT and self.c.policy.kind != "async":
+                return  # still switching: the next boundary
+            self.untrained.add(cell)
+            self.c.events.put_nowait(ev.CellUntrained(cell))
+        self.unformed.clear()
+
     async def _answers(self, cell: int) -> bool:
         try:
             await asyncio.wait_for(self.c.cells[cell].status(), timeout=STATUS_TIMEOUT_S)
@@ -221,6 +246,7 @@ class CellLosses:
 
     async def rejoin_training(self) -> None:
         """At a burst boundary (called while the policy publishes): restored cells take their training rank again."""
+        self._untrain_unformed()
         if not self.untrained or self.lost - self.gone:  # nothing to do, or a restart is still under way
             return
         if (why := self._rejoin_refused()) is not None:

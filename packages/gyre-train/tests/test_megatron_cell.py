@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from gyre_train.localrun import free_port
+from gyre_train.localrun import free_ports
 from gyre_train.loss import LossConfig
 from gyre_train.replay import load_dump, replay_batch
 
@@ -101,7 +101,7 @@ def run(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("pipelined-cells")
     script = out / "rank.py"
     script.write_text(RANK)
-    master, control = free_port(), free_port()
+    master, control = free_ports(2)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = []
     for s in range(PP):

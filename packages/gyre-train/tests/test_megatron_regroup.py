@@ -8,12 +8,13 @@ joins); the test's timeout bounds that. Slow: each of the three processes import
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from gyre_train.localrun import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -59,15 +60,9 @@ RANK = textwrap.dedent(
 )
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(300)
 def test_a_restarted_megatron_rank_trains_with_a_regrouped_live_rank(tiny_model):
-    first, second = _port(), _port()
+    first, second = free_ports(2)
 
     def start(rank: int, restarted: bool) -> subprocess.Popen:
         flag = "1" if restarted else "0"

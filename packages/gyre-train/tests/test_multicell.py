@@ -62,7 +62,8 @@ def test_two_cell_processes_satellite_joins_mid_batch(tiny_model, tmp_path):
             assert torch.allclose(grads, ref_grads, atol=1e-9, rtol=0)
 
 
-def test_coordinator_keeps_the_training_set_a_prefix_and_closes_the_window(tiny_model, tmp_path):
+def _coordinator(tiny_model, tmp_path, batch_groups: int):
+    """A core's coordinator (K = 3) in front of a trainer holding `batch_groups` groups of 2 (no processes)."""
     from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
     from gyre_train.buffer import TrajectoryBuffer
     from gyre_train.cell import CellWorker
@@ -70,19 +71,24 @@ def test_coordinator_keeps_the_training_set_a_prefix_and_closes_the_window(tiny_
     from gyre_train.multicell import Coordinator, MultiCellConfig
     from gyre_train.packing import PackingConfig
     from gyre_train.trainer import Trainer, TrainerConfig
-    from gyre_train.types import CellRequest
 
     buffer = TrajectoryBuffer(2)
-    for gid, v, execs in make_groups(1, 2, seed=1, max_len=30):
+    for gid, v, execs in make_groups(batch_groups, 2, seed=1, max_len=30):
         for eid, r, trajs in execs:
             buffer.add_execution(gid, v, eid, r, trajs)
     trainer = Trainer(
-        TrainerConfig(packing=PackingConfig(group_size=2, batch_groups=1, tokens_per_shard=32)),
+        TrainerConfig(packing=PackingConfig(group_size=2, batch_groups=batch_groups, tokens_per_shard=32)),
         CellWorker(0, TorchBackend(TorchBackendConfig(model_path=tiny_model)), LossConfig()),
         buffer,
     )
     cfg = MultiCellConfig(num_cells=3, master_port=1, control_port=free_port(), snapshot_dir=str(tmp_path))
-    coord = Coordinator(cfg, trainer)
+    return Coordinator(cfg, trainer), trainer
+
+
+def test_coordinator_keeps_the_training_set_a_prefix_and_closes_the_window(tiny_model, tmp_path):
+    from gyre_train.types import CellRequest
+
+    coord, trainer = _coordinator(tiny_model, tmp_path, batch_groups=1)
     try:
         assert coord.handle(CellRequest(op="join", cell=1)).status == "wait"  # no batch open
         coord.open_batch(0, str(tmp_path / "snap.pt"))
@@ -102,6 +108,40 @@ def test_coordinator_keeps_the_training_set_a_prefix_and_closes_the_window(tiny_
             coord.handle(CellRequest(op="claim", cell=3))
         coord.open_batch(1, str(tmp_path / "snap.pt"))
         assert coord.participants == {0, 1, 2}  # broadcast receivers stay for the next batch
+    finally:
+        coord.close()
+
+
+def test_a_wait_for_a_claim_ends_when_the_cell_dies(tiny_model, tmp_path):
+    """`wait_claimed` (the core's hold for a joining satellite) returns once the cell claimed, and ends at once
+    when the cell dies before it claims: a hold no longer waits out its timeout for a cell that is gone."""
+    import threading
+
+    from gyre_train.types import CellRequest
+
+    coord, trainer = _coordinator(tiny_model, tmp_path, batch_groups=2)
+    try:
+        coord.open_batch(0, str(tmp_path / "snap.pt"))
+        trainer.open_batch()
+        for cell in (1, 2):
+            assert coord.handle(CellRequest(op="join", cell=cell)).status == "joined"
+        assert coord.handle(CellRequest(op="claim", cell=1)).status == "item"
+        coord.wait_claimed(1, timeout=60)  # claimed: returns at once
+        errors: list[BaseException] = []
+
+        def hold() -> None:
+            try:
+                coord.wait_claimed(2, timeout=600)
+            except TimeoutError as exc:
+                errors.append(exc)
+
+        waiter = threading.Thread(target=hold, daemon=True)
+        waiter.start()
+        coord.lose(2, "killed", dead=True)
+        waiter.join(
+            60
+        )  # not 600: the death ends the wait, whether it came before the wait began or during it
+        assert not waiter.is_alive() and "died before it claimed" in str(errors[0])
     finally:
         coord.close()
 
@@ -139,3 +179,53 @@ def test_middle_satellite_killed_survivors_reduce_over_a_fresh_group(tiny_model,
     assert report["loss"] == pytest.approx(ref_loss, abs=1e-9)
     grads = torch.load(tmp_path / "grads-0.pt")
     assert torch.allclose(grads, ref_grads, atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_satellite_that_dies_or_hangs_inside_the_reduce_leaves_the_core_to_update_alone(
+    tiny_model, tmp_path, fault
+):
+    # cells 0, 1, 2 train step 0; cell 1 is killed (its connection closes) or stopped (it answers nothing) right
+    # before its reduce: the collective fails (at once, or after the 5 s collective timeout), the core runs every
+    # satellite item again and updates alone, with the exact gradient; cell 2 is out of training until a re-form
+    spec = LocalRunSpec(model_path=tiny_model, out_dir=str(tmp_path), num_cells=3, steps=2, wait_join_at=1,
+                        save_grads=True, collective_fault=fault, collective_timeout_s=5.0)  # fmt: skip
+    assert launch(spec, timeout=240) == [0, -9, 0]
+    first, second = [json.loads(line) for line in (tmp_path / "reports.jsonl").read_text().splitlines()]
+    assert first["collective_failed"] == [1, 2]
+    assert {int(k): v for k, v in first["microsteps_by_cell"].items()} == {0: first["num_microsteps"]}
+    ref_loss, ref_grads = _reference_grads(tiny_model, spec)
+    assert first["loss"] == pytest.approx(ref_loss, abs=1e-9)
+    grads = torch.load(tmp_path / "grads-0.pt")
+    assert torch.allclose(grads, ref_grads, atol=1e-6, rtol=0)
+    # the next step trains on the core alone: the broken world is not used again
+    assert second["policy_version"] == 2 and second["collective_failed"] == []
+    assert {int(k): v for k, v in second["microsteps_by_cell"].items()} == {0: second["num_microsteps"]}
+    bursts = json.loads((tmp_path / "satellite-2.json").read_text())["bursts"]
+    assert bursts[0] in ("collective_failed", "burst_end") and len(bursts) == 1
+
+
+@pytest.mark.slow
+def test_a_satellite_that_dies_before_the_broadcast_leaves_the_update_whole_and_the_next_step_to_the_core(
+    tiny_model, tmp_path
+):
+    # step 0 is not final (mu = 2): cells 0, 1, 2 reduce, the core updates, then cell 1 dies before the broadcast.
+    # The update used every cell's gradient (the reduce succeeded); the broadcast fails, so the satellites that
+    # stayed have no weights: they are out until a re-form, and step 1 trains on the core alone
+    spec = LocalRunSpec(model_path=tiny_model, out_dir=str(tmp_path), num_cells=3, steps=2, steps_per_burst=2,
+                        wait_join_at=1, save_grads=True, collective_fault="kill", collective_fault_at="broadcast",
+                        collective_timeout_s=5.0)  # fmt: skip
+    assert launch(spec, timeout=240) == [0, -9, 0]
+    first, second = [json.loads(line) for line in (tmp_path / "reports.jsonl").read_text().splitlines()]
+    assert first["collective_failed"] == [1, 2]
+    by_cell = {int(k): v for k, v in first["microsteps_by_cell"].items()}
+    # the satellites' work counted
+    assert by_cell.get(2, 0) >= 1 and sum(by_cell.values()) == first["num_microsteps"]
+    ref_loss, ref_grads = _reference_grads(tiny_model, spec)
+    assert first["loss"] == pytest.approx(ref_loss, abs=1e-9)
+    assert torch.allclose(torch.load(tmp_path / "grads-0.pt"), ref_grads, atol=1e-6, rtol=0)
+    assert second["policy_version"] == 2 and second["collective_failed"] == []
+    assert {int(k): v for k, v in second["microsteps_by_cell"].items()} == {0: second["num_microsteps"]}
+    # cell 2's side of the broadcast may have completed before cell 1 died: then it waits, joined, until the stop
+    assert json.loads((tmp_path / "satellite-2.json").read_text())["bursts"] in ([], ["collective_failed"])

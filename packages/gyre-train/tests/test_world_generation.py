@@ -3,10 +3,11 @@ the world on a fresh port (`reform_cell_world`); the prefix groups of the new wo
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
+
+from gyre_train.localrun import free_ports
 
 RANK = textwrap.dedent(
     """
@@ -37,14 +38,8 @@ RANK = textwrap.dedent(
 )
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_restarted_rank_rejoins_a_new_world_generation():
-    first, second = _port(), _port()
+    first, second = free_ports(2)
 
     def start(rank: int, restarted: bool) -> subprocess.Popen:
         argv = [sys.executable, "-c", RANK, str(rank), str(first), str(second), "1" if restarted else "0"]
@@ -100,7 +95,7 @@ def _times_out_then_a_fresh_rank_2_forms(
     `beside` (a script given the first port) checks in for it and dies. Each must raise RendezvousTimeout after
     `seconds` with no world held, `arrival` ("True" when the arrival count timed out, "False" when gloo's init did);
     then a fresh rank 2 forms the second generation with them."""
-    first, second = _port(), _port()
+    first, second = free_ports(2)
 
     def start(rank: int) -> subprocess.Popen:
         argv = [sys.executable, "-c", BOUNDED, str(rank), str(first), str(second), str(wait)]
@@ -186,7 +181,7 @@ GONE = textwrap.dedent(
 def test_a_cell_gone_for_good_is_left_out_of_the_next_generation():
     """K=4, cell 2 dead for good: the next generation has the three others (rank = position, core first), and
     collectives over cells map to their ranks, so the gone cell blocks no later re-form."""
-    first, second = _port(), _port()
+    first, second = free_ports(2)
 
     def start(cell: int) -> subprocess.Popen:
         argv = [sys.executable, "-c", GONE, str(cell), str(first), str(second)]

@@ -42,6 +42,7 @@ def _multicell(cfg: CellWorkerConfig) -> MultiCellConfig:
     return MultiCellConfig(
         num_cells=cfg.num_cells, master_port=t.master_port, control_port=t.coordinator_port,
         snapshot_dir=str(Path(cfg.run_dir) / "snapshots"), host=t.master_host or cfg.host,
+        collective_timeout_s=t.collective_timeout_s,
     )  # fmt: skip
 
 

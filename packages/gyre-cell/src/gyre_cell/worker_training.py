@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -79,6 +81,7 @@ class CellTraining:
             num_cells=cfg.num_cells, master_port=t.master_port, control_port=t.coordinator_port,
             snapshot_dir=str(Path(cfg.run_dir) / "snapshots"), steps_per_burst=t.steps_per_burst,
             host=t.master_host or cfg.host, claim_timeout_s=t.claim_timeout_s, starve_timeout_s=float("inf"),
+            collective_timeout_s=t.collective_timeout_s,
         )  # fmt: skip
         # gloo rendezvous of all K cells, prefix groups built once; before the backend, because a megatron
         # backend builds its groups over this world (collectively, every cell at this point).
@@ -127,6 +130,7 @@ class CellTraining:
         self.core: CoreRunner | None = None
         self._held_until_joined = False
         self.satellite: SatelliteRunner | None = None
+        self._stopped: set[str] = set()  # the stop test gate's points reached
         if self.is_core:
             self.buffer = TrajectoryBuffer(t.group_size)
             packing = PackingConfig(
@@ -142,6 +146,8 @@ class CellTraining:
             self.core = CoreRunner(mc, self.trainer, self.groups, snapshots=self.snapshots)
         else:
             self.satellite = SatelliteRunner(mc, self.worker, self.groups, snapshots=self.snapshots)
+            if self._gated("reduce"):
+                self.satellite.before_collective = self._stop_before_reduce
 
     # ---- events ------------------------------------------------------------------------------------------------
     def _on_trainer_event(self, kind: str, fields: dict) -> None:
@@ -295,6 +301,22 @@ class CellTraining:
             self.leave.set()
         self.wait_idle()
 
+    # ---- the stop test gate --------------------------------------------------------------------------------------
+    def _gated(self, at: str) -> bool:
+        gate = self.cfg.training.stop_gate
+        return gate is not None and gate.cell == self.cfg.cell and gate.at == at and not self.cfg.restarted
+
+    def _stop_before_reduce(self, kind: str, batch: int | None) -> None:
+        if kind == "reduce":
+            self._stop_at("reduce", f"the reduce of batch {batch}")
+
+    def _stop_at(self, at: str, where: str) -> None:
+        """The `stop_gate` test gate: SIGSTOP this process the first time it reaches `at`."""
+        if at not in self._stopped:
+            self._stopped.add(at)
+            log.warning("test gate stop_gate: cell %d stops before %s", self.cfg.cell, where)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
     # ---- a new world generation ----------------------------------------------------------------------------------
     def reform(
         self,
@@ -310,6 +332,8 @@ class CellTraining:
             raise ValueError(
                 "a pipelined cell (PP > 1) cannot re-form the training world: its stages are one group"
             )
+        if self._gated("reform"):
+            self._stop_at("reform", f"the re-form on port {master_port}")
         # A satellite that stays in training (Async) waits for the next batch in its burst thread: it leaves the
         # wait (it holds no claim: no batch is open at a boundary) and waits again in the new world.
         waiting = self.satellite is not None and self._may_join
@@ -323,6 +347,7 @@ class CellTraining:
         self.mc = replace(self.mc, master_port=master_port)
         if self.core is not None:
             self.core.groups = self.groups
+            self.core.coordinator.new_world()  # satellites of a failed collective may train again
             for cell in rejoining:
                 self.core.coordinator.revive(cell)
             if self.cfg.training.hold_core_for_join in rejoining:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gyre_cell.engine.config import EngineConfig
 from gyre_cell.roles import SwitchReport
+from gyre_cell.sglang_adapter import SGLangLaunchConfig
 from gyre_cell.transfer.mooncake import MooncakeConfig
 from gyre_train.loss import LossConfig
 
@@ -28,6 +29,7 @@ __all__ = [
     "PublishCommand",
     "PublishedWeights",
     "SaveCommand",
+    "StopGate",
     "SwitchResult",
     "WorkerStatus",
 ]
@@ -36,6 +38,15 @@ __all__ = [
 class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     schema_version: Literal[1] = 1
+
+
+class StopGate(_Wire):
+    """Test gate: cell `cell` stops itself (SIGSTOP) the first time it reaches `at`, as a host that stops answering
+    there does: right before its end-of-batch reduce (`reduce`), or when asked to re-form the gloo world (`reform`).
+    A restarted worker does not arm it."""
+
+    cell: int = Field(ge=1)
+    at: Literal["reduce", "reform"]
 
 
 class CellTrainingConfig(_Wire):
@@ -72,6 +83,8 @@ class CellTrainingConfig(_Wire):
     `host`, right when every cell is on one machine). A launcher placing cells on several hosts sets it."""
     claim_timeout_s: float = Field(300.0, gt=0)
     """Claim lease: a satellite holding one micro-step longer than this is dropped and its work requeued."""
+    collective_timeout_s: float = Field(300.0, gt=0)
+    """Timeout of the end-of-batch reduce and broadcast between cells (`MultiCellConfig.collective_timeout_s`)."""
     snapshot: Literal["mooncake", "file"] = "mooncake"
     """How joining satellites pull the core's weight snapshot."""
     dump_batches: list[int] = []
@@ -80,6 +93,8 @@ class CellTrainingConfig(_Wire):
     """Test gate: before its second micro-step of a batch the core waits (at most hold_timeout_s) for this
     satellite to join and claim an item, until it has once; makes a mid-batch join that trains certain in short runs."""
     hold_timeout_s: float = Field(30.0, gt=0)
+    stop_gate: StopGate | None = None
+    """Test gate: a satellite stops itself at one point (`StopGate`)."""
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend (gyre_train.backends.build_backend)."""
     tensor_parallel: int = Field(1, ge=1)
@@ -110,7 +125,11 @@ class CellWorkerConfig(_Wire):
     port: int = Field(ge=1)
     """HTTP port."""
     engine: EngineConfig
-    """The in-process torch rollout engine."""
+    """The in-process torch rollout engine (not built when `sglang` is set)."""
+    sglang: SGLangLaunchConfig | None = None
+    """Set: rollout runs on an SGLang server this worker starts with the run's engine token (by file), waits for,
+    and watches (it exits if the server dies), on `sglang.host:sglang.port`: `WorkerStatus.engine_url`. Published
+    weights are pushed to it over HTTP. Its log: RUN/logs/<cell>.sglang.log."""
     training: CellTrainingConfig | None = None
     """None for standalone workers."""
     weights: Literal["mooncake", "disk"] = "mooncake"
@@ -216,3 +235,6 @@ class WorkerStatus(_Wire):
     error: str | None = None
     published: PublishedWeights | None = None
     """The core: the latest published weights (version 0 = the initial model)."""
+    engine_url: str | None = None
+    """Where this cell's rollout engine serves model calls: the worker's own URL (in-process torch engine) or its
+    SGLang server's. None from a worker older than this field: its own URL."""

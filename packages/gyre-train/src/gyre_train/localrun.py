@@ -69,15 +69,24 @@ class LocalRunSpec:
     steps_per_burst: int = 1
     """mu."""
     wait_join_at: int | None = None
-    """If set, the core waits for the last cell to join and claim before its item number ``wait_join_at``."""
+    """If set, the core waits for the last cell to join and claim before its item number ``wait_join_at`` (step 0),
+    and the other satellites hold their first item until that claim."""
     save_grads: bool = False
     """Write each step's summed gradient."""
     threads: int = 1
     """torch intra-op threads per cell process."""
     kill_at_item: int | None = None
-    """If set, cell 1 SIGKILLs itself on receiving its n-th item, before running it (lost-satellite tests)."""
+    """If set, cell 1 SIGKILLs itself on receiving its n-th item, before running it (lost-satellite tests); with
+    ``wait_join_at``, the core holds (step 0) until cell 1 is gone."""
     claim_timeout_s: float = 300.0
     """Claim lease of the coordinator."""
+    collective_fault: Literal["kill", "stop"] | None = None
+    """If set, cell 1 SIGKILLs or SIGSTOPs itself right before its end-of-batch ``collective_fault_at`` of step 0
+    (a member that dies or hangs inside the collective); a stopped cell is killed once the core has finished."""
+    collective_fault_at: Literal["reduce", "broadcast"] = "reduce"
+    """Which collective (the broadcast follows a non-final step: ``steps_per_burst`` > 1)."""
+    collective_timeout_s: float | None = None
+    """Timeout of the collectives between cells (``MultiCellConfig.collective_timeout_s``)."""
     dump_steps: tuple[int, ...] = ()
     """Steps the core dumps to ``out_dir/dump-<step>`` (``gyre_train.replay``)."""
     scenario: Literal["run", "leave_rejoin"] = "run"
@@ -94,6 +103,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports: every socket is held until all are chosen, so no two draws return the same one."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 _SIGNAL_S = 120.0  # how long a scenario waits for the other process before failing
@@ -137,17 +158,37 @@ def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int, events: dict 
     if cell > 0:
         received = 0
 
+        # With ``wait_join_at``, the core waits for the last cell's first claim: the other satellites hold their
+        # first item until then, or a fast cell 1 can claim every item while the last cell still loads (a CI run
+        # under load: cell 2 claimed nothing in 120 s and the scenario failed).
+        hold_first = spec.wait_join_at is not None and 0 < cell < spec.num_cells - 1
+
         def on_item(item, cell: int = cell) -> None:
             nonlocal received
             received += 1
+            if hold_first and received == 1:
+                _wait(events["last_claimed"], f"cell {spec.num_cells - 1}'s first claim")
             if cell == 1 and received == spec.kill_at_item:
                 os.kill(os.getpid(), signal.SIGKILL)  # dies holding a claim
 
         runner = SatelliteRunner(mc, worker, groups, on_item=on_item)
+        if cell == 1 and spec.collective_fault is not None:
+            fault = signal.SIGKILL if spec.collective_fault == "kill" else signal.SIGSTOP
+
+            def before(kind: str, batch: int | None) -> None:
+                if (kind, batch) == (spec.collective_fault_at, 0):
+                    os.kill(os.getpid(), fault)
+
+            runner.before_collective = before
         if spec.scenario == "leave_rejoin":
             _leave_rejoin_satellite(runner, events, Path(spec.out_dir))
         else:
-            runner.run()
+            bursts = []
+            while (result := runner.run_burst(threading.Event())) != "stop":
+                bursts.append(result)
+            (Path(spec.out_dir) / f"satellite-{cell}.json").write_text(json.dumps({"bursts": bursts}))
+        if cell not in runner.stop_members:  # its world with the core broke: no barrier, no clean teardown
+            os._exit(0)
         groups.barrier(runner.stop_members)  # the live cells leave together
         torch.distributed.destroy_process_group()
         return
@@ -171,6 +212,11 @@ def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int, events: dict 
                     return
                 if step == 0:
                     core.coordinator.wait_claimed(spec.num_cells - 1, timeout=_SIGNAL_S)
+                    events["last_claimed"].set()
+                    if (
+                        spec.kill_at_item is not None
+                    ):  # the core takes no item meanwhile: cell 1 gets its n-th
+                        core.coordinator.wait_dead(1, timeout=_SIGNAL_S)
                 elif rejoin and step == 1:
                     events["rejoin"].set()
                     core.coordinator.wait_claimed(1, timeout=_SIGNAL_S)
@@ -192,26 +238,32 @@ def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int, events: dict 
     # satellites have seen `stop`: the live cells leave together
     groups.barrier(core.coordinator.live_cells())
     core.coordinator.close()
+    if core.coordinator.unformed:  # a broken world's gloo threads can abort interpreter teardown
+        os._exit(0)
     torch.distributed.destroy_process_group()
 
 
 def launch(spec: LocalRunSpec, timeout: float = 300.0) -> list[int]:
     """Run all cells to completion; returns the exit codes (cell order)."""
     Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
+    master_port, control_port = free_ports(2)
     mc = MultiCellConfig(
-        num_cells=spec.num_cells, master_port=free_port(), control_port=free_port(),
+        num_cells=spec.num_cells, master_port=master_port, control_port=control_port,
         snapshot_dir=str(Path(spec.out_dir) / "snapshots"), steps_per_burst=spec.steps_per_burst,
-        claim_timeout_s=spec.claim_timeout_s,
+        claim_timeout_s=spec.claim_timeout_s, collective_timeout_s=spec.collective_timeout_s,
     )  # fmt: skip
     ctx = mp.get_context("spawn")
-    events = {name: ctx.Event() for name in ("step0_done", "left", "rejoin")}
+    events = {name: ctx.Event() for name in ("step0_done", "left", "rejoin", "last_claimed")}
     procs = [
         ctx.Process(target=_cell_main, args=(spec, mc, c, events), name=f"cell-{c}")
         for c in range(spec.num_cells)
     ]
     for p in procs:
         p.start()
-    for p in procs:
+    procs[0].join(timeout)
+    for cell, p in enumerate(procs[1:], start=1):
+        if cell == 1 and spec.collective_fault == "stop" and not procs[0].is_alive():
+            continue  # stopped for good: killed below
         p.join(timeout)
     codes = []
     for p in procs:

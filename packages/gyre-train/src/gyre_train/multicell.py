@@ -27,20 +27,24 @@ again). The queue requeues the items it claimed and did not report, and the trai
 gradients are in its backend, which is not summed); its late reports are refused. The batch completes with the
 remaining cells, and the end-of-batch collectives run over exactly the remaining members: their prefix group when
 they form a prefix, otherwise a fresh gloo group of just those ranks (``new_group(use_local_synchronization=True)``,
-cached, created only by its members, so the dead rank is never contacted). A satellite that dies after the window
-closed (during the reduce) is not handled: the collective fails after gloo's timeout.
+cached, created only by its members, so the dead rank is never contacted).
 
-**World generations.** A dead rank's place in the fixed K-rank world cannot be taken by a new process. When a lost
-satellite was restarted, every cell re-forms the world at a burst boundary (no batch open, no collective in flight):
-:func:`reform_cell_world` destroys the old world and its groups and joins a new one of the same K ranks on a fresh
-rendezvous port (the restarted process takes its old rank); the coordinator's control connection is untouched, and
-:meth:`Coordinator.revive` lets the restarted cell join batches again. A cell that is gone for good (its restarts
-spent) is left out of the new generation (``members``): the world then has one rank per member, in cell order
-(rank = position, the core still rank 0), and :class:`PrefixGroups` maps the cells it is given to those ranks.
+**A failed end-of-batch collective.** A member that dies inside the reduce (its connection closes: the collective
+fails at once) or hangs there (a stopped host: it fails after ``collective_timeout_s``) leaves a broken world: gloo
+cannot use a group again after one of its collectives failed. The core then keeps its own gradients (the reduce
+wrote into a copy), requeues every satellite's train items of the batch (``Coordinator.collective_failed``), runs
+them itself and updates alone, with no broadcast. Those satellites are *unformed*: their joins are answered
+``wait`` and they are left out of the stop members, until every cell re-formed the world (``new_world``); a live
+one that fails on its side of the collective discards its gradients and returns ``"collective_failed"`` from its
+burst. The step's report names them (``StepReport.collective_failed``), so the controller re-forms the world at the
+next burst boundary.
+
+**World generations** (a lost satellite restarted, a failed collective) are :mod:`gyre_train.world`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -57,6 +61,20 @@ import torch.distributed as dist
 from gyre_train.snapshot import FileSnapshotChannel, SnapshotChannel
 from gyre_train.trainer import DataStarvation, Trainer
 from gyre_train.types import CellRequest, CoordinatorReply, StepReport, WorkItem
+from gyre_train.world import PrefixGroups, RendezvousTimeout, init_cell_process, reform_cell_world
+
+__all__ = [
+    "Coordinator",
+    "CoreRunner",
+    "MultiCellConfig",
+    "PrefixGroups",
+    "RendezvousTimeout",
+    "StepAborted",
+    "init_cell_process",
+    "reform_cell_world",
+]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,144 +103,24 @@ class MultiCellConfig:
     as long as needed; ``step(abort=...)`` ends the wait)."""
     claim_timeout_s: float = 300.0
     """Claim lease: a satellite holding one item longer than this is dropped from the batch, its work requeued."""
+    collective_timeout_s: float | None = None
+    """Timeout of the collectives between cells (the end-of-batch reduce and broadcast, the end barrier); None:
+    gloo's default (30 min). A member that hangs inside one fails it after this long. No micro-step runs inside
+    them (the reduce starts once every claimed item is reported); the longest wait is a satellite's for the core's
+    optimizer update before the broadcast, which this must exceed."""
 
     def __post_init__(self) -> None:
         if self.num_cells < 1 or self.steps_per_burst < 1:
             raise ValueError("num_cells and steps_per_burst must be >= 1")
         if self.claim_timeout_s <= 0:
             raise ValueError("claim_timeout_s must be > 0")
+        if self.collective_timeout_s is not None and self.collective_timeout_s <= 0:
+            raise ValueError("collective_timeout_s must be > 0 (or None: gloo's default)")
 
-
-def init_cell_process(cfg: MultiCellConfig, cell: int) -> PrefixGroups:
-    """Join the gloo world as rank ``cell`` and build the prefix groups (every process, same order)."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://{cfg.host}:{cfg.master_port}", rank=cell, world_size=cfg.num_cells
-    )
-    return PrefixGroups(cfg.num_cells)
-
-
-class RendezvousTimeout(RuntimeError):
-    """Not every rank of a new world generation arrived within the rendezvous timeout (one died or hangs)."""
-
-
-def reform_cell_world(
-    cfg: MultiCellConfig,
-    cell: int,
-    master_port: int,
-    rendezvous_timeout_s: float = 120.0,
-    members: list[int] | None = None,
-) -> PrefixGroups:
-    """A new generation of the gloo world (see the module docstring): every cell calls it, with the same fresh
-    ``master_port``, while none is inside a batch; returns the new prefix groups (the old ones are destroyed).
-
-    The rendezvous is bounded: a rank that died or hangs after the others were told to re-form would otherwise
-    hold every cell for gloo's default timeout (30 min). The core (rank 0) hosts the rendezvous store and waits
-    ``rendezvous_timeout_s`` for all K ranks; past it every waiting rank raises :class:`RendezvousTimeout` and is
-    left without a world (none is initialized: the old one is destroyed), ready to call this again with the next
-    port. The new world's collectives keep gloo's default timeout (a slow micro-step must not trip them).
-
-    ``members``: the cells of the new generation, None for all K; a cell gone for good is left out, and every member
-    passes the same list. Rank = position in it (the core, first, stays rank 0)."""
-    members = sorted(members) if members is not None else list(range(cfg.num_cells))
-    if not members or members[0] != 0 or cell not in members or members[-1] >= cfg.num_cells:
-        raise ValueError(f"members {members}: need the core (0), this cell ({cell}) and cells below K")
-    size = len(members)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    timeout = timedelta(seconds=rendezvous_timeout_s)
-    try:
-        store = dist.TCPStore(cfg.host, master_port, size, is_master=cell == 0, timeout=timeout)
-        # Every rank checks in, so a non-core rank too stops waiting once the timeout passed (it may have reached
-        # the store while another rank never did).
-        store.add("arrived", 1)
-        deadline = time.monotonic() + rendezvous_timeout_s
-        while int(store.add("arrived", 0)) < size:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{int(store.add('arrived', 0))} of {size} ranks arrived")
-            time.sleep(0.05)
-    except Exception as exc:  # DistStoreError / TimeoutError / a closed store (the core gave up first)
-        raise RendezvousTimeout(
-            f"world generation on port {master_port}: not every one of the cells {members} arrived "
-            f"within {rendezvous_timeout_s:g} s ({type(exc).__name__}: {exc})"
-        ) from exc
-    # A rank can also die after checking in: gloo's own rendezvous (inside init) then waits for it, bounded by the
-    # same timeout. Only the world's default group gets it: every collective runs on the prefix and member groups,
-    # which keep gloo's default (a slow step must not trip them).
-    try:
-        dist.init_process_group(
-            "gloo", store=store, rank=members.index(cell), world_size=size, timeout=timeout
-        )
-    except Exception as exc:
-        _forget_failed_world()
-        raise RendezvousTimeout(
-            f"world generation on port {master_port}: a rank of the cells {members} checked in but the world was "
-            f"not built within {rendezvous_timeout_s:g} s ({type(exc).__name__}: {exc})"
-        ) from exc
-    return PrefixGroups(cfg.num_cells, members, timeout=dist.default_pg_timeout)
-
-
-def _forget_failed_world() -> None:
-    """After a world that was not built: torch names groups by a per-process count, which the failed init advanced
-    and only a destroyed world resets. A restarted process starts from zero, so without this the next generation's
-    ranks would wait for each other under different names. A one-rank world on a local store, destroyed at once,
-    resets it with public calls only."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    dist.destroy_process_group()
-
-
-class PrefixGroups:
-    """Communication groups over the world's ranks, one per prefix of 2..n ranks, built once per world.
-
-    ``cells``: the cell of each rank (rank = position; None: rank = cell, all K). Callers speak cells; a world that
-    left out a cell gone for good maps them to its ranks."""
-
-    def __init__(
-        self, num_cells: int, cells: list[int] | None = None, timeout: timedelta | None = None
-    ) -> None:
-        self.num_cells = num_cells
-        self.cells = list(cells) if cells is not None else list(range(num_cells))
-        self._rank = {c: r for r, c in enumerate(self.cells)}
-        self._timeout = timeout  # of every group's collectives (None: the world's)
-        self.groups = {
-            p: dist.new_group(list(range(p)), timeout=timeout) for p in range(2, len(self.cells) + 1)
-        }
-        self._fresh: dict[tuple[int, ...], object] = {}
-
-    def for_prefix(self, prefix: int):
-        """The group of ranks 0..prefix-1 (cells 0..prefix-1 when no cell was left out)."""
-        if prefix not in self.groups:
-            raise ValueError(f"no communication group for a prefix of {prefix} ranks (cells {self.cells})")
-        return self.groups[prefix]
-
-    def rank_of(self, cell: int) -> int:
-        if cell not in self._rank:
-            raise ValueError(f"cell {cell} is not in this world (cells {self.cells})")
-        return self._rank[cell]
-
-    def for_members(self, members: list[int]):
-        """Group of exactly the cells ``members`` (None for one cell): a prefix group, else a fresh group of their
-        ranks.
-
-        A fresh group is created by its members only (``use_local_synchronization``), so a dead rank outside it
-        is never contacted; it is cached by rank set, and every member calls this with the same set in the same
-        order (the coordinator's ``members``), so their group names agree.
-        """
-        ranks = sorted(self.rank_of(c) for c in members)
-        if len(ranks) <= 1:
-            return None
-        if ranks == list(range(len(ranks))):
-            return self.for_prefix(len(ranks))
-        key = tuple(ranks)
-        if key not in self._fresh:
-            self._fresh[key] = dist.new_group(ranks, timeout=self._timeout, use_local_synchronization=True)
-        return self._fresh[key]
-
-    def barrier(self, members: list[int]) -> None:
-        """Barrier over ``members`` (the live cells at the end of a run)."""
-        group = self.for_members(members)
-        if group is not None:
-            dist.barrier(group=group)
+    def collective_timeout(self) -> timedelta:
+        if self.collective_timeout_s is None:
+            return dist.default_pg_timeout
+        return timedelta(seconds=self.collective_timeout_s)
 
 
 class Coordinator:
@@ -245,6 +143,7 @@ class Coordinator:
         self._stopping = False
         self._dead: set[int] = set()  # control connection closed: gone for the rest of the run
         self._dropped: set[int] = set()  # dropped (lease expired), not yet told
+        self._unformed: set[int] = set()  # a collective with them failed: no batch until a re-form
         self._leases: dict[int, float] = {}  # cell -> monotonic deadline of its current claim
         self._claimed: set[int] = set()  # cells that claimed an item of the open batch
         self.lost: list[tuple[int | None, int, str, int]] = []
@@ -287,6 +186,7 @@ class Coordinator:
         with self._lock:
             if dead:
                 self._dead.add(cell)
+                self._lock.notify_all()  # wait_claimed for it ends
             self._leases.pop(cell, None)
             self._carry.discard(cell)
             if not (self._window_open and cell in self._participants):
@@ -314,10 +214,48 @@ class Coordinator:
             self._dead.discard(cell)
             self._dropped.discard(cell)
 
-    def live_cells(self) -> list[int]:
-        """Cells whose process has not been lost."""
+    def collective_failed(self, members: list[int], reason: str) -> dict[int, int]:
+        """The end-of-batch collective over ``members`` failed: the world is broken for them. Requeues every
+        satellite's work of the batch (the core keeps its own gradients) and reopens the batch for the core alone;
+        the satellites are unformed until ``new_world``. Returns the items requeued per satellite."""
         with self._lock:
-            return [c for c in range(self.cfg.num_cells) if c not in self._dead]
+            requeued = {}
+            for cell in members:
+                if cell == 0:
+                    continue
+                requeued[cell] = len(self.trainer.queue.drop_cell(cell))
+                self.lost.append((self._batch, cell, f"collective failed: {reason}", requeued[cell]))
+                self._unformed.add(cell)
+                self._dropped.discard(cell)
+                self._leases.pop(cell, None)
+            self._participants = {0}
+            self._carry = set()
+            self._done = None
+            self._window_open = True  # joins are refused (unformed); only the core claims the requeued items
+            self._lock.notify_all()
+            return requeued
+
+    def unform(self, cells: list[int]) -> None:
+        """A collective with ``cells`` failed outside a batch (the broadcast after the update): they stay out of
+        every batch until ``new_world``."""
+        with self._lock:
+            self._unformed.update(cells)
+            self._carry.difference_update(cells)
+
+    def new_world(self) -> None:
+        """Every cell re-formed the world: cells unformed by a failed collective may join batches again."""
+        with self._lock:
+            self._unformed.clear()
+
+    @property
+    def unformed(self) -> set[int]:
+        with self._lock:
+            return set(self._unformed)
+
+    def live_cells(self) -> list[int]:
+        """Cells whose process has not been lost and whose world with the core holds (the end barrier's)."""
+        with self._lock:
+            return [c for c in range(self.cfg.num_cells) if c not in self._dead and c not in self._unformed]
 
     def wait_joined(self, cell: int, timeout: float) -> None:
         """Block until ``cell`` participates in the open batch (tests use it to force a mid-batch join)."""
@@ -327,10 +265,19 @@ class Coordinator:
 
     def wait_claimed(self, cell: int, timeout: float) -> None:
         """Block until ``cell`` has claimed an item of the open batch: joined is not enough (a joining satellite
-        still loads the snapshot, and a fast core can claim every item meanwhile). Tests gate on it."""
+        still loads the snapshot, and a fast core can claim every item meanwhile). Tests gate on it. A cell that
+        died first ends the wait at once (TimeoutError too: it will not claim)."""
         with self._lock:
-            if not self._lock.wait_for(lambda: cell in self._claimed, timeout):
+            if not self._lock.wait_for(lambda: cell in self._claimed or cell in self._dead, timeout):
                 raise TimeoutError(f"cell {cell} claimed no item within {timeout} s")
+            if cell not in self._claimed:
+                raise TimeoutError(f"cell {cell} died before it claimed an item")
+
+    def wait_dead(self, cell: int, timeout: float) -> None:
+        """Block until ``cell``'s process is known gone (its connection closed). Tests gate on it."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: cell in self._dead, timeout):
+                raise TimeoutError(f"cell {cell} was not lost within {timeout} s")
 
     def stop(self) -> None:
         with self._lock:
@@ -377,9 +324,8 @@ class Coordinator:
             self.lose(cell, "control connection closed", dead=True)
 
     def _stop_reply(self) -> CoordinatorReply:
-        return CoordinatorReply(
-            status="stop", members=[c for c in range(self.cfg.num_cells) if c not in self._dead]
-        )
+        members = [c for c in range(self.cfg.num_cells) if c not in self._dead and c not in self._unformed]
+        return CoordinatorReply(status="stop", members=members)
 
     def handle(self, req: CellRequest) -> CoordinatorReply:
         if req.cell >= self.cfg.num_cells:
@@ -401,7 +347,7 @@ class Coordinator:
                     return self._stop_reply()
                 # cells join serially (the training set is a prefix, up to dead cells)
                 ahead = all(c in self._participants or c in self._dead for c in range(req.cell))
-                if not self._window_open or not ahead:
+                if not self._window_open or not ahead or req.cell in self._unformed:
                     return CoordinatorReply(status="wait")
                 self._participants.add(req.cell)
                 self._lock.notify_all()
@@ -501,6 +447,48 @@ class CoreRunner:
         batch = trainer.version
         coord.open_batch(batch, self.snapshots.publish(batch, trainer.core.backend.flat_params()))
         trainer.open_batch()
+        self._accumulate(batch, before_core_item, abort, on_wait)
+        if final is None:
+            final = (batch + 1) % self.cfg.steps_per_burst == 0
+        members = coord.close_window(broadcast=not final)  # lost cells excluded
+        group = self.groups.for_members(members)
+        backend = trainer.core.backend
+        failed: list[int] = []
+        if group is not None:
+            flat = backend.flat_grads()  # a copy: a failed reduce leaves the core's own gradients whole
+            try:
+                dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=group)
+            except RuntimeError as exc:  # a member died (closed connection) or hangs (collective timeout)
+                failed = [c for c in members if c != 0]
+                requeued = coord.collective_failed(members, str(exc).splitlines()[0][:300])
+                log.warning("batch %d: the reduce with cell(s) %s failed (%s); the core runs their %d item(s) "
+                            "itself and updates alone", batch, failed, exc, sum(requeued.values()))  # fmt: skip
+                self._accumulate(batch, None, abort, on_wait)
+                coord.close_window(broadcast=False)
+                group = None
+            else:
+                backend.set_flat_grads(flat)
+        if on_summed_grads is not None:
+            on_summed_grads(backend.flat_grads())
+        report = trainer.finish(dump_dir=dump_dir)
+        if group is not None and not final:
+            try:
+                dist.broadcast(backend.flat_params(), src=0, group=group)
+            except RuntimeError as exc:  # the update is done; the satellites that stayed have no weights
+                failed = [c for c in members if c != 0]
+                coord.unform(failed)
+                log.warning("batch %d: the broadcast to cell(s) %s failed (%s)", batch, failed, exc)
+        return report.model_copy(update={"collective_failed": failed}) if failed else report
+
+    def _accumulate(
+        self,
+        batch: int,
+        before_core_item: Callable[[int], None] | None,
+        abort: threading.Event | None,
+        on_wait: Callable[[int], None] | None,
+    ) -> None:
+        """Run items on the core, serving satellites meanwhile, until every item of the batch is reported."""
+        trainer, coord = self.trainer, self.coordinator
         done = 0
         starving_since: float | None = None
         waited_at: int | None = None
@@ -528,20 +516,6 @@ class CoreRunner:
             if now - starving_since >= self.cfg.starve_timeout_s:
                 raise DataStarvation(f"batch {batch} needs more ready groups than the buffer holds")
             trainer.buffer.wait_ready(self.cfg.poll_s)  # wakes as soon as a group arrives
-        if final is None:
-            final = (batch + 1) % self.cfg.steps_per_burst == 0
-        group = self.groups.for_members(coord.close_window(broadcast=not final))  # lost cells excluded
-        backend = trainer.core.backend
-        if group is not None:
-            flat = backend.flat_grads()
-            dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=group)
-            backend.set_flat_grads(flat)
-        if on_summed_grads is not None:
-            on_summed_grads(backend.flat_grads())
-        report = trainer.finish(dump_dir=dump_dir)
-        if group is not None and not final:
-            dist.broadcast(backend.flat_params(), src=0, group=group)
-        return report
 
     def stop(self) -> None:
         """Tell satellites the run is over (they get ``stop`` on their next request), then close the listener."""

@@ -11,10 +11,13 @@ Leaving (``leave`` event) happens only at safe points, never inside a claimed it
 join (nothing to undo), between batches (after a broadcast: it is taken off the next batch), or while joined but
 waiting for work it has not claimed (its reported train items of the open batch are requeued: their gradients stay
 in this cell and are discarded). If the joining window closed with it inside, it first takes part in the reduce.
+A reduce or broadcast that fails (another member died or hangs in it) ends the burst with ``"collective_failed"``:
+the core runs this cell's items again, and the coordinator lets the cell join again once the world is re-formed.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +30,8 @@ from gyre_train.cell import CellWorker
 from gyre_train.multicell import MultiCellConfig, PrefixGroups
 from gyre_train.snapshot import FileSnapshotChannel, SnapshotChannel
 from gyre_train.types import CellRequest, CoordinatorReply, PrepassResult, WorkItem
+
+log = logging.getLogger(__name__)
 
 
 class SatelliteRunner:
@@ -45,6 +50,9 @@ class SatelliteRunner:
         self.groups = groups
         self.on_item = on_item
         """Runs before each claimed item (failure tests kill the process here)."""
+        self.before_collective: Callable[[str, int | None], None] | None = None
+        """Runs before this cell's end-of-batch ``"reduce"`` and ``"broadcast"``, with the batch (failure tests stop
+        or kill the process here)."""
         self.snapshots: SnapshotChannel = (
             snapshots if snapshots is not None else FileSnapshotChannel(cfg.snapshot_dir)
         )
@@ -86,7 +94,9 @@ class SatelliteRunner:
     def run_burst(self, leave: threading.Event) -> str:
         """Train while in the training role; returns why it stopped.
 
-        ``"burst_end"``: a ``batch_done`` without broadcast (the last step of the burst); ``"left"``: ``leave`` was
+        ``"burst_end"``: a ``batch_done`` without broadcast (the last step of the burst); ``"collective_failed"``:
+        the end-of-batch reduce or broadcast failed (another member died or hangs; the core runs this cell's items
+        again, and this cell joins no batch until the world is re-formed); ``"left"``: ``leave`` was
         set at a safe point (see the module docstring); ``"stop"``: the run is over (``stop_members`` holds the
         live cells). The control connection stays open for the next burst.
         """
@@ -129,13 +139,23 @@ class SatelliteRunner:
                     reply = self._ask("report", train=result)
             if reply.status == "batch_done":
                 group = self.groups.for_members(reply.members)
-                dist.reduce(backend.flat_grads(), dst=0, op=dist.ReduceOp.SUM, group=group)
-                backend.zero_grad()
-                if not reply.broadcast:
-                    self._out()  # burst over: back to rollout; a later join pulls a fresh snapshot
-                    return "burst_end"
-                flat = backend.flat_params()
-                dist.broadcast(flat, src=0, group=group)
+                if self.before_collective is not None:
+                    self.before_collective("reduce", reply.batch)
+                try:
+                    dist.reduce(backend.flat_grads(), dst=0, op=dist.ReduceOp.SUM, group=group)
+                    backend.zero_grad()
+                    if not reply.broadcast:
+                        self._out()  # burst over: back to rollout; a later join pulls a fresh snapshot
+                        return "burst_end"
+                    flat = backend.flat_params()
+                    if self.before_collective is not None:
+                        self.before_collective("broadcast", reply.batch)
+                    dist.broadcast(flat, src=0, group=group)
+                except RuntimeError as exc:  # another member died or hangs: the core runs our items again
+                    log.warning("cell %d: the end-of-batch collective of batch %s failed (%s); out of training "
+                                "until the world is re-formed", self.worker.cell, reply.batch, exc)  # fmt: skip
+                    self._out()
+                    return "collective_failed"
                 backend.load_flat_params(flat)  # stays in training for the next batch of the burst
             elif reply.status == "dropped":  # our work was requeued: these gradients must not be summed
                 self._out()

@@ -217,6 +217,9 @@ class StepReport(_Wire):
     metrics: dict[str, float]
     """Clip fractions, capped-token fraction, weight stats, mean(l-b) by staleness, |s-1| (see loss.batch_metrics)."""
     seconds: float = 0.0
+    collective_failed: list[int] = []
+    """Satellites whose end-of-batch collective with the core failed (one died or hangs): their items were run
+    again by the core, which updated alone; they train again only after the world is re-formed."""
 
 
 class ReadyExecution(_Wire):

@@ -72,7 +72,7 @@ def init_pipelined_cell(cfg: MultiCellConfig, cell: int, stage: int, pipeline_pa
         rank=cell_rank(cell, stage, cfg.num_cells),
         world_size=cfg.num_cells * pipeline_parallel,
     )
-    return PrefixGroups(cfg.num_cells)
+    return PrefixGroups(cfg.num_cells, timeout=cfg.collective_timeout())
 
 
 def open_channel(host: str) -> ControlChannel:
