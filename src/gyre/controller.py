@@ -31,6 +31,7 @@ from gyre_eval.client import EvalClient
 from gyre_eval.groups import group_advantages
 from gyre_eval.types import Submission
 from gyre_sched import events as ev
+from gyre_sched.ledger import CarriedGroup
 from gyre_sched.policy import STANDALONE, PolicyCore
 from gyre_sched.runner import ExecutionRunner
 from gyre_sched.trace import TraceWriter
@@ -63,6 +64,9 @@ class Controller:
         self.groups: dict[str, tuple[Query, int]] = {}  # group -> (query, v_d)
         self.rewards: dict[str, float] = {}  # execution -> reward (valid or no_work)
         self.trajectories: dict[str, str | None] = {}  # execution -> Parquet file (None: no_work placeholder)
+        self.carried: list[
+            str
+        ] = []  # a resumed run's groups taken over (take_over): the ready ones sent at start
         self.tasks: set[asyncio.Task] = set()
         self.step_reports: list[dict] = []
         self._standalone_rr = 0
@@ -82,6 +86,8 @@ class Controller:
             self._spawn(self._pump_cell_events(i, cell), cell=i)
         await self._initial_roles()
         self._apply(self.policy.now, start)  # 0, or where a resumed run's trace left off
+        if ready := [gid for gid in self.carried if gid in self.policy.ledger.ready]:
+            self._spawn(self._send_groups(ready))
         for i in range(1, len(self.cells)):
             if self.policy.roles[i] is CellRole.TRAINING:
                 self._spawn(self.cells[i].join(), cell=i)
@@ -136,9 +142,9 @@ class Controller:
         with (self.run_dir / "metrics" / "switches.jsonl").open("ab") as out:
             for result in results:
                 out.write(result.report.model_dump_json().encode() + b"\n")
-        serving = [c.base_url for i, c in enumerate(self.cells) if self._serving(i)]
+        serving = [c.engine_url for i, c in enumerate(self.cells) if self._serving(i)]
         await self.runner.admin_call(
-            "PUT", "/routes", {"engines": serving + [s.base_url for s in self.standalone]}
+            "PUT", "/routes", {"engines": serving + [s.engine_url for s in self.standalone]}
         )
 
     def _progress_line(self, t: float, done: int, steps: int) -> None:
@@ -231,8 +237,8 @@ class Controller:
                     "the policy routed to a standalone pool, but the run has no standalone engines"
                 )
             self._standalone_rr += 1
-            return self.standalone[self._standalone_rr % len(self.standalone)].base_url
-        return self.cells[int(engine.split(":")[1])].base_url
+            return self.standalone[self._standalone_rr % len(self.standalone)].engine_url
+        return self.cells[int(engine.split(":")[1])].engine_url
 
     # ---- executions -------------------------------------------------------------------------------------------
     async def _execute(self, eid: str, gid: str, index: int, engine: str) -> None:
@@ -249,7 +255,7 @@ class Controller:
         agent = self.cfg.agent
         submission = Submission(
             execution_id=eid, group_id=gid, group_size=self.policy.params.N, dispatch_index=index,
-            group_dispatched=self.policy.params.N_d,
+            group_dispatched=self.policy.ledger.groups[gid].n_d,  # a burst's own spares, a carried group's more
             artifact_ref=str(done.workspace), evaluator=f"task-{query.query_id}", launched_at=done.launched_at,
             budget_s=launch.get("overall_budget_s") or agent.overall_budget_s, outcome=done.outcome,
             task={"prompt": query.prompt},
@@ -258,9 +264,36 @@ class Controller:
         assessment = await self.assessments.wait_final(assessment.id, timeout=ASSESSMENT_WAIT_S)
         status = {"valid": "valid", "no_work": "no_work"}.get(assessment.status, "excluded")
         if status != "excluded":  # recorded before the policy hears of it: a GroupReady may follow at once
-            self.rewards[eid] = float(assessment.score or 0.0)
-            self.trajectories[eid] = str(path) if status == "valid" else None
+            self._record(eid, assessment.score, str(path) if status == "valid" else None)
         self.events.put_nowait(ev.Assessed(eid, status))
+
+    def _record(self, eid: str, score: float | None, trajectories: str | None) -> None:
+        """A counted execution's reward (no_work scores 0) and its trajectories (None: a no_work placeholder)."""
+        self.rewards[eid] = float(score or 0.0)
+        self.trajectories[eid] = trajectories
+
+    def take_over(
+        self,
+        carried: list[CarriedGroup],
+        scores: dict[str, float | None],
+        trajectories: dict[str, str | None],
+    ) -> None:
+        """A resumed run's carried groups (gyre.resume), in the policy already (ready, or open with more executions
+        dispatched); their usable members' designated scores and exported trajectories as the interrupted run
+        recorded them. `run` sends the ready ones to the core; an open one goes when it is ready, as any group."""
+        for group in carried:
+            self.groups[group.group] = (
+                self.queries[int(group.query.lstrip("q")) % len(self.queries)],
+                group.v_d,
+            )
+            for eid, status in group.members:
+                if status != "excluded":
+                    self._record(eid, scores[eid], trajectories[eid])
+        self.carried = [group.group for group in carried]
+
+    async def _send_groups(self, gids: list[str]) -> None:
+        for gid in gids:  # in order: the core's buffer takes them oldest first
+            await self._send_group(gid)
 
     async def _send_group(self, gid: str) -> None:
         """The ledger's N counted members (dispatch-index order), advantages computed here once, to the core."""
@@ -300,6 +333,8 @@ class Controller:
                                          batch=f["batch"], index=f["index"], kind=f["kind"])  # fmt: skip
                         self.events.put_nowait(ev.MicrostepClaimed(f["cell"], groups[0]))
                     case "step_end":
+                        if failed := f["report"].get("collective_failed"):
+                            self.losses.collective_failed(f["report"]["step"], failed)
                         self._record_step(f["report"])
                         self.events.put_nowait(ev.StepDone(f["report"]["policy_version"]))
                     case "satellite_done":
@@ -333,14 +368,14 @@ class Controller:
         kv = None
         if dst is CellRole.TO_TRAINING:
             await reroutes  # the cell's executions have their new routes: now its in-flight calls can move
-            drained = await self.runner.admin_call("POST", "/engines/drain", {"engine": client.base_url})
+            drained = await self.runner.admin_call("POST", "/engines/drain", {"engine": client.engine_url})
             kv = drained.get("kv_migration") if isinstance(drained, dict) else None
             result = await self._retry_switch(client.to_training)
         else:
             result = await client.to_rollout(self.published)
-            serving = [c.base_url for i, c in enumerate(self.cells) if i == cell or self._serving(i)]
+            serving = [c.engine_url for i, c in enumerate(self.cells) if i == cell or self._serving(i)]
             await self.runner.admin_call(
-                "PUT", "/routes", {"engines": serving + [s.base_url for s in self.standalone]}
+                "PUT", "/routes", {"engines": serving + [s.engine_url for s in self.standalone]}
             )
         row = result.report.model_dump(mode="json")
         if dst is CellRole.TO_TRAINING and kv is not None:

@@ -160,6 +160,7 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
                                 assessments, queries, published)  # fmt: skip
         if resume is not None:
             resume.continue_clock(controller)
+            resume.carry_into(controller)
         monitor = RunMonitor(cfg, run_dir, controller)  # metrics sink, live dashboard, progress bar
         controller.on_step = monitor.on_step
         controller.losses.restart = services.restart_cell  # a dead satellite starts again (gyre.cell_loss)

@@ -71,6 +71,7 @@ def test_history_is_never_overwritten_or_deleted(tmp_path, workspace):
         ("UPDATE attempts SET score = 1.0", "append-only"),
         ("DELETE FROM attempts", "never deleted"),
         ("UPDATE groups SET size = 5", "keeps its size"),
+        ("UPDATE groups SET dispatched = 0", "only grows"),
         ("UPDATE executions SET dispatch_index = 3", "keeps its group"),
     ]:
         with pytest.raises(sqlite3.DatabaseError, match=message):
@@ -103,3 +104,28 @@ def test_execution_keeps_one_group_slot(tmp_path, workspace):
             PROV,
             now,
         )
+
+
+def test_a_group_takes_more_executions_but_keeps_its_size(tmp_path, workspace):
+    """A resumed run dispatches more executions into a group it carried over: the group's dispatch count grows
+    with the first submission that names more; one made before (fewer) still fits; its size never changes."""
+    store = _store(tmp_path)
+    now = time.time()
+    store.submit(
+        submission(workspace, "g0.e0", group_size=2, group_dispatched=2), "unresolved", None, False, PROV, now
+    )
+    store.submit(
+        submission(workspace, "g0.e3", group_size=2, group_dispatched=4, dispatch_index=3),
+        "unresolved", None, False, PROV, now,
+    )  # fmt: skip
+    assert store.group("g0") == (2, 4)
+    store.submit(
+        submission(workspace, "g0.e1", group_size=2, group_dispatched=2, dispatch_index=1),
+        "unresolved", None, False, PROV, now,
+    )  # fmt: skip
+    assert store.group("g0") == (2, 4)
+    with pytest.raises(ConflictError, match="has size 2; submission says 3"):
+        store.submit(
+            submission(workspace, "g0.e2", group_size=3, group_dispatched=4, dispatch_index=2),
+            "unresolved", None, False, PROV, now,
+        )  # fmt: skip

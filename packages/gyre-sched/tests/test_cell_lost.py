@@ -1,5 +1,5 @@
 """A satellite cell lost mid-run (CellLost), restarted (CellRestored), and a policy resumed at a checkpointed version
-(resume_at)."""
+(resume_at), with the interrupted run's untrained groups carried over, ready or open."""
 
 from __future__ import annotations
 
@@ -15,13 +15,17 @@ from gyre_sched.events import (
     CellRestored,
     CellUntrained,
     Dispatch,
+    GroupAssigned,
     GroupDropped,
     Launch,
+    OpenBatch,
     Reroute,
+    StepDone,
+    StepRecorded,
     Tick,
     TransitionDone,
 )
-from gyre_sched.ledger import InvariantError
+from gyre_sched.ledger import CarriedGroup, InvariantError
 from gyre_sched.policies import make_policy
 from gyre_sched.trace import TraceWriter, summarize_trace
 from gyre_sched.types import CellRole
@@ -200,3 +204,83 @@ def test_trace_counts_the_resume_settlement_and_the_lost_cell():
     assert (s.d, s.p, s.f, s.x) == (2, 1, 1, 1)  # nothing of the interrupted part stays outstanding
     assert [r for _, _, r in s.roles[1]] == ["rollout", "lost", "rollout", "lost", "rollout"]
     assert s.role_share()["lost"] > 0
+
+
+def test_resume_carries_ready_groups_into_the_first_batch(driver):
+    """The interrupted run's ready, untrained groups are held READY: the core joins on their supply, they fill the
+    first batch (oldest version first) and are trained with their own staleness; the counters count only the resumed
+    part's executions (deep checks compare every execution's state with them)."""
+    policy = make_policy(params(phi=0.5), deep_checks=True)
+    carried = [
+        CarriedGroup("g4", "q4", 3, (("g4.e0", "valid"), ("g4.e1", "no_work"))),
+        CarriedGroup("g2", "q2", 2, (("g2.e0", "valid"), ("g2.e1", "valid"))),
+    ]
+    policy.resume_at(3, next_group=6, carried=carried)
+    d = driver(policy)
+    assert d.of(Dispatch)[0].group_id == "g6" and policy.ledger.d == 6  # 1.5 * N_d * B, none carried
+    assert policy.ledger.members("g4") == ["g4.e0", "g4.e1"] and policy.supply() == 2
+    for eid in list(d.running)[
+        :2
+    ]:  # eq. 5: the 6 outstanding executions must fit the 4 slots of cells 1 and 2
+        d.finish(eid, status=None)
+    assert d.switching == {0}
+    d.finish_transitions()
+    assert [x.version for x in d.of(OpenBatch)] == [3]
+    order = [g.id for g in policy.ledger.ready_unassigned()]
+    assert order == ["g2", "g4"]  # oldest version first
+    for gid in order:
+        d.send(GroupAssigned(gid))
+    out = d.send(StepDone(4))
+    (recorded,) = [x for x in out if isinstance(x, StepRecorded)]
+    assert recorded.groups == ("g2", "g4") and recorded.staleness == (1, 0)
+    assert policy.ledger.carried == 4 and (policy.ledger.d, policy.ledger.p, policy.ledger.f) == (6, 6, 2)
+
+
+def test_a_carried_open_group_gets_the_executions_it_lacks_first_and_counts_its_finished_ones(driver):
+    """A group the interrupted run left open (one member assessed valid, one cancelled by the kill, N=2, one spare)
+    is taken over open: the resumed run dispatches the one member it lacks plus a spare into it, numbered after
+    the old ones, ahead of everything else; the finished member counts first (dispatch-index order), and the group
+    keeps its old v_d, so its staleness is its oldest member's."""
+    policy = make_policy(params(phi=0.5, k_spare=1), deep_checks=True)
+    old = (("g4.e0", "valid"), ("g4.e1", "excluded"), ("g4.e2", "excluded"))
+    policy.resume_at(3, next_group=6, carried=[CarriedGroup("g4", "q4", 1, old)])
+    d = driver(policy)
+    first, *rest = d.of(Dispatch)
+    assert (first.group_id, first.execution_ids, first.v_d, first.carried) == (
+        "g4",
+        ("g4.e3", "g4.e4"),
+        1,
+        True,
+    )
+    assert rest[0].group_id == "g6" and not rest[0].carried
+    launched = [x.spec for x in d.of(Launch)]
+    assert [(x.execution_id, x.dispatch_index) for x in launched[:2]] == [("g4.e3", 3), ("g4.e4", 4)]
+    assert (
+        policy.ledger.d == 2 + 9 and policy.ledger.carried == 3
+    )  # 1.5 * N_d * B new; the old three: not again
+    d.finish("g4.e4", status="valid")  # the spare finishes first; index order decides who counts
+    assert policy.ledger.groups["g4"].state.value == "open"
+    d.finish("g4.e3", status="no_work")
+    assert policy.ledger.members("g4") == ["g4.e0", "g4.e3"]
+    assert policy.ledger.groups["g4"].state.value == "ready"
+
+
+def test_a_carried_open_group_is_dropped_and_refilled_when_its_new_members_fail(driver):
+    policy = make_policy(params(phi=0.5), deep_checks=True)  # no spares
+    policy.resume_at(3, next_group=6, carried=[CarriedGroup("g4", "q4", 2, (("g4.e0", "valid"),))])
+    d = driver(policy)
+    assert d.of(Dispatch)[0].execution_ids == ("g4.e1",)
+    d.finish("g4.e1", outcome="overall_timeout", status=None)
+    assert [x.group_id for x in d.of(GroupDropped)] == ["g4"]
+    refill = [x for x in d.of(Dispatch) if x.refill]
+    assert len(refill) == 1 and refill[0].v_d == 3 and refill[0].group_id not in ("g4", "g6")
+
+
+def test_a_carried_group_needs_a_usable_member_and_a_number_before_the_resumed_groups():
+    policy = make_policy(params())
+    with pytest.raises(InvariantError, match="numbered before"):
+        policy.resume_at(3, next_group=6, carried=[CarriedGroup("g6", "q6", 3, (("g6.e0", "valid"),) * 2)])
+    policy = make_policy(params())
+    with pytest.raises(InvariantError, match="valid or no_work member"):
+        members = (("g1.e0", "excluded"), ("g1.e1", "excluded"))
+        policy.resume_at(3, next_group=6, carried=[CarriedGroup("g1", "q1", 3, members)])

@@ -84,8 +84,10 @@ CREATE TRIGGER IF NOT EXISTS assessment_identity_fixed BEFORE UPDATE ON assessme
       OR NEW.designated IS NOT OLD.designated OR NEW.submission IS NOT OLD.submission
       OR NEW.deadline IS NOT OLD.deadline OR NEW.attempts < OLD.attempts
     BEGIN SELECT RAISE(ABORT, 'an assessment keeps its identity and history'); END;
-CREATE TRIGGER IF NOT EXISTS groups_fixed BEFORE UPDATE ON groups
-    BEGIN SELECT RAISE(ABORT, 'a group keeps its size and dispatch count'); END;
+DROP TRIGGER IF EXISTS groups_fixed;
+CREATE TRIGGER IF NOT EXISTS groups_only_grow BEFORE UPDATE ON groups
+    WHEN NEW.group_id IS NOT OLD.group_id OR NEW.size IS NOT OLD.size OR NEW.dispatched < OLD.dispatched
+    BEGIN SELECT RAISE(ABORT, 'a group keeps its size; its dispatch count only grows'); END;
 CREATE TRIGGER IF NOT EXISTS executions_fixed BEFORE UPDATE ON executions
     BEGIN SELECT RAISE(ABORT, 'an execution keeps its group and dispatch index'); END;
 """
@@ -158,10 +160,15 @@ class AssessmentStore:
                 db.execute(
                     "INSERT INTO groups VALUES (?, ?, ?)", (sub.group_id, sub.group_size, sub.dispatched)
                 )
-            elif (group["size"], group["dispatched"]) != (sub.group_size, sub.dispatched):
+            elif group["size"] != sub.group_size:
                 raise ConflictError(
-                    f"group {sub.group_id} has size {group['size']} and {group['dispatched']} dispatched; "
-                    f"submission says {sub.group_size} and {sub.dispatched}"
+                    f"group {sub.group_id} has size {group['size']}; submission says {sub.group_size}"
+                )
+            elif (
+                sub.dispatched > group["dispatched"]
+            ):  # a resumed run dispatched more into a group it carried over
+                db.execute(
+                    "UPDATE groups SET dispatched = ? WHERE group_id = ?", (sub.dispatched, sub.group_id)
                 )
             execution = db.execute(
                 "SELECT group_id, dispatch_index FROM executions WHERE execution_id = ?", (sub.execution_id,)

@@ -135,6 +135,8 @@ class Dispatch:
     execution_ids: tuple[str, ...]
     v_d: int
     refill: bool = False
+    carried: bool = False
+    """More executions for a group a resumed run took over open (``Ledger.carry``); its first ones ran before."""
 
 
 @dataclass(frozen=True, slots=True)

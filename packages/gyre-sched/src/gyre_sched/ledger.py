@@ -55,6 +55,22 @@ class Execution:
     engine: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class CarriedGroup:
+    """A group a resumed run takes over from the interrupted one (``gyre run --resume``): no step up to the
+    checkpoint trained it, and at least one of its executions finished with a usable score. If its first N
+    non-excluded members are all settled it is ready; otherwise it is still open, and the resumed run dispatches the
+    executions it lacks into it (see ``Ledger.carry``)."""
+
+    group: str
+    query: str
+    v_d: int
+    members: tuple[tuple[str, AssessedStatus], ...]
+    """Every execution the interrupted run dispatched into it, in dispatch-index order (its ids e0, e1, ...), each
+    with its status as the resumed run takes it: valid or no_work (assessed, usable), or excluded (never usable:
+    excluded, cancelled, withdrawn, or a part of it is missing). New executions are numbered after them."""
+
+
 @dataclass(slots=True)
 class Group:
     id: str
@@ -67,6 +83,9 @@ class Group:
     state: GroupState = GroupState.OPEN
     outstanding: int = 0  # executions queued or running
     ready_seq: int = -1
+    carried: bool = (
+        False  # taken over open by a resumed run: its new executions launch ahead, like a refill's
+    )
 
 
 class Ledger:
@@ -88,6 +107,9 @@ class Ledger:
         self._open_refills: set[str] = set()  # refill groups still OPEN
         self.unsettled = 0  # groups OPEN
         self.dropped = 0
+        self.carried = (
+            0  # executions of carried groups: terminated here, counted by the interrupted part's d..x
+        )
         self.cancelled_surplus = 0
         self.withdrawn_surplus = 0
         self.launch_key: Callable[[Execution], Any] | None = None
@@ -123,6 +145,51 @@ class Ledger:
             raise InvariantError(f"group numbering cannot go back from {self._group_seq} to {seq}")
         self._group_seq = seq
 
+    def carry(self, carried: CarriedGroup) -> Dispatch | None:
+        """Take over a resumed run's carried group (before any dispatch of the resumed part) as the interrupted run
+        left it. Its executions are terminated and settled here; the counters d, p, f, x do not count them again
+        (the interrupted part's trace did). Ready when its first N non-excluded members are settled: held READY.
+        Otherwise it stays OPEN and gets the executions it lacks, plus this ledger's spares, numbered after the
+        interrupted run's (returned as a ``Dispatch`` of the group, with launch priority). Its v_d stays the
+        interrupted run's: the group's staleness is that of its oldest members."""
+        gid, members = carried.group, carried.members
+        seq = int(gid.removeprefix("g"))
+        if gid in self.groups or seq >= self._group_seq:
+            raise InvariantError(
+                f"carried group {gid} is known or not numbered before the resumed run's groups"
+            )
+        usable = [eid for eid, status in members if status != "excluded"]
+        if not usable or not all(status in ("valid", "no_work", "excluded") for _, status in members):
+            raise InvariantError(f"carried group {gid} needs a valid or no_work member: {members}")
+        g = Group(gid, carried.query, carried.v_d, seq, False, len(members))
+        for index, (eid, status) in enumerate(members):
+            self.execs[eid] = Execution(eid, gid, index, ExecState.TERMINATED, "completed", status)
+            g.execs.append(eid)
+        self.groups[gid] = g
+        self.carried += len(members)
+        if len(usable) >= self.N:
+            g.state = GroupState.READY
+            g.ready_seq = self._ready_seq
+            self._ready_seq += 1
+            self.ready[gid] = g
+            return None
+        g.carried = True
+        self.unsettled += 1
+        needed, spares = self.N - len(usable), self.N_d - self.N
+        ids = tuple(f"{gid}.e{len(members) + i}" for i in range(needed + spares))
+        for i, eid in enumerate(ids):
+            self.execs[eid] = Execution(eid, gid, len(members) + i)
+            g.execs.append(eid)
+        g.n_d = len(members) + len(ids)  # the drop rule's slack is the new spares, as for a new group
+        g.outstanding = len(ids)
+        self.d += len(ids)
+        first = ids[:needed] if self.idle_spares else ids
+        self._queue.extendleft(reversed(first))
+        if self.idle_spares:
+            self._spares.extend(ids[needed:])
+        self._unsorted = self.launch_key is not None
+        return Dispatch(gid, carried.query, ids, g.v_d, carried=True)
+
     def dispatch(self, *, refill: bool = False, k_spare: int | None = None) -> Dispatch:
         """A new group of N + k_spare executions (default: the ledger's N_d) at the latest published version."""
         n_d = self.N_d if k_spare is None else self.N + k_spare
@@ -154,7 +221,8 @@ class Ledger:
     def prioritized(self, e: Execution) -> bool:
         """Launches ahead of ordinary entries in dispatch order: a refill's execution, or a spare an exclusion made
         count (idle spares)."""
-        return self.groups[e.group].refill or e.id in self._promoted
+        g = self.groups[e.group]
+        return g.refill or g.carried or e.id in self._promoted
 
     def pop_queued(self) -> Execution | None:
         if self._unsorted and self.launch_key is not None:
@@ -319,7 +387,7 @@ class Ledger:
             counts[e.state] += 1
         if counts[ExecState.QUEUED] != self.queued or counts[ExecState.RUNNING] != self.running:
             raise InvariantError(f"per-execution states disagree with counters: {counts}")
-        if counts[ExecState.WITHDRAWN] != self.x or counts[ExecState.TERMINATED] != self.f:
+        if counts[ExecState.WITHDRAWN] != self.x or counts[ExecState.TERMINATED] != self.f + self.carried:
             raise InvariantError(f"per-execution states disagree with counters: {counts}")
         for g in self.groups.values():
             live = sum(self.execs[i].state in (ExecState.QUEUED, ExecState.RUNNING) for i in g.execs)

@@ -8,6 +8,8 @@ event. Subclasses decide only when cells change role.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gyre_sched.config import PolicyParams
 from gyre_sched.events import (
     Assessed,
@@ -36,7 +38,7 @@ from gyre_sched.events import (
 )
 from gyre_sched.launch_order import DurationPredictor
 from gyre_sched.launch_order import install as install_predicted_order
-from gyre_sched.ledger import ExecState, Group, InvariantError, Ledger
+from gyre_sched.ledger import CarriedGroup, ExecState, Group, InvariantError, Ledger
 from gyre_sched.planner import BurstPlan, make_planner
 from gyre_sched.types import CellRole, ExecutionSpec, next_role
 
@@ -90,16 +92,25 @@ class PolicyCore:
         self.lost: set[int] = set()  # satellites whose worker died (CellLost)
         self.rollout_only: set[int] = set()  # restarted satellites that serve but cannot train (CellRestored)
         self._trainable_pending: set[int] = set()  # rollout-only, may train once no later cell trains
+        self._carried_dispatches: list[
+            Decision
+        ] = []  # a resumed run's open groups' new executions (resume_at)
 
     # ---- public -----------------------------------------------------------------------------------------------
-    def resume_at(self, version: int, next_group: int) -> None:
+    def resume_at(self, version: int, next_group: int, carried: Sequence[CarriedGroup] = ()) -> None:
         """Before ``start``, for a resumed run (``gyre run --resume``): ``version`` optimizer steps are done and
         published (the trainer's checkpoint), and new groups are numbered from ``next_group`` on, so no group or
-        execution id of the interrupted run is reused. ``start`` then dispatches as at the start of a run."""
+        execution id of the interrupted run is reused. ``carried``: the interrupted run's untrained groups with
+        finished members (``Ledger.carry``): the ready ones are held READY (oldest version first into batches, as
+        any ready group), and the caller sends them to the trainer; the open ones get the executions they lack,
+        dispatched first by ``start``, which then dispatches as at the start of a run."""
         if self.started:
             raise InvariantError("resume_at after start()")
         self.version = self.ledger.published = version
         self.ledger.number_groups_from(next_group)
+        for group in carried:
+            if (more := self.ledger.carry(group)) is not None:
+                self._carried_dispatches.append(more)
 
     def start(self, now: float = 0.0) -> list[Decision]:
         """Initial dispatch d(0) = (phi + mu) * N_d * B (or Q_c groups), then launches."""
@@ -107,11 +118,12 @@ class PolicyCore:
             raise InvariantError("policy started twice")
         self.started, self.now = True, now
         p = self.params
+        out: list[Decision] = self._carried_dispatches
         if p.dispatch == "continuous":
             groups = p.q_c or p.phi_B + p.mu * p.B
-            out: list[Decision] = [self.ledger.dispatch() for _ in range(groups)]
+            out += [self.ledger.dispatch() for _ in range(groups)]
         else:
-            out = self._dispatch_burst(self.planner.first(self))
+            out += self._dispatch_burst(self.planner.first(self))
         out += self._initial_roles()
         self._roles_changed()
         self._progress(out)

@@ -43,7 +43,14 @@ import httpx
 from gyre_sched.harness import CommandHarness, Harness, HarnessContext, make_harness
 from gyre_sched.sandbox import LaunchSandbox, ProxyRelay
 
-__all__ = ["DEFAULT_ENV_ALLOW", "ExecutionRunner", "Finished", "harness_argv", "harness_env"]
+__all__ = [
+    "DEFAULT_ENV_ALLOW",
+    "ExecutionRunner",
+    "Finished",
+    "exported_trajectories",
+    "harness_argv",
+    "harness_env",
+]
 
 DEFAULT_ENV_ALLOW: tuple[str, ...] = (
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TZ",
@@ -79,6 +86,11 @@ def _check_budget(harness_timeout_s: float, overall_budget_s: float | None) -> N
             f"harness_timeout_s ({harness_timeout_s:g}) > overall_budget_s ({overall_budget_s:g}): the overall "
             "budget must cover the harness and its evaluation"
         )
+
+
+def exported_trajectories(run_dir: Path, execution_id: str) -> Path:
+    """Where an execution's selected trajectories are exported (Parquet; ``ExecutionRunner.export``)."""
+    return run_dir / "trajectories" / f"{execution_id}.parquet"
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,7 +413,7 @@ class ExecutionRunner:
                 await self.admin_call("PUT", f"/executions/{execution_id}/route", {"engines": [engine_url]})
 
     def trajectories_path(self, execution_id: str) -> Path:
-        return self.run_dir / "trajectories" / f"{execution_id}.parquet"
+        return exported_trajectories(self.run_dir, execution_id)
 
     async def export(self, execution_id: str, j_max: int, seed: int) -> Path:
         """Have the proxy select the execution's trajectories (J_max) and write them as Parquet at

@@ -104,9 +104,19 @@ class TraceWriter:
     def decisions(self, t: float, decisions: Iterable[Decision]) -> None:
         for d in decisions:
             match d:
-                case Dispatch(gid, qid, ids, v_d, refill):
+                case Dispatch(gid, qid, ids, v_d, refill, carried):
+                    more = (
+                        {"carried": True} if carried else {}
+                    )  # a resumed run's further executions of the group
                     self.write(
-                        t, "dispatch", group=gid, query=qid, executions=list(ids), v_d=v_d, refill=refill
+                        t,
+                        "dispatch",
+                        group=gid,
+                        query=qid,
+                        executions=list(ids),
+                        v_d=v_d,
+                        refill=refill,
+                        **more,
                     )
                 case Launch(spec):
                     self.write(

@@ -140,6 +140,7 @@ TraceEventName = Literal[
     "cell_lost",
     "cell_restored",
     "cell_untrained",
+    "collective_failed",
 ]
 
 # Fields each event must carry (more are allowed: a real run may add its own context).
@@ -168,6 +169,9 @@ TRACE_REQUIRED: dict[str, tuple[str, ...]] = {
     "cell_lost": ("cell",),
     "cell_restored": ("cell",),
     "cell_untrained": ("cell",),
+    # The end-of-batch reduce or broadcast of batch `version` failed with these satellites (one died or hangs in
+    # it): the core ran their micro-steps again and updated alone; they train again after the next re-form.
+    "collective_failed": ("version", "cells"),
 }
 
 

@@ -171,15 +171,15 @@ class TraceWorkload:
     group's longest observed duration (a lower bound for a straggler), documented in README."""
 
     def __init__(self, path: str | Path) -> None:
-        groups: list[list[str]] = []
+        groups: dict[str, list[str]] = {}
         launch: dict[str, float] = {}
         term: dict[str, tuple[float, str]] = {}
         assessed: dict[str, tuple[float, str]] = {}
         reroutes: dict[str, int] = {}
         for obj in iter_trace(path):
             ev = obj["ev"]
-            if ev == "dispatch":
-                groups.append(list(obj["executions"]))
+            if ev == "dispatch":  # a resumed run's carried group has a second line: one group
+                groups.setdefault(obj["group"], []).extend(obj["executions"])
             elif ev == "launch":
                 launch[obj["execution"]] = obj["t"]
             elif ev == "terminate":
@@ -189,7 +189,7 @@ class TraceWorkload:
             elif ev == "route":
                 reroutes[obj["execution"]] = reroutes.get(obj["execution"], 0) + 1
         self.groups: list[list[ExecPlan]] = []
-        for ids in groups:
+        for ids in groups.values():
             seen = [i for i in ids if i in launch and i in term and term[i][1] != "cancelled"]
             if not seen:
                 continue
