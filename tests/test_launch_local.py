@@ -73,9 +73,9 @@ def test_ray_placement_binds_each_worker_to_its_node_and_the_rendezvous_to_the_c
     configs = cell_configs(cfg, tmp_path, tmp_path / "model")
     assert all(c.host == "127.0.0.1" and c.mooncake.local_hostname == "127.0.0.1" for c in configs)
     nodes = [
-        {"ip": "10.77.0.1", "ports": [41001, 41002, 41003]},
-        {"ip": "10.77.0.2", "ports": [42001, 42002, 42003]},
-        {"ip": "10.77.0.2", "ports": [43001, 43002, 43003]},
+        {"ip": "10.77.0.1", "ports": [41001, 41002, 41003, 41004]},
+        {"ip": "10.77.0.2", "ports": [42001, 42002, 42003, 42004]},
+        {"ip": "10.77.0.2", "ports": [43001, 43002, 43003, 43004]},
     ]
     placed = place(configs, nodes)
     assert [(c.kind, c.cell, c.host, c.port, c.mooncake.local_hostname) for c in placed] == [
@@ -93,6 +93,30 @@ def test_ray_placement_binds_each_worker_to_its_node_and_the_rendezvous_to_the_c
     # Nothing else changes between launchers.
     strip = {"host": True, "port": True, "mooncake": True, "training": True, "engine": {"kv_transfer"}}
     assert [c.model_dump(exclude=strip) for c in placed] == [c.model_dump(exclude=strip) for c in configs]
+    assert all(c.sglang is None for c in placed)  # the torch engine: no server to place
+
+
+def test_sglang_servers_get_their_own_ports_and_bind_their_workers_node(tmp_path):
+    """`[rollout] engine = "sglang"`: each worker's server gets a port drawn with every other (distinct), the run's
+    policy, seed and settings; the ray placement binds it to the worker's node, on that node's fourth free port."""
+    from gyre.launch.ray import place
+
+    cfg = load_config(None, {"cluster.cells": 2, "cluster.standalone_engines": 1, "cluster.standalone_capacity": 2,
+                             "rollout.engine": "sglang", "rollout.sglang.tp_size": 2,
+                             "rollout.sglang.mem_fraction_static": 0.6})  # fmt: skip
+    configs = cell_configs(cfg, tmp_path, tmp_path / "model")
+    ports = [c.port for c in configs] + [c.sglang.port for c in configs]
+    ports += [configs[0].training.master_port, configs[0].training.coordinator_port]
+    assert len(set(ports)) == len(ports) == 8
+    assert {(c.sglang.model_path, c.sglang.host, c.sglang.tp_size, c.sglang.mem_fraction_static,
+             c.sglang.weight_version, c.sglang.module) for c in configs} == {
+        (str(tmp_path / "model"), "127.0.0.1", 2, 0.6, "0", "sglang.launch_server")}  # fmt: skip
+    assert [c.sglang.random_seed for c in configs] == [0, 1, 2]
+    nodes = [{"ip": f"10.77.0.{i}", "ports": [41001 + 10 * i, 41002 + 10 * i, 41003 + 10 * i, 41004 + 10 * i]}
+             for i in range(3)]  # fmt: skip
+    placed = place(configs, nodes)
+    assert [(c.sglang.host, c.sglang.port) for c in placed] == [("10.77.0.0", 41004), ("10.77.0.1", 41014),
+                                                               ("10.77.0.2", 41024)]  # fmt: skip
 
 
 def test_ray_bundles_per_cell(tmp_path):

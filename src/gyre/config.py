@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gyre_cell.transfer.mooncake import MooncakeConfig
+from gyre_cell.worker_types import StopGate
 from gyre_eval.sandbox import SandboxConfig
 from gyre_sched.config import PolicyConfig, PolicyParams
 from gyre_train.backends import check_backend
@@ -84,6 +85,11 @@ class TrainConfig(_Section):
     """Seeds selection, sampling and the tiny model."""
     claim_timeout_s: float = Field(300.0, gt=0)
     """A satellite holding one micro-step longer than this is dropped and its work requeued."""
+    collective_timeout_s: float = Field(300.0, gt=0)
+    """Timeout of the end-of-batch reduce and broadcast between cells. A satellite that dies inside them fails
+    them at once; one that hangs (a stopped host) fails them after this long. Either way the core runs the
+    satellites' micro-steps of that batch itself and updates alone, and the world is re-formed at the next burst
+    boundary. It must exceed the core's optimizer update, which satellites staying for the next batch wait for."""
     dump_batches: list[int] = []
     """Batches whose micro-steps, weights and summed gradients are written to RUN/metrics/batches (checks)."""
     checkpoint_keep: int = Field(2, ge=0)
@@ -95,6 +101,10 @@ class TrainConfig(_Section):
     """Test gate: before its second micro-step of a batch the core waits (at most 30 s) for this satellite to
     join and claim an item, until it has once; makes a mid-batch join that trains certain in short runs. While
     any satellite's worker restarts no batch opens, and the wait applies again once this cell rejoined."""
+    stop_gate: StopGate | None = None
+    """Test gate: satellite `cell` stops itself (SIGSTOP) the first time it reaches `at`: right before its
+    end-of-batch reduce (`reduce`) or when asked to re-form the world (`reform`), as a host that stops answering
+    there does (`gyre_cell.worker_types.StopGate`)."""
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend of every cell: Hugging Face torch, or megatron-core (`gyre-train[megatron]`)."""
     tensor_parallel: int = Field(1, ge=1)
@@ -125,6 +135,29 @@ class WeightsConfig(_Section):
     """How joining satellites pull the core's weight snapshot."""
     mooncake: MooncakeConfig = MooncakeConfig()
     """Transfer engine settings: TCP on loopback here; protocol = "rdma" (+ device_name) on GPU clusters."""
+
+
+class SGLangSection(_Section):
+    """How each cell worker starts its SGLang server (`[rollout] engine = "sglang"`); model, port, seed, weight
+    version and the engine token come from the run."""
+
+    python: str | None = None
+    """Interpreter with SGLang installed (None: the one running Gyre)."""
+    module: str = "sglang.launch_server"
+    """`gyre_cell.sglang_stand_in` runs the CPU torch engine behind the same flags, where SGLang cannot run (tests)."""
+    tp_size: int = Field(1, ge=1)
+    """SGLang's tensor parallelism inside a cell (its GPUs: `[launcher] gpus_per_cell`)."""
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    """GPU memory fraction for weights and KV (None: SGLang's default)."""
+    extra_args: list[str] = []
+    """Further flags, as-is (never a key: the token goes by file)."""
+
+
+class RolloutConfig(_Section):
+    engine: Literal["torch", "sglang"] = "torch"
+    """Each cell's rollout engine: the torch engine inside the cell worker, or an SGLang server the worker starts,
+    watches and updates (`gyre_cell.worker_engine`); standalone engines too."""
+    sglang: SGLangSection = SGLangSection()
 
 
 class AgentConfig(_Section):
@@ -316,6 +349,8 @@ class RunConfig(_Section):
     """gyre-sched's policy config: kind (elastic/async/colocate), N, B, phi, mu, rho_min, tau_s, k_spare, dispatch..."""
     train: TrainConfig = TrainConfig()
     weights: WeightsConfig = WeightsConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    """The rollout engine of every cell: in-process torch (default) or a supervised SGLang server."""
     agent: AgentConfig = AgentConfig()
     dashboard: DashboardConfig = DashboardConfig()
     metrics: MetricsConfig = MetricsConfig()

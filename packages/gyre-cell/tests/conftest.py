@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,13 +14,8 @@ import uvicorn
 
 from gyre_cell.engine import EngineConfig, TorchEngine
 from gyre_cell.engine.server import create_app
+from gyre_cell.ports import free_port
 from gyre_cell.tiny_model import TinyModelConfig, build_tiny_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -16,18 +16,13 @@ import httpx
 import pytest
 
 from gyre_cell.engine.config import EngineConfig
+from gyre_cell.ports import free_port, free_ports
 from gyre_cell.worker_client import CellCommandError, CellWorkerClient
 from gyre_cell.worker_types import CellEvent, CellTrainingConfig, CellWorkerConfig, PublishedWeights
 from gyre_tito.export import write_trajectories
 from gyre_train.advantages import group_advantages
 from gyre_train.synthetic import build_tiny_model, make_groups
 from gyre_train.types import ReadyGroupMessage
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(tmp: Path, cfg: CellWorkerConfig) -> subprocess.Popen:
@@ -46,7 +41,7 @@ def model(tmp_path_factory) -> str:
 
 def test_standalone_worker_serves_rollout_only_and_answers_bad_commands_in_shape(tmp_path, model):
     cfg = CellWorkerConfig(
-        cell=0, kind="standalone", num_cells=2, run_dir=str(tmp_path), port=_port(),
+        cell=0, kind="standalone", num_cells=2, run_dir=str(tmp_path), port=free_port(),
         engine=EngineConfig(model_path=model, device="cpu", weight_version="0"),
     )  # fmt: skip
     proc = _start(tmp_path, cfg)
@@ -104,11 +99,12 @@ def test_a_worker_whose_port_is_taken_exits_with_one_line(tmp_path, model):
 def test_core_worker_trains_a_streamed_batch_and_publishes(tmp_path, model):
     """One elastic cell: switch to training, receive groups as files, stream a batch, publish over Mooncake."""
     n, b = 4, 2
+    http_port, master_port, coordinator_port = free_ports(3)  # distinct, below the ephemeral range
     cfg = CellWorkerConfig(
-        cell=0, num_cells=1, run_dir=str(tmp_path), port=_port(),
+        cell=0, num_cells=1, run_dir=str(tmp_path), port=http_port,
         engine=EngineConfig(model_path=model, device="cpu", weight_version="0"),
         training=CellTrainingConfig(group_size=n, batch_groups=b, lr=1e-3, tokens_per_shard=64,
-                                    master_port=_port(), coordinator_port=_port()),
+                                    master_port=master_port, coordinator_port=coordinator_port),
     )  # fmt: skip
     messages = []
     for gid, version, execs in make_groups(b, n, seed=3, max_len=50):

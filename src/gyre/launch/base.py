@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Collection
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,12 +33,13 @@ from gyre.launch.health import HealthWatch
 from gyre.launch.tokens import RunTokens, TokenPipes
 from gyre_cell import ports
 from gyre_cell.engine.config import EngineConfig
+from gyre_cell.sglang_adapter import SGLangLaunchConfig
 from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellTrainingConfig, CellWorkerConfig
 from gyre_eval.client import EvalClient
 from gyre_eval.config import ServiceConfig
 
-__all__ = ["Launcher", "ServiceError", "cell_configs", "free_port"]
+__all__ = ["Launcher", "ServiceError", "cell_configs", "free_port", "free_ports"]
 
 log = logging.getLogger("gyre")
 MAX_RESTARTS = 3
@@ -52,6 +53,11 @@ class ServiceError(RuntimeError):
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` now, outside the kernel's ephemeral range (`gyre_cell.ports`)."""
     return ports.free_port(host)
+
+
+def free_ports(n: int, host: str = "127.0.0.1", exclude: Collection[int] = ()) -> list[int]:
+    """`n` distinct free ports, none of `exclude`: several chosen before any is bound (`gyre_cell.ports`)."""
+    return ports.free_ports(n, host, exclude)
 
 
 def bin_path(name: str) -> str:
@@ -120,7 +126,11 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
     rendezvous) once it knows each worker's node; everything else is the same for every launcher.
     """
     c, s, t = cfg.cluster, cfg.scheduler, cfg.train
-    master, coordinator = free_port(), free_port()
+    workers = c.cells + c.standalone_engines
+    sglang = cfg.rollout.engine == "sglang"
+    # distinct: none is bound before the workers start (two independent draws once gave the same port twice)
+    master, coordinator, *ports = free_ports(2 + workers * (2 if sglang else 1))
+    worker_ports, sglang_ports = ports[:workers], ports[workers:]
     out = []
     for i in range(c.cells + c.standalone_engines):
         elastic = i < c.cells
@@ -136,8 +146,10 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
                 lr_warmup_steps=t.lr_warmup_steps,
                 max_grad_norm=t.max_grad_norm, tokens_per_shard=t.tokens_per_shard,
                 temperature=cfg.model.temperature, loss=t.loss, master_port=master, coordinator_port=coordinator,
-                claim_timeout_s=t.claim_timeout_s, snapshot=cfg.weights.snapshot, dump_batches=t.dump_batches,
-                hold_core_for_join=t.hold_core_for_join, backend=t.backend, tensor_parallel=t.tensor_parallel,
+                claim_timeout_s=t.claim_timeout_s, collective_timeout_s=t.collective_timeout_s,
+                snapshot=cfg.weights.snapshot, dump_batches=t.dump_batches,
+                hold_core_for_join=t.hold_core_for_join, stop_gate=t.stop_gate,
+                backend=t.backend, tensor_parallel=t.tensor_parallel,
                 pipeline_parallel=t.pipeline_parallel, context_parallel=t.context_parallel,
                 expert_parallel=t.expert_parallel, checkpoint_keep=t.checkpoint_keep,
             )  # fmt: skip
@@ -147,15 +159,27 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
                 kind="elastic" if elastic else "standalone",
                 num_cells=c.cells,
                 run_dir=str(run_dir),
-                port=free_port(),
+                port=worker_ports[i],
                 engine=engine,
                 training=training,
                 weights=cfg.weights.transport,
                 mooncake=cfg.weights.mooncake,
                 cpu_threads=c.cpu_threads_per_cell,
+                sglang=_sglang_launch(cfg, model_dir, sglang_ports[i], t.seed + i) if sglang else None,
             )
         )
     return out
+
+
+def _sglang_launch(cfg: RunConfig, model_dir: Path, port: int, seed: int) -> SGLangLaunchConfig:
+    """One worker's SGLang server, from `[rollout.sglang]`: the run's policy at version 0, on loopback (a launcher
+    placing the worker elsewhere rebinds it)."""
+    sg = cfg.rollout.sglang
+    return SGLangLaunchConfig(
+        model_path=str(model_dir), host="127.0.0.1", port=port, tp_size=sg.tp_size,
+        mem_fraction_static=sg.mem_fraction_static, weight_version="0", random_seed=seed,
+        python=sg.python or sys.executable, module=sg.module, extra_args=tuple(sg.extra_args),
+    )  # fmt: skip
 
 
 @dataclass
@@ -230,7 +254,7 @@ class Launcher:
 
     @property
     def engine_urls(self) -> list[str]:
-        return [c.base_url for c in self.cells + self.standalone]
+        return [c.engine_url for c in self.cells + self.standalone]
 
     @property
     def admin_token(self) -> str:
@@ -277,6 +301,7 @@ class Launcher:
         """RUN/services.json: each service's URL and pid (for operators and the kill -9 tests; never a token)."""
         info = {"proxy": self.proxy_url or None, "gyre-eval": self.eval_url or None,
                 "cells": self.engine_urls[: len(self.cells)], "standalone": self.engine_urls[len(self.cells) :],
+                "workers": [c.base_url for c in self.cells + self.standalone],
                 "pids": {name: proc.pid for name, proc in self._procs}}  # fmt: skip
         (self.run_dir / "services.json").write_text(json.dumps(info, indent=1) + "\n")
 

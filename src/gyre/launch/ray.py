@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre.config import LauncherConfig
-from gyre.launch.base import Launcher, ServiceError, cell_name, free_port
+from gyre.launch.base import Launcher, ServiceError, cell_name, free_ports
 from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellWorkerConfig
 
@@ -94,14 +94,20 @@ class CellActor:
         self._done = threading.Event()
         self._worker: Any = None
 
-    def node(self) -> dict:
+    def node(self, taken: list[int] | None = None) -> dict:
+        """This actor's node and four free ports there (HTTP; the core's gloo rendezvous and coordinator; an SGLang
+        server's), none of `taken`: ports other actors chose and nobody has bound yet (they may be on the same
+        node)."""
         import ray
 
         ip = ray.util.get_node_ip_address()
+        ports = free_ports(4, ip, exclude=taken or ())
         return {
-            "ip": ip, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-            "ports": [free_port(ip) for _ in range(3)],
-        }  # fmt: skip
+            "ip": ip,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ports": ports,
+        }
 
     def start(self, config_json: str, api_key: str | None = None) -> int:
         """Redirect this process's output to the run's log, then serve the worker in a thread; returns the PID.
@@ -143,7 +149,7 @@ class CellActor:
             with contextlib.suppress(Exception):
                 if worker.training is not None:
                     worker.training.close()
-                worker.engine.close()
+                worker.rollout.close()
             self._done.set()
             # Daemon threads (gloo, Mooncake, the coordinator) must not keep a finished cell alive: like the local
             # worker, the process ends here (Ray sees the actor exit).
@@ -159,7 +165,7 @@ def place(configs: list[CellWorkerConfig], nodes: list[dict]) -> list[CellWorker
     """Every worker's config with its node's address (from `CellActor.node`): the HTTP server and Mooncake (weights,
     and the engine's KV migration: a destination on another node reads the pinned blocks there) bind the node's IP;
     the gloo rendezvous and the micro-step coordinator are on the core's node (cell 0, first)."""
-    core_ip, (_, master_port, coordinator_port) = nodes[0]["ip"], nodes[0]["ports"]
+    core_ip, (_, master_port, coordinator_port, _) = nodes[0]["ip"], nodes[0]["ports"]
     placed = []
     for wc, node in zip(configs, nodes, strict=True):
         update = _on_node(wc, node)
@@ -178,11 +184,13 @@ def place(configs: list[CellWorkerConfig], nodes: list[dict]) -> list[CellWorker
 def _on_node(wc: CellWorkerConfig, node: dict) -> dict[str, Any]:
     """The fields of `wc` that bind to its node: HTTP address and port, Mooncake, the engine's KV transfer."""
     kv_transfer = wc.engine.kv_transfer.model_copy(update={"local_hostname": node["ip"]})
+    sglang = wc.sglang and wc.sglang.model_copy(update={"host": node["ip"], "port": node["ports"][3]})
     return {
         "host": node["ip"],
         "port": node["ports"][0],
         "mooncake": wc.mooncake.model_copy(update={"local_hostname": node["ip"]}),
         "engine": wc.engine.model_copy(update={"kv_transfer": kv_transfer}),
+        "sglang": sglang,
     }
 
 
@@ -246,7 +254,13 @@ class RayLauncher(Launcher):
             ).remote(names[i], str(self.log_path(names[i])))  # fmt: skip
             self._actors.append(actor)
         # Each actor's node and free ports there, then the configs rewritten with them (through the controller).
-        nodes = await asyncio.to_thread(ray.get, [a.node.remote() for a in self._actors], timeout=timeout_s)
+        # One after the other: each actor chooses its ports knowing those chosen before it (none is bound yet).
+        nodes: list[dict] = []
+        deadline = time.monotonic() + timeout_s
+        for a in self._actors:
+            taken = [port for n in nodes for port in n["ports"]]
+            left = max(1.0, deadline - time.monotonic())
+            nodes.append(await asyncio.to_thread(ray.get, a.node.remote(taken), timeout=left))
         placed = place(configs, nodes)
         cfg_dir = self.run_dir / "cells"
         cfg_dir.mkdir(parents=True, exist_ok=True)

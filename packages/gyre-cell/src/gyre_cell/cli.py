@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import EngineConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,10 +69,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .engine import EngineConfig, TorchEngine
-    from .engine.server import create_app
+    from .engine import EngineConfig
     from .secret import SecretError, read_secret
 
     if not Path(args.model).is_dir():
@@ -92,12 +93,22 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         weight_dirs=[str(Path(d).resolve()) for d in args.weight_dir] if args.weight_dir else None,
     )
+    return serve_torch_engine(cfg, args.host, args.port, api_key)
+
+
+def serve_torch_engine(cfg: EngineConfig, host: str, port: int, api_key: str | None) -> int:
+    """Print the resolved `EngineConfig` first, then serve a torch engine built from it until stopped."""
+    import uvicorn
+
+    from .engine import TorchEngine
+    from .engine.server import create_app
+
     print(cfg.model_dump_json(), flush=True)  # the resolved config, first
     engine = TorchEngine(cfg)
     try:
         # keep-alive far past the clients' idle expiry (a request on a connection being closed fails empty)
         app = create_app(engine, api_key=api_key)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=75)
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_keep_alive=75)
     finally:
         engine.close()
     return 0

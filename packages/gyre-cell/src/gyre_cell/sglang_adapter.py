@@ -11,6 +11,7 @@ user through /proc/PID/cmdline). SGLang then requires `Authorization: Bearer KEY
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ import httpx
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from .client import RolloutEngine
+from .client import RolloutEngine, TorchEngineClient
 from .protocol import UpdateFromTensorBody
 
 
@@ -67,6 +68,13 @@ class SGLangLaunchConfig(BaseModel):
     """A YAML file (mode 600) holding `api-key: ...`, passed as `--config` (`write_api_key_config` makes it)."""
     python: str = sys.executable
     """Interpreter that has sglang installed."""
+    module: str = "sglang.launch_server"
+    """The module `python -m` runs: SGLang's server, or `gyre_cell.sglang_stand_in` (``STAND_IN``) where SGLang
+    cannot run (no GPU): the CPU torch engine behind the same flags, whose tensor updates take the torch engine's
+    format, so `SGLangServer.client()` gives a `TorchEngineClient` for it."""
+
+
+STAND_IN = "gyre_cell.sglang_stand_in"
 
 
 def write_api_key_config(folder: str | os.PathLike[str], api_key: str) -> str:
@@ -86,7 +94,7 @@ def build_launch_command(cfg: SGLangLaunchConfig) -> list[str]:
         if any(a == flag or a.startswith(flag + "=") for a in cfg.extra_args):
             raise ValueError(f"extra_args: {flag} would put a key in argv (readable by every local process); "
                              "give the key to SGLangServer(api_key=...), which passes it by file")  # fmt: skip
-    cmd = [cfg.python, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
+    cmd = [cfg.python, "-m", cfg.module, "--model-path", cfg.model_path]
     cmd += ["--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp_size)]
     cmd += ["--weight-version", cfg.weight_version]
     if cfg.mem_fraction_static is not None:
@@ -133,7 +141,9 @@ class SGLangServer:
                 update={"api_key_config": write_api_key_config(self._secret_dir, self.api_key)}
             )
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives with the process)
-        self.proc = subprocess.Popen(build_launch_command(cfg), stdout=out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            build_launch_command(cfg), stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
 
     async def wait_healthy(self, timeout_s: float = 900.0) -> None:
         """Poll /health until it answers 200; fail at once if the server process exits."""
@@ -153,7 +163,9 @@ class SGLangServer:
             await client.aclose()
         raise TimeoutError(f"SGLang server at {self.base_url} not healthy after {timeout_s} s")
 
-    def client(self) -> SGLangEngine:
+    def client(self) -> RolloutEngine:
+        if self.cfg.module == STAND_IN:  # the torch engine's tensor format (see `SGLangLaunchConfig.module`)
+            return TorchEngineClient(self.base_url, api_key=self.api_key)
         return SGLangEngine(self.base_url, tp_size=self.cfg.tp_size, api_key=self.api_key)
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -168,6 +180,19 @@ class SGLangServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+try:  # loaded before any fork: the child calls it without importing anything (threads may hold the import lock)
+    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except OSError:  # not Linux
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    """In the server's child before exec: SIGKILL it when the process that started it dies (a killed cell worker
+    leaves no server holding the GPU). Its own subprocesses watch their parent themselves."""
+    if _prctl is not None:
+        _prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
 
 
 class SGLangEngine(RolloutEngine):

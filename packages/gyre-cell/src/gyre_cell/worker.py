@@ -38,15 +38,15 @@ from typing import Any
 
 import torch
 import uvicorn
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from gyre_cell.client import RolloutEngine
-from gyre_cell.engine.core import TorchEngine
-from gyre_cell.engine.server import create_app
+from gyre_cell.engine.server import create_app, require_token
 from gyre_cell.ports import free_port
 from gyre_cell.roles import CellRoleManager, CellRoleManagerConfig, IllegalRoleTransition, RoleSwitchError
+from gyre_cell.worker_engine import InProcessEngine, RolloutSide, SupervisedSGLang
 from gyre_cell.worker_types import (
     CellEvent,
     CellWorkerConfig,
@@ -119,14 +119,23 @@ class CellWorkerProcess:
         self.api_key = api_key  # the run's engine token: engine and /cell commands need it (not /health)
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.events = EventLog()
-        self.engine = TorchEngine(cfg.engine)
+        self.rollout: RolloutSide = (
+            InProcessEngine(cfg, self.url, api_key)
+            if cfg.sglang is None
+            else SupervisedSGLang(cfg, api_key, Path(cfg.run_dir) / "logs" / f"{_name(cfg)}.sglang.log")
+        )
         self.training = None  # CellTraining, built in the background (gloo waits for every cell)
         self.error: str | None = None
         self._ready = threading.Event()
         self.roles: CellRoleManager | None = None
         self._subscribers: dict[str, Any] = {}
         self.server: uvicorn.Server | None = None
-        self.app = create_app(self.engine, api_key=api_key)
+        if isinstance(self.rollout, InProcessEngine):  # the engine's protocol at the root, next to /cell
+            self.app = create_app(self.rollout.engine, api_key=api_key)
+        else:  # an SGLang server serves the engine protocol itself (`WorkerStatus.engine_url`): /cell only
+            self.app = FastAPI()
+            require_token(self.app, api_key)
+            self.app.add_api_route("/health", lambda: Response(status_code=200), methods=["GET"])
         self.app.include_router(self._router(), prefix="/cell")
 
         @self.app.exception_handler(RoleSwitchError)
@@ -144,20 +153,40 @@ class CellWorkerProcess:
     # ---- start-up ------------------------------------------------------------------------------------------------
     def _setup(self) -> None:
         try:
+            failed: list[BaseException] = []
+
+            def start_engine() -> None:
+                try:
+                    self.rollout.start(self._engine_exited)
+                except BaseException as exc:  # reported by the set-up below, as its failure
+                    failed.append(exc)
+
+            starting = threading.Thread(target=start_engine, name="engine-start", daemon=True)
+            starting.start()  # an SGLang server loads while the training side forms its world
             if self.cfg.kind == "elastic" and not self.cfg.restarted:
                 from gyre_cell.worker_training import CellTraining
 
                 self.training = CellTraining(self.cfg, self.events.emit)
+            starting.join()
+            if failed:
+                raise failed[0]
             self._ready.set()
         except Exception as exc:
             log.exception("cell %d: set-up failed", self.cfg.cell)
             self.error = f"set-up failed: {type(exc).__name__}: {exc}"
 
+    def _engine_exited(self, code: int) -> None:
+        """The SGLang server died: without its engine the cell serves nothing, so the worker leaves too and the
+        launcher handles a dead cell."""
+        log.error("cell %d: its SGLang server exited with status %d; the worker exits", self.cfg.cell, code)
+        logging.shutdown()
+        os._exit(1)
+
     def _role_manager(self) -> CellRoleManager:
         if self.roles is None:
             side = self.training.state if self.training is not None else _NoTraining()
             self.roles = CellRoleManager(
-                RolloutEngine(self.url, api_key=self.api_key),
+                self.rollout.client(),
                 side,
                 CellRoleManagerConfig(cell=str(self.cfg.cell)),
             )
@@ -173,23 +202,20 @@ class CellWorkerProcess:
             )
         return self._subscribers[manifest_url]
 
-    def _load_weights(self, ref: PublishedWeights) -> str:
-        """Put published weights into this process's engine (blocking; engine requests continue meanwhile)."""
+    async def _load_weights(self, ref: PublishedWeights) -> str:
+        """Put published weights into this cell's engine (engine requests continue meanwhile)."""
         own = self.training.published_tensors() if self.training is not None else None
         if own is not None and ref.manifest_url == self.training.published.manifest_url:
-            self.engine.update_weights(own, weight_version=str(ref.version))  # the core: its own buffer
-            return str(ref.version)
+            return await self.rollout.load(ref, own, None)  # the core: its own buffer
         if ref.manifest_url is not None and self.cfg.weights == "mooncake":
-            from gyre_cell.transfer.engine_loader import pull_into_engine
-
-            version = pull_into_engine(self.engine, self._subscriber(ref.manifest_url))
+            subscriber = await asyncio.to_thread(self._subscriber, ref.manifest_url)
+            version = await self.rollout.load(ref, None, subscriber)
             if version != str(ref.version):
                 raise RuntimeError(f"pulled weight version {version}, expected {ref.version}")
             return version
         if ref.path is None:
             raise ValueError(f"published weights v{ref.version} name no checkpoint path and no manifest")
-        self.engine.update_weights_from_disk(ref.path, weight_version=str(ref.version))
-        return str(ref.version)
+        return await self.rollout.load(ref, None, None)
 
     # ---- HTTP ----------------------------------------------------------------------------------------------------
     def _router(self) -> APIRouter:
@@ -224,7 +250,8 @@ class CellWorkerProcess:
             role = worker.roles.role.value if worker.roles is not None else CellRole.ROLLOUT.value
             return WorkerStatus(
                 cell=worker.cfg.cell, kind=worker.cfg.kind, ready=worker._ready.is_set(), role=role,
-                weight_version=str(worker.engine.weight_version), error=worker.error,
+                weight_version=worker.rollout.weight_version, error=worker.error,
+                engine_url=worker.rollout.url,
                 published=worker.training.published if worker.training is not None else None,
             )  # fmt: skip
 
@@ -252,7 +279,7 @@ class CellWorkerProcess:
 
             async def loader(_: RolloutEngine) -> str:
                 t0 = time.perf_counter()
-                version = await asyncio.to_thread(worker._load_weights, ref)
+                version = await worker._load_weights(ref)
                 loaded.append(time.perf_counter() - t0)
                 return version
 
@@ -299,7 +326,7 @@ class CellWorkerProcess:
         async def load_weights(request: Request) -> LoadResult:
             ref = await body(request, PublishedWeights)
             t0 = time.perf_counter()
-            version = await asyncio.to_thread(worker._load_weights, ref)
+            version = await worker._load_weights(ref)
             return LoadResult(version=version, seconds=time.perf_counter() - t0)
 
         @r.post("/save")
@@ -380,6 +407,10 @@ class CellWorkerProcess:
         asyncio.run(main())
 
 
+def _name(cfg: CellWorkerConfig) -> str:
+    return f"cell-{cfg.cell}" if cfg.kind == "elastic" else f"standalone-{cfg.cell}"
+
+
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when the controller that started it dies (no orphaned cells). Not SIGTERM: nobody
     is left to escalate, and a graceful shutdown waits on requests the dead controller left open (its event poll)."""
@@ -423,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if worker.training is not None:
             worker.training.close()
-        worker.engine.close()
+        worker.rollout.close()
     # Daemon threads (gloo, Mooncake, the coordinator) must not keep a finished cell alive.
     sys.stdout.flush()
     os._exit(0)

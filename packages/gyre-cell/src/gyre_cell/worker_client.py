@@ -44,6 +44,8 @@ STATUS_POLL_S = 5.0
 class CellWorkerClient:
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.engine_url = self.base_url
+        """Where the cell's rollout engine serves model calls (its SGLang server's URL, learnt by `wait_ready`)."""
         headers = (
             {"authorization": f"Bearer {api_key}"} if api_key else None
         )  # the worker's token, if it has one
@@ -92,6 +94,7 @@ class CellWorkerClient:
                 if st.error:
                     raise CellCommandError(f"cell {st.cell}: {st.error}")
                 if st.ready:
+                    self.engine_url = (st.engine_url or self.base_url).rstrip("/")
                     return st
             except TimeoutError:
                 pass  # no answer within the poll: look at liveness and the deadline again

@@ -4,14 +4,16 @@
   engine and the tensors are applied by HF name with `TorchEngine.update_weights` (no HTTP, no serialization).
 - Any engine over HTTP (`mooncake_engine_loader`, for SGLang): no engine has an "update from Mooncake" endpoint, so
   the subscriber reads next to the client and pushes the tensors with `/update_weights_from_tensor` inside a
-  begin/end session (SGLang 0.5.23 rules).
+  begin/end session (SGLang 0.5.23 rules; `push_tensors`, which a cell worker also uses for the core's own buffer).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
+
+import torch
 
 from ..client import RolloutEngine
 from .subscriber import WeightSubscriber
@@ -58,13 +60,25 @@ def mooncake_engine_loader(
     async def load(engine: RolloutEngine) -> str:
         snap = await asyncio.to_thread(subscriber.read)
         version = str(snap.version)
-        items, seen = [], set()
-        for name, t in snap.tensors.items():  # tied names share bytes; the encoder refuses shared storage
-            items.append((name, t.clone() if t.data_ptr() in seen else t))
-            seen.add(t.data_ptr())
-        async with engine.weight_update_session():
-            for i in range(0, len(items), bucket_tensors):
-                await engine.update_weights_from_tensor(items[i : i + bucket_tensors], weight_version=version)
+        await push_tensors(engine, snap.tensors.items(), version, bucket_tensors=bucket_tensors)
         return version
 
     return load
+
+
+async def push_tensors(
+    engine: RolloutEngine,
+    named: Iterable[tuple[str, torch.Tensor]],
+    version: str,
+    *,
+    bucket_tensors: int = 64,
+) -> None:
+    """Push HF-named tensors to an engine over HTTP, `bucket_tensors` per request, inside one weight-update session.
+    Tied names share bytes and the encoder refuses shared storage: each later name gets a copy."""
+    items, seen = [], set()
+    for name, t in named:
+        items.append((name, t.clone() if t.data_ptr() in seen else t))
+        seen.add(t.data_ptr())
+    async with engine.weight_update_session():
+        for i in range(0, len(items), bucket_tensors):
+            await engine.update_weights_from_tensor(items[i : i + bucket_tensors], weight_version=version)
