@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,60 @@ def test_the_lr_warmup_reaches_every_training_cell_and_megatron_refuses_it(tmp_p
     assert [c.training.lr_warmup_steps for c in configs if c.training is not None] == [6, 6]
     with pytest.raises(ConfigError, match=r"train\.lr_warmup_steps = 6: the megatron backend"):
         load_config(None, {"train.lr_warmup_steps": 6, "train.backend": "megatron"})
+
+
+def test_the_local_launcher_gives_each_worker_its_own_gpus(tmp_path, monkeypatch):
+    """`cluster.device = "cuda"`: whole GPUs in order (cells, then standalone engines) from this process's
+    CUDA_VISIBLE_DEVICES; engine and trainer on CUDA; Ray sets its actors' own, so the configs name none there."""
+    over = {"cluster.device": "cuda", "launcher.gpus_per_cell": 2,
+            "cluster.standalone_engines": 1, "cluster.standalone_capacity": 2}  # fmt: skip
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4, 5,6,GPU-7a,9")
+    configs = cell_configs(load_config(None, over), tmp_path, tmp_path / "model")
+    assert [c.visible_gpus for c in configs] == [["3", "4"], ["5", "6"], ["GPU-7a", "9"]]
+    assert [c.engine.device for c in configs] == ["cuda"] * 3
+    assert [c.training.device for c in configs if c.training is not None] == ["cuda", "cuda"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    configs = cell_configs(load_config(None, over), tmp_path, tmp_path / "model")
+    assert [c.visible_gpus for c in configs] == [["0", "1"], ["2", "3"], ["4", "5"]]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    with pytest.raises(ConfigError, match=r"needs 6 GPUs; CUDA_VISIBLE_DEVICES lists 3 \('0,1,2'\)"):
+        cell_configs(load_config(None, over), tmp_path, tmp_path / "model")
+    ray = cell_configs(load_config(None, {**over, "launcher.kind": "ray"}), tmp_path, tmp_path / "model")
+    assert [c.visible_gpus for c in ray] == [None] * 3 and ray[0].engine.device == "cuda"
+    default = cell_configs(load_config(None), tmp_path, tmp_path / "model")  # CPU: nothing handed out
+    assert {(c.visible_gpus, c.engine.device, c.training.device) for c in default} == {(None, "cpu", "cpu")}
+    # SGLang servers inherit their worker's GPUs whatever the torch device: gpus_per_cell alone hands them out
+    sglang = cell_configs(load_config(None, {"rollout.engine": "sglang", "launcher.gpus_per_cell": 1}),
+                          tmp_path, tmp_path / "model")  # fmt: skip
+    assert [c.visible_gpus for c in sglang] == [["0"], ["1"]] and sglang[0].engine.device == "cpu"
+    # A share: two workers in a row on one GPU (a one-GPU machine runs the K=2 demo on CUDA)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
+    shared = cell_configs(
+        load_config(None, {**over, "launcher.gpus_per_cell": 0.5}), tmp_path, tmp_path / "m"
+    )
+    assert [c.visible_gpus for c in shared] == [["5"], ["5"], ["6"]]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    with pytest.raises(ConfigError, match=r"gpus_per_cell = 0.5 for 3 worker\(s\) needs 2 GPUs"):
+        cell_configs(load_config(None, {**over, "launcher.gpus_per_cell": 0.5}), tmp_path, tmp_path / "m")
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ({"cluster.device": "cuda"}, "cluster.device = 'cuda' needs launcher.gpus_per_cell > 0"),
+        (
+            {"launcher.gpus_per_cell": 1.5},
+            "launcher.gpus_per_cell = 1.5: the local launcher hands out whole GPUs",
+        ),
+        ({"launcher.gpus_per_cell": 0.3}, "equal shares of one (1/2, 1/3, ...)"),
+        ({"cluster.device": "tpu"}, "cluster.device"),
+    ],
+)
+def test_gpu_settings_that_cannot_work_are_config_errors(override, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, override)
+
+
+def test_ray_may_share_a_gpu_between_cells():
+    cfg = load_config(None, {"launcher.kind": "ray", "launcher.gpus_per_cell": 0.5, "cluster.device": "cuda"})
+    assert (cfg.launcher.gpus_per_cell, cfg.cluster.device) == (0.5, "cuda")

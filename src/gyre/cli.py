@@ -121,7 +121,7 @@ async def _run_until_signal(cfg: RunConfig, command: str, resume=None) -> int:
         print(f"gyre {command}: interrupted by {name} after {done}/{cfg.train.steps} steps; every process stopped; "
               f"run directory {services.run_dir}", file=sys.stderr)  # fmt: skip
         return 128 + caught[0]
-    except RunDirError as exc:
+    except (RunDirError, ConfigError) as exc:  # found only at launch (the GPUs this process was given)
         print(f"gyre {command}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a part failed: one clear line, the details are in the run's logs

@@ -52,6 +52,11 @@ class ClusterConfig(_Section):
     """C_s: concurrent executions the whole standalone pool serves (0 with no pool)."""
     cpu_threads_per_cell: int = Field(1, ge=1)
     """torch intra-op threads of each cell process (1 is fastest for tiny models on a shared CPU)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where each cell's torch engine and torch trainer run. cuda: on the GPUs the cell is given
+    (`[launcher] gpus_per_cell` > 0: by CUDA_VISIBLE_DEVICES on the local launcher, the placement group's
+    own on Ray); a worker that sees none refuses to start. The megatron backend and SGLang servers use the cell's
+    GPUs whatever this says."""
 
     @model_validator(mode="after")
     def _pool(self) -> ClusterConfig:
@@ -214,7 +219,9 @@ class LauncherConfig(_Section):
     cpus_per_cell: float | None = Field(None, gt=0)
     """Ray: CPUs of each cell's placement group (None: cluster.cpu_threads_per_cell)."""
     gpus_per_cell: float = Field(0.0, ge=0)
-    """Ray: GPUs of each cell's placement group (0 on CPU)."""
+    """GPUs of each worker (0 on CPU). Ray: its placement group's. local: whole GPUs handed out in order (the K
+    cells, then the standalone engines) from this process's CUDA_VISIBLE_DEVICES, or from GPU 0 when it is unset;
+    each worker, its SGLang server included, sees only its own. 1/n: n workers in a row share one GPU."""
     cell_resources: list[dict[str, float]] = []
     """Ray: extra resources of cell i's bundle (standalone engines follow the K cells), e.g. a node's custom
     resource to pin a cell to it; shorter than the worker list = nothing extra for the rest."""
@@ -369,6 +376,21 @@ class RunConfig(_Section):
             self.policy_params()
         except ValueError as exc:
             raise ValueError(f"[scheduler]/[cluster]: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _gpus_given(self) -> RunConfig:
+        gpus = self.launcher.gpus_per_cell
+        if self.cluster.device == "cuda" and gpus == 0:
+            raise ValueError(
+                "cluster.device = 'cuda' needs launcher.gpus_per_cell > 0 (the GPUs each cell runs on)"
+            )
+        shares = 1 / gpus if 0 < gpus < 1 else 1.0
+        if self.launcher.kind == "local" and (gpus != int(gpus) if gpus >= 1 else shares != round(shares)):
+            raise ValueError(
+                f"launcher.gpus_per_cell = {gpus}: the local launcher hands out whole GPUs, or equal shares of "
+                "one (1/2, 1/3, ...)"
+            )
         return self
 
     def policy_params(self) -> PolicyParams:

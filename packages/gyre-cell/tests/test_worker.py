@@ -96,6 +96,29 @@ def test_a_worker_whose_port_is_taken_exits_with_one_line(tmp_path, model):
     assert "Traceback" not in log
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_worker_asked_for_cuda_that_sees_none_refuses_in_one_line(tmp_path, model):
+    """`cluster.device = "cuda"`: the worker restricts itself to its GPUs first, and one that sees no CUDA device
+    leaves with a line naming them, before building anything (no engine on the CPU instead)."""
+    cfg = CellWorkerConfig(
+        cell=1, num_cells=2, run_dir=str(tmp_path), port=free_port(), visible_gpus=["2", "3"],
+        engine=EngineConfig(model_path=model, device="cuda", weight_version="0"),
+        training=CellTrainingConfig(group_size=2, batch_groups=1, lr=1e-3, master_port=1, coordinator_port=2,
+                                    device="cuda"),
+    )  # fmt: skip
+    proc = _start(tmp_path, cfg)
+    try:
+        assert proc.wait(timeout=120) == 2
+    finally:
+        proc.kill()
+    log = (tmp_path / "elastic-1.log").read_text()
+    assert (
+        "gyre-cell worker: cell 1: device cuda, but this process sees no CUDA device (CUDA_VISIBLE_DEVICES=2,3)"
+        in log
+    )
+    assert "Traceback" not in log and '"cell":1' not in log  # refused before its resolved config was printed
+
+
 def test_core_worker_trains_a_streamed_batch_and_publishes(tmp_path, model):
     """One elastic cell: switch to training, receive groups as files, stream a batch, publish over Mooncake."""
     n, b = 4, 2

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from gyre.config import RunConfig
+from gyre.config import ConfigError, RunConfig
 from gyre.launch.health import HealthWatch
 from gyre.launch.tokens import RunTokens, TokenPipes
 from gyre_cell import ports
@@ -131,12 +131,13 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
     # distinct: none is bound before the workers start (two independent draws once gave the same port twice)
     master, coordinator, *ports = free_ports(2 + workers * (2 if sglang else 1))
     worker_ports, sglang_ports = ports[:workers], ports[workers:]
+    gpus = _local_gpus(cfg, workers)
     out = []
     for i in range(c.cells + c.standalone_engines):
         elastic = i < c.cells
         index = i if elastic else i - c.cells
         engine = EngineConfig(
-            model_path=str(model_dir), device="cpu", weight_version="0", seed=t.seed + i,
+            model_path=str(model_dir), device=c.device, weight_version="0", seed=t.seed + i,
             cpu_threads=c.cpu_threads_per_cell,
         )  # fmt: skip
         training = None
@@ -149,7 +150,7 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
                 claim_timeout_s=t.claim_timeout_s, collective_timeout_s=t.collective_timeout_s,
                 snapshot=cfg.weights.snapshot, dump_batches=t.dump_batches,
                 hold_core_for_join=t.hold_core_for_join, stop_gate=t.stop_gate,
-                backend=t.backend, tensor_parallel=t.tensor_parallel,
+                backend=t.backend, device=c.device, tensor_parallel=t.tensor_parallel,
                 pipeline_parallel=t.pipeline_parallel, context_parallel=t.context_parallel,
                 expert_parallel=t.expert_parallel, checkpoint_keep=t.checkpoint_keep,
             )  # fmt: skip
@@ -165,10 +166,34 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
                 weights=cfg.weights.transport,
                 mooncake=cfg.weights.mooncake,
                 cpu_threads=c.cpu_threads_per_cell,
+                visible_gpus=gpus[i] if gpus is not None else None,
                 sglang=_sglang_launch(cfg, model_dir, sglang_ports[i], t.seed + i) if sglang else None,
             )
         )
     return out
+
+
+def _local_gpus(cfg: RunConfig, workers: int) -> list[list[str]] | None:
+    """The local launcher's GPUs for each worker in order: `gpus_per_cell` whole ids each, or one id shared by
+    1/gpus_per_cell workers in a row; taken from this process's CUDA_VISIBLE_DEVICES (ids or UUIDs), counted from 0
+    when it is unset. None when no GPU is handed out (CPU, or Ray, which sets each actor's own)."""
+    per = cfg.launcher.gpus_per_cell
+    if cfg.launcher.kind != "local" or per == 0:
+        return None
+    whole, share = (int(per), 1) if per >= 1 else (1, round(1 / per))  # the config refused anything else
+    slots = [list(range(w * whole, (w + 1) * whole)) for w in range(workers)] if share == 1 else [
+        [w // share] for w in range(workers)
+    ]  # fmt: skip
+    need = slots[-1][-1] + 1
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    pool = [g.strip() for g in listed.split(",") if g.strip()] if listed is not None else None
+    if pool is not None and len(pool) < need:
+        raise ConfigError(
+            f"launcher.gpus_per_cell = {per:g} for {workers} worker(s) needs {need} GPUs; "
+            f"CUDA_VISIBLE_DEVICES lists {len(pool)} ({listed!r})"
+        )
+    ids = pool if pool is not None else [str(g) for g in range(need)]
+    return [[ids[g] for g in slot] for slot in slots]
 
 
 def _sglang_launch(cfg: RunConfig, model_dir: Path, port: int, seed: int) -> SGLangLaunchConfig:
@@ -268,6 +293,18 @@ class Launcher:
         log_dir = self.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         return log_dir / f"{name}.log"
+
+    def started_badly(self, name: str, exc: BaseException, restart: int | None = None) -> ServiceError:
+        """A worker that failed its start-up, in one line: what the launcher saw, the last line its log has (a
+        worker that refuses to start says why there), and where the rest is."""
+        path = self.log_path(name)
+        last = ""
+        with contextlib.suppress(OSError), path.open("rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
+            lines = [ln for ln in log.read().decode(errors="replace").splitlines() if ln.strip()]
+            last = f" (its log ends: {lines[-1].strip()[:300]})" if lines else ""
+        what = name if restart is None else f"{name} (restart {restart})"
+        return ServiceError(f"{what}: {exc}{last}; see {path}")
 
     # ---- subprocesses --------------------------------------------------------------------------------------------
     def _spawn(

@@ -14,7 +14,7 @@ import signal
 import subprocess
 from dataclasses import dataclass
 
-from gyre.launch.base import Launcher, ServiceError, bin_path, cell_name
+from gyre.launch.base import Launcher, bin_path, cell_name
 from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellWorkerConfig
 
@@ -46,7 +46,7 @@ class LocalLauncher(Launcher):
             try:
                 await client.wait_ready(timeout_s, alive=lambda: proc.poll() is None)
             except Exception as exc:
-                raise ServiceError(f"{name}: {exc}; see {self.run_dir}/logs/{name}.log") from None
+                raise self.started_badly(name, exc) from None
 
         await asyncio.gather(*(ready(*w) for w in waits))
 
@@ -71,5 +71,5 @@ class LocalLauncher(Launcher):
             await client.wait_ready(timeout_s, alive=lambda: proc.poll() is None)
         except Exception as exc:
             await client.aclose()
-            raise ServiceError(f"{name} (restart {attempt}): {exc}; see {self.log_path(name)}") from None
+            raise self.started_badly(name, exc, attempt) from None
         return client

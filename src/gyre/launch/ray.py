@@ -293,7 +293,7 @@ class RayLauncher(Launcher):
             try:
                 await clients[i].wait_ready(timeout_s, alive=lambda: self.alive(i))
             except Exception as exc:
-                raise ServiceError(f"{names[i]}: {exc}; see {self.run_dir}/logs/{names[i]}.log") from None
+                raise self.started_badly(names[i], exc) from None
 
         await asyncio.gather(*(ready(i) for i in range(len(clients))))
         log.info("ray: %d worker actor(s) ready in %.1f s on node(s) %s", len(clients), time.monotonic() - t0,
@@ -392,7 +392,7 @@ class RayLauncher(Launcher):
             client = self.worker_client(f"http://{wc.host}:{wc.port}")
             await client.wait_ready(timeout_s, alive=lambda: self.alive(cell))
         except Exception as exc:
-            raise ServiceError(f"{name} (restart {attempt}): {exc}; see {self.log_path(name)}") from None
+            raise self.started_badly(name, exc, attempt) from None
         return client
 
     def alive(self, i: int) -> bool:

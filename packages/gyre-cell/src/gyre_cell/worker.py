@@ -170,6 +170,11 @@ class CellWorkerProcess:
             starting.join()
             if failed:
                 raise failed[0]
+            trainer = (
+                "nothing" if self.training is None else getattr(self.training.backend, "device", "its stages")
+            )
+            log.info("cell %d: ready; rollout on %s, training on %s (CUDA_VISIBLE_DEVICES=%s)", self.cfg.cell,
+                     self.rollout.device, trainer, os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))  # fmt: skip
             self._ready.set()
         except Exception as exc:
             log.exception("cell %d: set-up failed", self.cfg.cell)
@@ -421,6 +426,20 @@ def _die_with_parent() -> None:
         pass
 
 
+def _claim_devices(cfg: CellWorkerConfig) -> str | None:
+    """Restrict this process (and the SGLang server it starts) to its GPUs, before CUDA is first touched; why a
+    worker asked to run on CUDA cannot, or None."""
+    if cfg.visible_gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(cfg.visible_gpus)
+    wants = [cfg.engine.device] + ([cfg.training.device] if cfg.training is not None else [])
+    if any(d.startswith("cuda") for d in wants) and not torch.cuda.is_available():
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return "device cuda, but this process sees no CUDA device" + (
+            f" (CUDA_VISIBLE_DEVICES={seen})" if seen is not None else ""
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gyre-cell worker", description="one cell worker process")
     parser.add_argument("--config", required=True, type=Path, help="CellWorkerConfig as JSON")
@@ -442,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s cell-{cfg.cell}: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     _die_with_parent()
+    if (problem := _claim_devices(cfg)) is not None:
+        print(f"gyre-cell worker: cell {cfg.cell}: {problem}", file=sys.stderr, flush=True)
+        return 2
     torch.set_num_threads(cfg.cpu_threads)
     print(cfg.model_dump_json(), flush=True)  # the resolved config, first
     worker = CellWorkerProcess(cfg, api_key=api_key)

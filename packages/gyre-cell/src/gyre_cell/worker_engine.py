@@ -51,6 +51,10 @@ class InProcessEngine:
         self.engine = TorchEngine(cfg.engine)
         self.url, self.api_key, self.weights = url, api_key, cfg.weights
 
+    @property
+    def device(self) -> str:
+        return str(self.engine.device)
+
     def start(self, on_exit: Callable[[int], None]) -> None:
         """Nothing to start: the engine was built with the worker."""
 
@@ -99,6 +103,10 @@ class SupervisedSGLang:
         self.log_path = log_path
         self._version = cfg.sglang.weight_version
         self._serving = self._closing = False
+
+    @property
+    def device(self) -> str:
+        return "its SGLang server's GPUs"
 
     def start(self, on_exit: Callable[[int], None]) -> None:
         """Launch the server and wait until it answers /health (blocking: the worker's set-up thread); raises if it

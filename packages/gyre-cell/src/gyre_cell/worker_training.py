@@ -95,7 +95,7 @@ class CellTraining:
             self.groups = init_cell_process(mc, cfg.cell)
         self.backend = build_backend(
             t.backend, model_path=cfg.engine.model_path, dtype=t.dtype, lr=t.lr, optimizer=self.is_core,
-            lr_warmup_steps=t.lr_warmup_steps,
+            lr_warmup_steps=t.lr_warmup_steps, device=t.device,
             tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
             context_parallel=t.context_parallel, expert_parallel=t.expert_parallel,
         )  # fmt: skip

@@ -97,6 +97,8 @@ class CellTrainingConfig(_Wire):
     """Test gate: a satellite stops itself at one point (`StopGate`)."""
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend (gyre_train.backends.build_backend)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the torch backend trains (the megatron backend follows CUDA availability)."""
     tensor_parallel: int = Field(1, ge=1)
     pipeline_parallel: int = Field(1, ge=1)
     context_parallel: int = Field(1, ge=1)
@@ -138,6 +140,9 @@ class CellWorkerConfig(_Wire):
     """Transfer engine settings (TCP on loopback here, RDMA in production)."""
     cpu_threads: int = Field(1, ge=1)
     """torch intra-op threads of this process (training and engine)."""
+    visible_gpus: list[str] | None = None
+    """Set: the worker exports CUDA_VISIBLE_DEVICES as these ids before anything touches CUDA, so its engine, trainer
+    and SGLang server see only its own GPUs (the local launcher; on Ray the actor's GPUs are Ray's to set)."""
     restarted: bool = False
     """An elastic cell started again after its worker died mid-run: it serves rollout at once, but builds no training
     side at start (the run's gloo world is already formed without it); training commands are refused."""

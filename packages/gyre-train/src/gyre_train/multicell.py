@@ -61,7 +61,7 @@ import torch.distributed as dist
 from gyre_train.snapshot import FileSnapshotChannel, SnapshotChannel
 from gyre_train.trainer import DataStarvation, Trainer
 from gyre_train.types import CellRequest, CoordinatorReply, StepReport, WorkItem
-from gyre_train.world import PrefixGroups, RendezvousTimeout, init_cell_process, reform_cell_world
+from gyre_train.world import PrefixGroups, RendezvousTimeout, init_cell_process, on_host, reform_cell_world
 
 __all__ = [
     "Coordinator",
@@ -455,7 +455,9 @@ class CoreRunner:
         backend = trainer.core.backend
         failed: list[int] = []
         if group is not None:
-            flat = backend.flat_grads()  # a copy: a failed reduce leaves the core's own gradients whole
+            flat = on_host(
+                backend.flat_grads()
+            )  # a copy: a failed reduce leaves the core's own gradients whole
             try:
                 dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=group)
             except RuntimeError as exc:  # a member died (closed connection) or hangs (collective timeout)
@@ -473,7 +475,7 @@ class CoreRunner:
         report = trainer.finish(dump_dir=dump_dir)
         if group is not None and not final:
             try:
-                dist.broadcast(backend.flat_params(), src=0, group=group)
+                dist.broadcast(on_host(backend.flat_params()), src=0, group=group)
             except RuntimeError as exc:  # the update is done; the satellites that stayed have no weights
                 failed = [c for c in members if c != 0]
                 coord.unform(failed)

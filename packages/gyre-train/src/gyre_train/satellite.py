@@ -30,6 +30,7 @@ from gyre_train.cell import CellWorker
 from gyre_train.multicell import MultiCellConfig, PrefixGroups
 from gyre_train.snapshot import FileSnapshotChannel, SnapshotChannel
 from gyre_train.types import CellRequest, CoordinatorReply, PrepassResult, WorkItem
+from gyre_train.world import on_host
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +143,12 @@ class SatelliteRunner:
                 if self.before_collective is not None:
                     self.before_collective("reduce", reply.batch)
                 try:
-                    dist.reduce(backend.flat_grads(), dst=0, op=dist.ReduceOp.SUM, group=group)
+                    dist.reduce(on_host(backend.flat_grads()), dst=0, op=dist.ReduceOp.SUM, group=group)
                     backend.zero_grad()
                     if not reply.broadcast:
                         self._out()  # burst over: back to rollout; a later join pulls a fresh snapshot
                         return "burst_end"
-                    flat = backend.flat_params()
+                    flat = on_host(backend.flat_params())
                     if self.before_collective is not None:
                         self.before_collective("broadcast", reply.batch)
                     dist.broadcast(flat, src=0, group=group)

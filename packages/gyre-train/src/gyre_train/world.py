@@ -16,12 +16,19 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
     from gyre_train.multicell import MultiCellConfig
 
-__all__ = ["PrefixGroups", "RendezvousTimeout", "init_cell_process", "reform_cell_world"]
+__all__ = ["PrefixGroups", "RendezvousTimeout", "init_cell_process", "on_host", "reform_cell_world"]
+
+
+def on_host(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` in host memory: the world's collectives run over gloo, whose reduce takes CPU tensors only (a cell
+    training on CUDA sends a host copy; the backends' ``set_flat_grads`` / ``load_flat_params`` move it back)."""
+    return flat if flat.device.type == "cpu" else flat.cpu()
 
 
 def init_cell_process(cfg: MultiCellConfig, cell: int) -> PrefixGroups:

@@ -118,7 +118,7 @@ class TorchBackend:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone()
+            p.grad = flat[offset : offset + n].view_as(p).to(device=p.device, dtype=p.dtype).clone()
             offset += n
         if offset != flat.numel():
             raise ValueError(f"flat gradient has {flat.numel()} entries, the model has {offset}")
