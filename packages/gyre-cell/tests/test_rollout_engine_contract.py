@@ -59,12 +59,15 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-async def _running(client: RolloutEngine, n: int = 1, timeout: float = 20) -> None:
+async def _running(client: RolloutEngine, task: asyncio.Task, timeout: float = 20) -> None:
+    """Until the engine reports `task`'s request running (a request that ended first, or failed, says so)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
-        if (await client.loads())["loads"][0]["num_running_reqs"] >= n:
+        if (await client.loads())["loads"][0]["num_running_reqs"] >= 1:
             return
+        if task.done():
+            raise AssertionError(f"the request ended before it was seen running: {task.result()!r}")
         await asyncio.sleep(0.01)
     raise AssertionError("no request started")
 
@@ -89,20 +92,21 @@ def test_abort_pause_continue(engine):
     async def body():
         async with engine.make_client(engine.url) as c:
             task = asyncio.create_task(c.generate([5, 6, 7], LONG, rid="long"))
-            await _running(c)
+            await _running(c, task)
             await c.abort("long")
             res = await task
             assert res.finish_reason.type == "abort" and 0 < len(res.output_ids) < 3000
 
-            expected = (await c.generate([5, 6], {**SHORT, "max_new_tokens": 1000})).output_ids
-            task = asyncio.create_task(c.generate([5, 6], {**SHORT, "max_new_tokens": 1000}))
-            await _running(c)
+            # As long as LONG (1000 tokens once ended between two polls of a loaded machine), still greedy.
+            expected = (await c.generate([5, 6], {**SHORT, "max_new_tokens": 3000})).output_ids
+            task = asyncio.create_task(c.generate([5, 6], {**SHORT, "max_new_tokens": 3000}))
+            await _running(c, task)
             await c.pause("in_place")
             await c.continue_generation()
             assert (await task).output_ids == expected
 
             task = asyncio.create_task(c.generate([5, 6, 7], LONG))
-            await _running(c)
+            await _running(c, task)
             await c.pause("abort")
             assert (await task).finish_reason.type == "abort"
             await c.continue_generation()

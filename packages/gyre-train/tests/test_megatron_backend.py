@@ -252,20 +252,27 @@ def test_full_trainer_step_matches_the_torch_backend(mg, tb, tiny_model) -> None
 
     before, tb_before = mg.flat_params(), tb.flat_params()
     opt_mg, opt_tb = copy.deepcopy(mg.optimizer.state_dict()), copy.deepcopy(tb.optimizer.state_dict())
-    rep_tb, rep_mg = step(tb), step(mg)
-    assert rep_mg.num_microsteps == rep_tb.num_microsteps > 2
-    assert rep_mg.num_target_tokens == rep_tb.num_target_tokens > 0
-    assert rep_mg.loss == pytest.approx(rep_tb.loss, rel=1e-4)
-    assert rep_mg.surrogate == pytest.approx(rep_tb.surrogate, rel=1e-4)
-    assert rep_mg.grad_norm == pytest.approx(rep_tb.grad_norm, rel=1e-4)
-    assert rep_mg.metrics == pytest.approx(rep_tb.metrics, rel=1e-3, abs=1e-6)
-    after_mg = mg.export_hf_weights()
-    for name, p in tb.model.named_parameters():
-        torch.testing.assert_close(after_mg[name], p.detach(), rtol=0, atol=LR * 1e-2, msg=name)
-    mg.load_flat_params(before)
-    tb.load_flat_params(tb_before)
-    mg.optimizer.load_state_dict(opt_mg)
-    tb.optimizer.load_state_dict(opt_tb)
+    try:  # the module's backends are shared: put them back even when an assertion fails
+        rep_tb, rep_mg = step(tb), step(mg)
+        assert rep_mg.num_microsteps == rep_tb.num_microsteps > 2
+        assert rep_mg.num_target_tokens == rep_tb.num_target_tokens > 0
+        assert rep_mg.loss == pytest.approx(rep_tb.loss, rel=1e-4)
+        assert rep_mg.surrogate == pytest.approx(rep_tb.surrogate, rel=1e-4)
+        assert rep_mg.grad_norm == pytest.approx(rep_tb.grad_norm, rel=1e-4)
+        assert rep_mg.metrics == pytest.approx(rep_tb.metrics, rel=1e-3, abs=1e-6)
+        after_mg = mg.export_hf_weights()
+        for name, p in tb.model.named_parameters():
+            # Adam's first step moves each weight by lr * g / (|g| + eps): where the summed gradient is at the
+            # float noise level (|g| ~ eps) the last bit decides anything in [-lr, lr]. Such elements are rare
+            # (a CI machine had 1 of 8192 in a tensor, off by 1.9e-5); every other one agrees to 1% of lr.
+            diff = (after_mg[name] - p.detach()).abs()
+            assert int((diff > LR * 1e-2).sum()) <= max(1, diff.numel() // 1000), (name, float(diff.max()))
+            assert float(diff.max()) <= 2 * LR and float(diff.mean()) < LR * 1e-3, name
+    finally:
+        mg.load_flat_params(before)
+        tb.load_flat_params(tb_before)
+        mg.optimizer.load_state_dict(opt_mg)
+        tb.optimizer.load_state_dict(opt_tb)
 
 
 def test_resume_from_state_dict_gives_an_identical_next_step(mg, tb, tmp_path) -> None:
