@@ -33,7 +33,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -67,6 +69,10 @@ log = logging.getLogger("gyre_cell.worker")
 
 __all__ = ["CellWorkerProcess", "main"]
 
+SHUTDOWN_GRACE_S = 1
+"""Seconds uvicorn waits, on SIGTERM, for open requests before cancelling them (under the launcher's 5 s): a
+command caught mid-way is cut short rather than the whole cell being SIGKILLed."""
+
 
 class EventLog:
     """Append-only, thread-safe list of CellEvents with an asyncio wake-up for long polls."""
@@ -76,6 +82,7 @@ class EventLog:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
+        self._closed = False
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop, self._changed = loop, asyncio.Event()
@@ -91,10 +98,17 @@ class EventLog:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def close(self) -> None:
+        """The server is stopping: open polls answer now and later ones at once (a graceful shutdown waits on
+        them; held for their timeout, they would outlast the launcher's grace)."""
+        self._closed = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake)
+
     async def after(self, seq: int, timeout_s: float) -> EventBatch:
         with self._lock:
             ready = self._events[seq:]
-        if not ready and self._changed is not None:
+        if not ready and self._changed is not None and not self._closed:
             waiter = self._changed
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(waiter.wait(), timeout_s)
@@ -390,6 +404,7 @@ class CellWorkerProcess:
         @r.post("/shutdown")
         async def shutdown():
             if worker.server is not None:
+                worker.events.close()
                 worker.server.should_exit = True
             return {"ok": True}
 
@@ -398,11 +413,18 @@ class CellWorkerProcess:
     # ---- run -----------------------------------------------------------------------------------------------------
     def serve(self) -> None:
         # keep-alive far past the clients' idle expiry (worker_client.KEEPALIVE_EXPIRY_S): the client, not the server,
-        # closes idle connections, so no command is ever sent on a connection the server is closing
+        # closes idle connections, so no command is ever sent on a connection the server is closing. On SIGTERM,
+        # requests still open after SHUTDOWN_GRACE_S are cancelled: the controller's event poll is held open up to
+        # its timeout (20 s), so a graceful wait for it outlasted the launcher's grace and every cell was SIGKILLed.
         config = uvicorn.Config(
-            self.app, host=self.cfg.host, port=self.cfg.port, log_level="warning", timeout_keep_alive=75
+            self.app,
+            host=self.cfg.host,
+            port=self.cfg.port,
+            log_level="warning",
+            timeout_keep_alive=75,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
-        self.server = uvicorn.Server(config)
+        self.server = _Server(config, on_exit=self.events.close)
 
         async def main() -> None:
             self.events.bind(asyncio.get_running_loop())
@@ -410,6 +432,18 @@ class CellWorkerProcess:
             await self.server.serve()
 
         asyncio.run(main())
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the event log when a signal asks it to stop."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
 
 
 def _name(cfg: CellWorkerConfig) -> str:
