@@ -7,6 +7,8 @@ real processes; every command goes through `CellWorkerClient`, the controller's 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import socket
 import subprocess
 import sys
@@ -72,6 +74,40 @@ def test_standalone_worker_serves_rollout_only_and_answers_bad_commands_in_shape
     try:
         asyncio.run(drive())
         assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
+def test_sigterm_answers_an_open_event_poll_and_the_worker_exits(tmp_path, model):
+    """The controller's event poll is held open up to its timeout (60 s here). On SIGTERM the worker answers it, with
+    no events, and ends well before that; before, uvicorn's graceful shutdown waited for the poll, past the
+    launcher's 5 s grace, and every cell of every finished run was SIGKILLed."""
+    cfg = CellWorkerConfig(
+        cell=0, kind="standalone", num_cells=2, run_dir=str(tmp_path), port=free_port(),
+        engine=EngineConfig(model_path=model, device="cpu", weight_version="0"),
+    )  # fmt: skip
+    proc = _start(tmp_path, cfg)
+    try:
+        asyncio.run(
+            CellWorkerClient(f"http://127.0.0.1:{cfg.port}").wait_ready(120, lambda: proc.poll() is None)
+        )
+        with socket.create_connection(("127.0.0.1", cfg.port)) as poll:
+            poll.sendall(b"GET /cell/events?after=0&timeout=60 HTTP/1.1\r\nHost: cell\r\n\r\n")
+            # gate: a request sent after the poll is answered, so the server has taken the poll before the signal
+            assert httpx.get(f"http://127.0.0.1:{cfg.port}/cell/status").json()["ready"]
+            proc.send_signal(signal.SIGTERM)
+            poll.settimeout(30)
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                chunk = poll.recv(65536)
+                assert chunk, f"connection closed with {answer!r}"
+                answer += chunk
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 200") and (
+            json.loads(body)["events"],
+            json.loads(body)["next"],
+        ) == ([], 0)
+        assert proc.wait(timeout=30) == -signal.SIGTERM  # uvicorn re-raises the signal once it has shut down
     finally:
         proc.kill()
 
