@@ -95,9 +95,11 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _run_until_signal(cfg: RunConfig, command: str, resume=None) -> int:
     from gyre.launch import make_launcher
-    from gyre.pipeline import RunDirError, run
 
     services = make_launcher(cfg, resume.run_dir if resume else None)
+    services.warm_up(cfg)  # before the controller's own imports: the cells' start overlaps them
+    from gyre.pipeline import RunDirError, run
+
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     caught: list[int] = []

@@ -120,6 +120,7 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
     count = len(queries)
     policy.ledger.query_of = lambda seq: f"q{seq % count}"
     services = services or make_launcher(cfg, run_dir)
+    services.warm_up(cfg)
     services.run_dir = run_dir
     # Async assigns its training cells here: the header records the initial roles. A resumed run starts where its
     # trace left off.

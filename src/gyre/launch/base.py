@@ -78,6 +78,13 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment plus `extra`, less the admin token a caller may have exported (it stays here)."""
+    env = {**os.environ, **(extra or {})}
+    env.pop("GYRE_TITO_ADMIN_TOKEN", None)
+    return env
+
+
 def spawn_child(
     argv: list[str], tokens: dict[str, str], env: dict[str, str], log_path: Path,
     cwd: str | None = None, stdout_path: Path | None = None,
@@ -87,8 +94,7 @@ def spawn_child(
     pipes = TokenPipes()
     for flag, token in tokens.items():
         argv = [*argv, *pipes.arg(flag, token)]
-    child_env = {**os.environ, **env}
-    child_env.pop("GYRE_TITO_ADMIN_TOKEN", None)  # a token from the caller's environment stays there
+    child_env = child_environment(env)
     try:
         with log_path.open("ab") as log, (stdout_path or log_path).open("ab") as out:
             return subprocess.Popen(
@@ -246,6 +252,10 @@ class Launcher:
     kind = "base"
 
     # ---- interface -----------------------------------------------------------------------------------------------
+    def warm_up(self, cfg: RunConfig) -> None:
+        """Start, ahead of `start_cells`, what makes the workers quick to start (the local launcher's zygote), so
+        that it overlaps the controller's own start-up. Call from the thread that lives as long as the run."""
+
     async def start_cells(self, configs: list[CellWorkerConfig], timeout_s: float = 300.0) -> None:
         """Start every worker of `configs` (from `cell_configs`), then wait until each finished its set-up."""
         raise NotImplementedError
