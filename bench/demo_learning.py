@@ -142,7 +142,7 @@ def analyse(run_dir: Path, launched_at: float, wall_s: float, stderr: str) -> di
     }
 
 
-def run_demo(seed: int, steps: int | None, root: Path) -> dict:
+def run_demo(seed: int, steps: int | None, root: Path, sets: list[str] = ()) -> dict:
     run_dir = root / f"seed-{seed}"
     argv = [
         sys.executable,
@@ -156,6 +156,8 @@ def run_demo(seed: int, steps: int | None, root: Path) -> dict:
     ]
     if steps is not None:
         argv += ["--steps", str(steps)]
+    for kv in sets:
+        argv += ["--set", kv]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     launched_at = time.time()
     t0 = time.monotonic()
@@ -182,6 +184,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=None, help="default: the demo's own")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a candidate setting, passed to every run (as gyre demo --set)")  # fmt: skip
     args = parser.parse_args()
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     steps = 12 if args.quick else args.steps
@@ -192,7 +196,7 @@ def main() -> None:
     )
     runs = []
     for seed in seeds:
-        r = run_demo(seed, steps, root)
+        r = run_demo(seed, steps, root, args.set)
         runs.append(r)
         print(f"seed {seed}: reward first quarter {r['first_quarter']:.3f} -> last quarter {r['last_quarter']:.3f} "
               f"(x{r['ratio']}), wall {r['wall_s']:.0f} s (cpu {r['cpu_s']:.0f} s, engine start "
@@ -206,7 +210,7 @@ def main() -> None:
     print(json.dumps({
         "bench": "demo_learning", "seeds": seeds, "steps": runs[0]["steps"],
         "defaults": {"N": defaults.scheduler.N, "B": defaults.scheduler.B, "mu": defaults.scheduler.mu,
-                     "phi": defaults.scheduler.phi, "lr": defaults.train.lr},
+                     "phi": defaults.scheduler.phi, "lr": defaults.train.lr}, "set": args.set,
         "ratio_last_to_first_quarter": [r["ratio"] for r in runs],
         "first_quarter": [r["first_quarter"] for r in runs], "last_quarter": [r["last_quarter"] for r in runs],
         "seeds_passed": sum(r["passed"] for r in runs),
