@@ -73,7 +73,7 @@ class TrainConfig(_Section):
     """Optimizer steps to run (the demo's 40 take a few minutes on 2 cores and show its reward rising)."""
     lr: float = Field(7e-4, gt=0)
     """Adam learning rate (the paper uses 1e-6 at 122B; the demo policy needs far more; at 1.4e-3 one demo seed of
-    three collapsed, at 3e-3 every one does)."""
+    three collapsed, at 3e-3 it collapsed)."""
     lr_warmup_steps: int = Field(10, ge=0)
     """Linear lr warm-up over the first optimizer steps (step k uses lr * k / lr_warmup_steps); 0: constant lr.
     Torch backend only for now (a megatron config sets 0)."""
