@@ -65,6 +65,27 @@ def test_a_placed_controller_never_writes_into_a_finished_run(tmp_path, capsys):
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
 
+def test_a_local_run_refused_at_launch_leaves_no_zygote_behind(tmp_path, capsys):
+    """`gyre run` starts the cells' zygote before the run directory is checked; a refused run ends it too."""
+    from gyre.cli import main
+
+    (tmp_path / "trace.jsonl").write_text("{}\n")
+    assert main(["demo", "--run-dir", str(tmp_path)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _child_of_this(p, b"gyre_cell.zygote")]
+    assert left == []
+
+
+def _child_of_this(proc: Path, needle: bytes) -> bool:
+    import os
+
+    try:
+        ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        return ppid == os.getpid() and needle in (proc / "cmdline").read_bytes()
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def test_ray_placement_binds_each_worker_to_its_node_and_the_rendezvous_to_the_core(tmp_path):
     from gyre.launch.ray import place
 

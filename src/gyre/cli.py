@@ -124,9 +124,11 @@ async def _run_until_signal(cfg: RunConfig, command: str, resume=None) -> int:
               f"run directory {services.run_dir}", file=sys.stderr)  # fmt: skip
         return 128 + caught[0]
     except (RunDirError, ConfigError) as exc:  # found only at launch (the GPUs this process was given)
+        services.stop()  # what warm_up started (run() had not begun its own clean-up)
         print(f"gyre {command}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a part failed: one clear line, the details are in the run's logs
+        services.stop()
         logging.getLogger("gyre").debug("run failed", exc_info=True)
         print(f"gyre {command}: run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

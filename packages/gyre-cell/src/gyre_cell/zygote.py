@@ -269,10 +269,13 @@ class Zygote:
             return reply["child"]
 
     def close(self) -> None:
-        """End the zygote (its children die with it: stop them first)."""
+        """End the zygote (its children die with it: stop them first). One still importing is killed at once: it
+        would read the socket's end only once its imports are done."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         try:
+            if self._ready is None:
+                raise subprocess.TimeoutExpired(self._proc.args, 0)
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self._proc.kill()
