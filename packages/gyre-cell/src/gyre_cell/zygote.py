@@ -296,7 +296,8 @@ class Zygote:
                 if "ready" in msg:
                     self._ready = msg
                 elif "exited" in msg:  # always after its pid reply: the zygote reaps only between requests
-                    self._children.pop(msg["exited"])._end(msg["returncode"])
+                    if (child := self._children.pop(msg["exited"], None)) is not None:
+                        child._end(msg["returncode"])
                 else:
                     if "pid" in msg:
                         child = ForkedProcess(msg["pid"], self._titles.pop(msg["id"]))
