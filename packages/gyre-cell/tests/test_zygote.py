@@ -80,9 +80,10 @@ def test_exit_statuses_read_like_popens(zygote, tmp_path):
 
 
 def test_children_die_with_the_zygote(zygote, tmp_path):
-    procs = [
-        _spawn(zygote, tmp_path / str(i), "hold") for i in range(2) if (tmp_path / str(i)).mkdir() is None
-    ]
+    procs = []
+    for i in range(2):
+        (tmp_path / str(i)).mkdir()
+        procs.append(_spawn(zygote, tmp_path / str(i), "hold"))
     for proc, report in procs:
         _report(report, proc)
     os.kill(zygote.pid, signal.SIGKILL)

@@ -33,9 +33,11 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 __all__ = ["WORKER_MODULES", "ForkedProcess", "Zygote", "ZygoteError"]
 
@@ -221,7 +223,7 @@ class Zygote:
                 [sys.executable, "-m", "gyre_cell.zygote", str(theirs.fileno()), *preload],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env=dict(env) if env is not None else None, pass_fds=[theirs.fileno()],
-                start_new_session=True, preexec_fn=_die_with_parent_of(os.getpid()),
+                start_new_session=True, preexec_fn=partial(_die_with_parent, os.getpid()),
             )  # fmt: skip
         finally:
             theirs.close()
@@ -322,11 +324,7 @@ def _wait_gone(pid: int, timeout_s: float = 5.0) -> None:
             return
         except PermissionError:
             return
-        threading.Event().wait(0.01)
-
-
-def _die_with_parent_of(parent: int) -> Callable[[], None]:
-    return lambda: _die_with_parent(parent)
+        time.sleep(0.01)
 
 
 def main(argv: list[str] | None = None) -> int:
