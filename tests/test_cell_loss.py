@@ -62,6 +62,18 @@ def _requeued(lines: list[dict], lost: dict) -> int:
     return died_in
 
 
+def _restart_story(tmp_path: Path, run_dir: Path) -> str:
+    """What a failed restore assertion prints: the controller's warnings about cells, the key trace events with their
+    times, and the last lines of cell 1's logs (a restart that failed says why there)."""
+    log = (tmp_path / "controller.log").read_text(errors="replace").splitlines()
+    keys = ("cell_lost", "cell_restored", "step_end", "publish", "batch_open", "collective_failed")
+    events = [f"{x['t']:.1f} {x['ev']}" for x in iter_trace(run_dir / "trace.jsonl") if x["ev"] in keys]
+    tails = []
+    for path in sorted((run_dir / "logs").glob("cell-1*.log")):
+        tails += [f"{path.name}: {ln[:300]}" for ln in path.read_text(errors="replace").splitlines()[-6:]]
+    return "\n".join([*(ln[:400] for ln in log if "cell" in ln), *events, *tails])
+
+
 def _counters_recompute(run_dir: Path):
     """The trace alone recomputes the scheduler's counters (d, p, f, x) as the run ended with them; returns it."""
     trace = read_trace(run_dir / "trace.jsonl")
@@ -265,7 +277,7 @@ def test_a_satellite_that_stops_answering_is_lost_restarted_and_trains_again(fau
     assert lost["cell"] == 1 and lost["t"] > t_stop
     assert "cell 1 lost (RunFailed: cell 1 stopped answering (ReadTimeout)" in err
     restored = [(x["cell"], x["trains"]) for x in lines if x["ev"] == "cell_restored"]
-    assert restored == [(1, False), (1, True)], restored
+    assert restored == [(1, False), (1, True)], (restored, _restart_story(tmp_path, run_dir))
     rejoined = next(i for i, x in enumerate(lines) if x["ev"] == "cell_restored" and x["trains"])
     assert [x for x in lines[rejoined:] if x["ev"] == "microstep_claim" and x["cell"] == 1], (
         "cell 1 claimed no micro-step after rejoining"

@@ -122,7 +122,7 @@ class LocalLauncher(Launcher):
             if entry[1].poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(entry[1].pid, signal.SIGKILL)
-            entry[1].wait()
+            await asyncio.to_thread(entry[1].wait)  # a forked one's end is reported by the zygote: off the loop
             self._procs.remove(entry)
         path = self.run_dir / "cells" / f"{name}.restart-{attempt}.json"
         path.write_text(wc.model_dump_json(indent=2))
