@@ -122,7 +122,8 @@ class LocalLauncher(Launcher):
             if entry[1].poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(entry[1].pid, signal.SIGKILL)
-            await asyncio.to_thread(entry[1].wait)  # a forked one's end is reported by the zygote: off the loop
+            # A forked worker's end is reported by the zygote's reader thread: wait for it off the event loop.
+            await asyncio.to_thread(entry[1].wait)
             self._procs.remove(entry)
         path = self.run_dir / "cells" / f"{name}.restart-{attempt}.json"
         path.write_text(wc.model_dump_json(indent=2))
