@@ -51,6 +51,17 @@ def _check_common(run_dir: Path, steps: int) -> dict:
     assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
     assert trace.staleness == state["staleness"]
     assert trace.steps == state["version"] >= steps
+    # The end is traced when it happens: the executions it cut off are exactly those the trace left running (launched,
+    # never terminated) and queued (dispatched, neither launched nor withdrawn).
+    lines = list(iter_trace(run_dir / "trace.jsonl"))
+    end = lines[-1]
+    assert end["ev"] == "run_end" and end["steps"] == state["version"], end
+    launched = [x["execution"] for x in lines if x["ev"] == "launch"]
+    ended = {x["execution"] for x in lines if x["ev"] in ("terminate", "withdraw")}
+    dispatched = [e for x in lines if x["ev"] == "dispatch" for e in x["executions"]]
+    assert sorted(end["cancelled"]) == sorted(e for e in launched if e not in ended)
+    assert sorted(end["withdrawn"]) == sorted(e for e in dispatched if e not in ended and e not in launched)
+    assert trace.cut_off_at_end == end["cancelled"]
     rows = _steps(run_dir)
     assert [r["policy_version"] for r in rows] == list(range(1, len(rows) + 1))
     assert all(r["num_microsteps"] >= 2 for r in rows), [r["num_microsteps"] for r in rows]

@@ -31,7 +31,7 @@ from gyre_eval.client import EvalClient
 from gyre_eval.groups import group_advantages
 from gyre_eval.types import Submission
 from gyre_sched import events as ev
-from gyre_sched.ledger import CarriedGroup
+from gyre_sched.ledger import CarriedGroup, ExecState
 from gyre_sched.policy import STANDALONE, PolicyCore
 from gyre_sched.runner import ExecutionRunner
 from gyre_sched.trace import TraceWriter
@@ -172,6 +172,13 @@ class Controller:
             out.writelines(orjson.dumps(r) + b"\n" for r in moved.get("reroutes", []))
 
     async def shutdown(self) -> None:
+        """End the run's work. The trace says what the end cut off, when it did (`run_end`): the executions still
+        running (cancelled here) and those still queued (never launched). The policy's counters stay as they were
+        at its last event (metrics/scheduler.json); a later `gyre run --resume` settles these in its own line."""
+        execs = self.policy.ledger.execs
+        self.trace.write(self.now(), "run_end", version=self.policy.version, steps=self.steps_done,
+                         cancelled=[e for e, x in execs.items() if x.state is ExecState.RUNNING],
+                         withdrawn=[e for e, x in execs.items() if x.state is ExecState.QUEUED])  # fmt: skip
         self.runner.cancel_all()
         for task in list(self.tasks):
             task.cancel()

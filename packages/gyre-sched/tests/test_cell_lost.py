@@ -28,7 +28,7 @@ from gyre_sched.events import (
 from gyre_sched.ledger import CarriedGroup, InvariantError
 from gyre_sched.policies import make_policy
 from gyre_sched.trace import TraceWriter, summarize_trace
-from gyre_sched.types import CellRole
+from gyre_sched.types import CellRole, TraceLine
 
 
 def params(**kw) -> PolicyParams:
@@ -204,6 +204,27 @@ def test_trace_counts_the_resume_settlement_and_the_lost_cell():
     assert (s.d, s.p, s.f, s.x) == (2, 1, 1, 1)  # nothing of the interrupted part stays outstanding
     assert [r for _, _, r in s.roles[1]] == ["rollout", "lost", "rollout", "lost", "rollout"]
     assert s.role_share()["lost"] > 0
+
+
+def test_run_end_names_what_it_cut_off_and_a_later_resume_settles_it_once():
+    """The run's end (run_end) leaves the counters as the policy had them: the executions it cancelled and the queued
+    ones are settled by the resume line that continues the run, counted once."""
+    buf = io.BytesIO()
+    w = TraceWriter(buf, {"K": 2, "C_e": 2, "C_s": 0, "N": 1, "B": 1, "phi": 0, "mu": 1})
+    w.write(1.0, "dispatch", group="g0", executions=["g0.e0", "g0.e1"], v_d=0)
+    w.write(1.0, "launch", execution="g0.e0")
+    w.write(2.0, "run_end", version=1, steps=1, cancelled=["g0.e0"], withdrawn=["g0.e1"])
+    lines = [orjson.loads(x) for x in buf.getvalue().splitlines()]
+    for line in lines:
+        TraceLine.model_validate(line)
+    with pytest.raises(ValueError, match="run_end"):
+        TraceLine.model_validate({"t": 2.0, "ev": "run_end", "version": 1, "steps": 1})
+    s = summarize_trace(lines)
+    assert (s.d, s.p, s.f, s.x) == (2, 1, 0, 0) and s.cut_off_at_end == ["g0.e0"]
+    appended = TraceWriter.append_to(buf)
+    appended.write(3.0, "resume", version=1, cancelled=["g0.e0"], withdrawn=["g0.e1"], roles=["rollout"] * 2)
+    s = summarize_trace(orjson.loads(x) for x in buf.getvalue().splitlines())
+    assert (s.d, s.p, s.f, s.x) == (2, 1, 1, 1)
 
 
 def test_resume_carries_ready_groups_into_the_first_batch(driver):

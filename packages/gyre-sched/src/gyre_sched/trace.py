@@ -179,6 +179,7 @@ class TraceSummary:
     step_versions: list[int] = field(default_factory=list)  # version of the step that consumed each group
     roles: list[list[tuple[float, float, str]]] = field(default_factory=list)  # per cell: (start, end, role)
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, w, capacity, running)
+    cut_off_at_end: list[str] = field(default_factory=list)  # executions the run's end cancelled (run_end)
     publishes: list[tuple[float, int]] = field(default_factory=list)
 
     def mean_staleness(self, *, warmup_bursts: int = 0, include_refills: bool = True) -> float:
@@ -254,6 +255,9 @@ def summarize_trace(lines: Iterable[dict[str, Any]]) -> TraceSummary:
             if role[c] == CellRole.LOST.value:
                 s.roles[c].append((since[c], t, role[c]))
                 role[c], since[c] = CellRole.ROLLOUT.value, t
+        elif ev == "run_end":  # what the end cut off; counters stay the policy's (a resume line settles it)
+            s.cut_off_at_end = list(obj["cancelled"])
+            continue
         elif ev == "resume":  # the interrupted part's outstanding executions end here; roles restart
             s.f += len(obj["cancelled"])
             s.x += len(obj["withdrawn"])

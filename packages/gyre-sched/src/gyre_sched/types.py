@@ -137,6 +137,7 @@ TraceEventName = Literal[
     "route",
     "burst_plan",
     "resume",
+    "run_end",
     "cell_lost",
     "cell_restored",
     "cell_untrained",
@@ -166,6 +167,9 @@ TRACE_REQUIRED: dict[str, tuple[str, ...]] = {
     # A resumed run (gyre run --resume): executions of the interrupted part that were running (cancelled) or
     # queued (withdrawn) are settled here, and every cell restarts in the role of the resumed policy's start.
     "resume": ("version", "cancelled", "withdrawn", "roles"),
+    # The run ended (its steps done, or it failed): executions still running were cancelled then and those queued
+    # never launched. Counters stay the policy's own at its last event (a later resume line settles these).
+    "run_end": ("version", "steps", "cancelled", "withdrawn"),
     "cell_lost": ("cell",),
     "cell_restored": ("cell",),
     "cell_untrained": ("cell",),
