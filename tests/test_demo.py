@@ -227,14 +227,15 @@ def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
     before = demo_eval.evaluate_policy(demo_model.demo_policy(), episodes=64, seed=5)
     after = demo_eval.evaluate_policy(run_dir / "checkpoints" / f"policy-v{steps_n}", episodes=64, seed=5)
     assert after["mean_reward"] >= before["mean_reward"] + 0.1, (before, after)
-    # And the run's own curve rose: the last quarter of steps above the first. Only that: a step's mean is over 4
-    # queries (16 executions), so quarters differ by query difficulty too; measured on seed 0: 0.33 -> 0.67,
-    # 0.36 -> 0.70, 0.38 -> 0.55, once 0.33 -> 0.39 (CI). The 2x of the curve for every seed is what
-    # bench/demo_learning.py measures; it is not met yet.
+    # And the run's own curve rose: the last quarter of steps well above the first. A step's mean is over 4 queries
+    # (16 executions), so quarters differ by query difficulty too. bench/demo_learning.py measures the 2x on
+    # seeds 0-2 (seed 0 with these defaults: x2.6 idle, x2.8 under load; the one collapse seen at this lr, before
+    # the clip of 0.3, fell to 0.05); 1.5x leaves room for CI's load and its hold gate, and fails a flat or
+    # collapsing curve.
     rewards = summary["mean_reward_per_step"]
     quarter = steps_n // 4
     first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
-    assert last > first and last >= 0.3, (first, last, rewards)
+    assert last >= 1.5 * first and last >= 0.3, (first, last, rewards)
 
     # Counters, steps and staleness recomputed from the trace alone.
     trace = read_trace(run_dir / "trace.jsonl")
