@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -34,6 +35,22 @@ class Served:
         self.engine = engine
         self.url = url
         self.http = httpx.Client(base_url=url, timeout=60)
+
+    def hold_after(self, rid: str, k: int) -> threading.Event:
+        """The gate: pause the engine in the step that gives request `rid` its k-th token (if that token does not
+        end it); the event fires then. The request stays running, its output k tokens long, until the test acts."""
+        held = threading.Event()
+        engine, check_finish = self.engine, self.engine._check_finish
+
+        def check(req: Any, token: int) -> Any:
+            out = check_finish(req, token)
+            if req.rid == rid and len(req.output_ids) == k and out is None:
+                engine.paused = True  # the engine's lock is held: the loop stops before its next step
+                held.set()
+            return out
+
+        engine._check_finish = check  # type: ignore[method-assign]
+        return held
 
 
 @contextmanager

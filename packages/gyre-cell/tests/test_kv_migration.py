@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from gyre_cell.engine.core import TorchEngine
 from gyre_cell.engine.kv_migration import KVExport
 
 Served = Any  # conftest.Served: .engine, .url, .http
@@ -40,22 +39,6 @@ def pair(tiny_model: Path) -> Iterator[tuple[Served, Served]]:
         yield src, dst
 
 
-def hold_after(engine: TorchEngine, rid: str, k: int) -> threading.Event:
-    """Pause `engine` in the step that gives request `rid` its k-th token; the event fires then."""
-    held = threading.Event()
-    orig = engine._check_finish
-
-    def check(req: Any, token: int) -> Any:
-        out = orig(req, token)
-        if req.rid == rid and len(req.output_ids) == k and out is None:
-            engine.paused = True  # engine lock held: the loop stops before the next step
-            held.set()
-        return out
-
-    engine._check_finish = check  # type: ignore[method-assign]
-    return held
-
-
 def generate(s: Served, ids: list[int], sp: dict[str, Any], rid: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"input_ids": ids, "sampling_params": sp, "return_logprob": True}
     if rid:
@@ -78,7 +61,7 @@ def reference(s: Served) -> dict[str, Any]:
 
 def cut_mid_decode(src: Served, k: int) -> tuple[KVExport, dict[str, Any]]:
     """Run the request on `src`, hold it after k tokens, pin it (which ends it): (export, partial response)."""
-    held = hold_after(src.engine, "moving", k)
+    held = src.hold_after("moving", k)
     result: dict[str, Any] = {}
     t = threading.Thread(target=lambda: result.update(generate(src, PROMPT, SP, rid="moving")))
     t.start()

@@ -9,6 +9,7 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ class EngineUnderTest:
     url: str
     make_client: type[RolloutEngine]
     tensor_device: str
+    served: Any = None  # conftest's Served: the in-process torch engine: its gates (SGLang offers none)
 
 
 @contextmanager
@@ -49,7 +51,7 @@ def _sglang(model) -> Iterator[EngineUnderTest]:
 def engine(request, tiny_model, serve_engine) -> Iterator[EngineUnderTest]:
     if request.param == "torch":
         with serve_engine(tiny_model) as s:
-            yield EngineUnderTest(s.url, TorchEngineClient, "cpu")
+            yield EngineUnderTest(s.url, TorchEngineClient, "cpu", s)
     else:
         with _sglang(tiny_model) as e:
             yield e
@@ -59,10 +61,15 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-async def _running(client: RolloutEngine, task: asyncio.Task, timeout: float = 20) -> None:
-    """Until the engine reports `task`'s request running (a request that ended first, or failed, says so)."""
+async def _running(client: RolloutEngine, task: asyncio.Task, held=None) -> None:
+    """Until `task`'s request runs. The torch engine's gate `held` (Served.hold_after) holds it there, k tokens
+    in, so it cannot end before the test acts: stop 31's CI saw a 3000-token request end between the poll that
+    saw it running and the pause. SGLang has no gate: its load is polled (a request that ended first says so)."""
+    if held is not None:
+        assert await asyncio.to_thread(held.wait, 60), "the request never reached its gate"
+        return
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + 20
     while loop.time() < deadline:
         if (await client.loads())["loads"][0]["num_running_reqs"] >= 1:
             return
@@ -70,6 +77,10 @@ async def _running(client: RolloutEngine, task: asyncio.Task, timeout: float = 2
             raise AssertionError(f"the request ended before it was seen running: {task.result()!r}")
         await asyncio.sleep(0.01)
     raise AssertionError("no request started")
+
+
+def _gate(e: EngineUnderTest, rid: str, k: int = 4):
+    return e.served.hold_after(rid, k) if e.served is not None else None
 
 
 def test_generate_and_stream(engine):
@@ -91,24 +102,31 @@ def test_generate_and_stream(engine):
 def test_abort_pause_continue(engine):
     async def body():
         async with engine.make_client(engine.url) as c:
+            held = _gate(engine, "long")
             task = asyncio.create_task(c.generate([5, 6, 7], LONG, rid="long"))
-            await _running(c, task)
+            await _running(c, task, held)
             await c.abort("long")
             res = await task
             assert res.finish_reason.type == "abort" and 0 < len(res.output_ids) < 3000
+            if held is not None:  # held at its 4th token, aborted there
+                assert len(res.output_ids) == 4
+                await c.continue_generation()
 
-            # As long as LONG (1000 tokens once ended between two polls of a loaded machine), still greedy.
+            # Paused in place and continued: the same greedy tokens as uninterrupted.
             expected = (await c.generate([5, 6], {**SHORT, "max_new_tokens": 3000})).output_ids
-            task = asyncio.create_task(c.generate([5, 6], {**SHORT, "max_new_tokens": 3000}))
-            await _running(c, task)
+            held = _gate(engine, "paused")
+            task = asyncio.create_task(c.generate([5, 6], {**SHORT, "max_new_tokens": 3000}, rid="paused"))
+            await _running(c, task, held)
             await c.pause("in_place")
             await c.continue_generation()
             assert (await task).output_ids == expected
 
-            task = asyncio.create_task(c.generate([5, 6, 7], LONG))
-            await _running(c, task)
+            held = _gate(engine, "dropped")
+            task = asyncio.create_task(c.generate([5, 6, 7], LONG, rid="dropped"))
+            await _running(c, task, held)
             await c.pause("abort")
-            assert (await task).finish_reason.type == "abort"
+            res = await task
+            assert res.finish_reason.type == "abort" and 0 < len(res.output_ids) < 3000
             await c.continue_generation()
 
     _run(body())
