@@ -27,13 +27,9 @@ def _background(http, body):
     return t, box
 
 
-def _wait_running(engine, n=1, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len(engine.running) >= n and all(r.output_ids for r in engine.running):
-            return
-        time.sleep(0.005)
-    raise AssertionError("request did not start")
+def _held(event: threading.Event) -> None:
+    """Until the request reaches its gate (conftest's Served.hold_after): running, k tokens out, the engine paused."""
+    assert event.wait(60), "the request never reached its gate"
 
 
 def _greedy(http, ids=(3, 1, 4, 1, 5), n=12):
@@ -43,13 +39,14 @@ def _greedy(http, ids=(3, 1, 4, 1, 5), n=12):
 
 
 def test_abort_returns_partial_output(served):
+    held = served.hold_after("long", 7)
     t, box = _background(served.http, _body([1, 2, 3], 4000, rid="long"))
-    _wait_running(served.engine)
+    _held(held)
     assert served.http.post("/abort_request", json={"rid": "long"}).status_code == 200
     t.join(10)
     out = box["r"].json()
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert 0 < len(out["output_ids"]) < 4000
+    assert len(out["output_ids"]) == 7  # the partial output, as far as it went
     assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
 
 
@@ -70,12 +67,11 @@ PROMPT = [3, 1, 4, 1, 5]
 
 
 def test_pause_in_place_then_continue_completes(served, tiny_model):
-    t, box = _background(served.http, _body(PROMPT, 1500))
-    _wait_running(served.engine)
+    held = served.hold_after("p", 5)
+    t, box = _background(served.http, _body(PROMPT, 1500, rid="p"))
+    _held(held)
     assert served.http.post("/pause_generation", json={"mode": "in_place"}).json()["status"] == "ok"
-    n_paused = len(served.engine.running[0].output_ids)
-    time.sleep(0.2)
-    assert len(served.engine.running[0].output_ids) == n_paused  # really paused, KV kept
+    assert len(served.engine.running[0].output_ids) == 5 and served.engine.running[0].seq is not None
     # release refuses while a request holds KV, like SGLang
     r = served.http.post("/release_memory_occupation", json={})
     assert r.status_code == 400 and "idle" in r.json()["error"]["message"]
@@ -87,8 +83,9 @@ def test_pause_in_place_then_continue_completes(served, tiny_model):
 
 
 def test_pause_retract_recomputes_and_release_resume_roundtrip(served, tiny_model):
-    t, box = _background(served.http, _body(PROMPT, 1500))
-    _wait_running(served.engine)
+    held = served.hold_after("r", 5)
+    t, box = _background(served.http, _body(PROMPT, 1500, rid="r"))
+    _held(held)
     served.http.post("/pause_generation", json={"mode": "retract"})
     assert not served.engine.running and len(served.engine.waiting) == 1
     w_bytes = served.engine.weights.nbytes()
@@ -115,8 +112,9 @@ def test_pause_retract_recomputes_and_release_resume_roundtrip(served, tiny_mode
 
 
 def test_pause_abort_and_bad_tags(served):
-    t, box = _background(served.http, _body([1, 2], 4000))
-    _wait_running(served.engine)
+    held = served.hold_after("a", 3)
+    t, box = _background(served.http, _body([1, 2], 4000, rid="a"))
+    _held(held)
     served.http.post("/pause_generation", json={"mode": "abort"})
     t.join(10)
     assert box["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
@@ -219,8 +217,9 @@ def test_update_weights_from_distributed_gloo(served, tiny_model_b, port_factory
 
 
 def test_weight_version_spans_when_updated_mid_generation(served, tiny_model_b):
-    t, box = _background(served.http, _body([1, 2, 3], 1500))
-    _wait_running(served.engine)
+    held = served.hold_after("w", 9)
+    t, box = _background(served.http, _body([1, 2, 3], 1500, rid="w"))
+    _held(held)
     served.http.post("/pause_generation", json={"mode": "in_place"})
     served.http.post(
         "/update_weights_from_disk", json={"model_path": str(tiny_model_b), "weight_version": "v9"}
@@ -230,7 +229,7 @@ def test_weight_version_spans_when_updated_mid_generation(served, tiny_model_b):
     meta = box["r"].json()["meta_info"]
     spans = meta["weight_versions"]
     assert [s["version"] for s in spans] == ["default", "v9"]
-    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 1500
+    assert spans[0]["start"] == 0 and spans[0]["end"] == 9 == spans[1]["start"] and spans[1]["end"] == 1500
     assert meta["weight_version"] == "v9"
 
 
