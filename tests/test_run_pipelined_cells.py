@@ -1,9 +1,11 @@
-"""`gyre run` with megatron cells of two pipeline stages (slow: one real 2-step run, K=2, PP=2 over gloo).
+"""`gyre run` with megatron cells of two TP ranks x two pipeline stages (slow: one real 2-step run, K=2, 8 processes
+over gloo).
 
-Each cell worker is its cell's stage 0 and starts its stage-1 process; the core's and the satellite's leaders claim
-from the one shared queue and run their items through their cell's continuous 1F1B. The run's dumped batches
-replay on the single-process float64 torch backend (loss and summed gradient), and every stage's pipeline counts
-show one fill and one drain per batch the cell trained.
+Each cell worker is its cell's rank 0 (TP rank 0 of stage 0) and starts its three other ranks; the core's and the
+satellite's leaders claim from the one shared queue and run their items through their cell's continuous 1F1B, each
+stage's TP ranks sharding heads, FFN and vocab. The run's dumped batches replay on the single-process float64 torch
+backend (loss and summed gradient), and every rank's pipeline counts show one fill and one drain per batch the cell
+trained.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def test_gyre_run_with_two_stage_cells_matches_the_reference(tmp_path):
+def test_gyre_run_with_tp2_pp2_cells_matches_the_reference(tmp_path):
     run_dir = tmp_path / "run"
     sets = [
         "train.steps=2", "train.dump_batches=[0,1]",
-        "train.hold_core_for_join=1", "train.checkpoint_keep=0",
+        "train.hold_core_for_join=1", "train.checkpoint_keep=0", "train.tensor_parallel=2",
     ]  # fmt: skip
     argv = [
         sys.executable,
@@ -46,25 +48,27 @@ def test_gyre_run_with_two_stage_cells_matches_the_reference(tmp_path):
 
     rows = [json.loads(x) for x in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2]
-    # Both stage processes of both cells existed: each wrote its counts with its own pid.
+    # Every rank of both cells existed: each wrote its counts, megatron's TP rank and its own pid.
     pipeline = run_dir / "metrics" / "pipeline"
+    ranks = [(s, t) for s in range(2) for t in range(2)]
     stats = {
-        (c, s): [json.loads(x) for x in (pipeline / f"cell-{c}-stage-{s}.jsonl").read_text().splitlines()]
+        c: {r: [json.loads(x) for x in (pipeline / f"cell-{c}-stage-{r[0]}-tp-{r[1]}.jsonl").read_text().splitlines()]
+            for r in ranks}
         for c in range(2)
-        for s in range(2)
-        if (pipeline / f"cell-{c}-stage-{s}.jsonl").exists()
-    }
-    assert {(0, 0), (0, 1)} <= set(stats), sorted(stats)
-    for c in {c for c, _ in stats}:
-        lead, follower = stats[(c, 0)], stats[(c, 1)]
-        assert lead[0]["pid"] != follower[0]["pid"]
+        if (pipeline / f"cell-{c}-stage-0-tp-0.jsonl").exists()
+    }  # fmt: skip
+    assert 0 in stats, sorted(pipeline.iterdir())
+    for c, by_rank in stats.items():
+        assert len({rows_[0]["pid"] for rows_ in by_rank.values()}) == 4
+        assert all(rows_[0]["tp"] == t and rows_[0]["stage"] == s for (s, t), rows_ in by_rank.items())
         trained = [r for r in rows if r["microsteps_by_cell"].get(str(c), 0) > 0]
-        assert len(lead) == len(follower) == len(trained)
-        for a, b, r in zip(lead, follower, trained, strict=True):
-            assert (a["fills"], a["drains"]) == (b["fills"], b["drains"]) == (1, 1)  # one each per batch
-            assert a["microsteps"] == b["microsteps"] == r["microsteps_by_cell"][str(c)]
-    # The stage processes ended with their workers.
-    for rows_ in stats.values():
+        for rank_rows in by_rank.values():
+            assert len(rank_rows) == len(trained)
+            for a, r in zip(rank_rows, trained, strict=True):
+                assert (a["fills"], a["drains"]) == (1, 1)  # one each per batch
+                assert a["microsteps"] == r["microsteps_by_cell"][str(c)]
+    # The rank processes ended with their workers.
+    for rows_ in (rows_ for by_rank in stats.values() for rows_ in by_rank.values()):
         status = Path(f"/proc/{rows_[0]['pid']}/status")
         assert not status.exists() or "zombie" in status.read_text(), status.read_text()
     # Each step equals the single-process float64 reference on the same batch.
@@ -76,7 +80,7 @@ def test_gyre_run_with_two_stage_cells_matches_the_reference(tmp_path):
         assert loss == pytest.approx(row["loss"], abs=1e-6)
         assert float(summed.abs().max()) > 1e-4
         assert torch.allclose(grads, summed.double(), atol=1e-6, rtol=0)
-    # The published policy gathers both stages: every tensor of the HF model, loadable.
+    # The published policy gathers both stages and both TP halves: every tensor of the HF model, loadable.
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

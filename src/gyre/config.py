@@ -115,7 +115,9 @@ class TrainConfig(_Section):
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend of every cell: Hugging Face torch, or megatron-core (`gyre-train[megatron]`)."""
     tensor_parallel: int = Field(1, ge=1)
-    """TP inside a cell (megatron). `gyre run` cells keep TP, CP and EP at 1 (torchrun layouts only)."""
+    """TP inside a cell (megatron, float32): the cell worker is TP rank 0 and starts one process per other rank
+    (with PP, per other TP rank and stage); heads, KV heads and vocab divide by it. CP and EP stay 1 in `gyre run`
+    cells (torchrun layouts only)."""
     pipeline_parallel: int = Field(1, ge=1)
     """PP inside a cell (megatron, float32): the cell worker is stage 0 and starts one process per other stage;
     the cell runs its claimed micro-steps through one continuous 1F1B (gyre_train.megatron.cell)."""

@@ -57,7 +57,7 @@ LEADER = textwrap.dedent(
     import subprocess, sys, threading
     from gyre_cell.worker_stages import _exit_if_stage_dies
     stage = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
-    _exit_if_stage_dies(stage, 1, 0, threading.Event())
+    _exit_if_stage_dies(stage, "cell-0-stage-1", threading.Event())
     threading.Event().wait()  # a leader waiting on its stage for good, unless the watch ends it
     """
 )
@@ -67,7 +67,7 @@ def test_worker_exits_when_a_stage_dies_before_close() -> None:
     worker = subprocess.Popen([sys.executable, "-c", LEADER], stderr=subprocess.PIPE, text=True)
     try:
         assert worker.wait(60) == 1
-        assert "stage 1 exited with 3" in worker.stderr.read()
+        assert "cell-0-stage-1 exited with 3" in worker.stderr.read()
     finally:
         if worker.poll() is None:
             worker.kill()

@@ -19,6 +19,7 @@ def test_check_backend_accepts_what_runs() -> None:
     check_backend("megatron", dtype="bfloat16", context_parallel=2)
     check_backend("megatron", one_process_cells=True)
     check_backend("megatron", pipeline_parallel=2, one_process_cells=True)  # stage processes per cell
+    check_backend("megatron", tensor_parallel=2, pipeline_parallel=2, one_process_cells=True)  # TP ranks too
 
 
 @pytest.mark.parametrize(
@@ -30,7 +31,7 @@ def test_check_backend_accepts_what_runs() -> None:
         ({"kind": "megatron", "tensor_parallel": 0}, ["train.tensor_parallel"]),
         ({"kind": "megatron", "dtype": "float64"}, ["train.dtype"]),
         ({"kind": "megatron", "context_parallel": 2}, ["train.context_parallel", "train.dtype"]),
-        ({"kind": "megatron", "tensor_parallel": 2, "one_process_cells": True}, ["train.tensor_parallel"]),
+        ({"kind": "megatron", "expert_parallel": 2, "one_process_cells": True}, ["train.expert_parallel"]),
         ({"kind": "megatron", "dtype": "bfloat16", "one_process_cells": True}, ["train.dtype"]),
     ],
 )  # fmt: skip

@@ -1,16 +1,17 @@
-"""The stage processes of a multi-rank cell (megatron, ``pipeline_parallel = P > 1``; gyre_train.megatron.cell).
+"""The rank processes of a multi-rank cell (megatron, ``tensor_parallel * pipeline_parallel > 1``;
+gyre_train.megatron.cell).
 
-The cell worker is the cell's stage 0: before the cells' rendezvous it starts one child process per other stage
-(``python -m gyre_cell.worker_stages``), which joins the same gloo world, builds its stage of the model and then
-follows the tokens the worker's stage 0 appends (pipeline items, drains, whole-cell operations such as gradient
+The cell worker is the cell's rank 0 (TP rank 0 of stage 0): before the cells' rendezvous it starts one child
+process per other rank of the cell (``python -m gyre_cell.worker_stages --rank R``, R = tp + T * stage), which
+joins the same gloo world, builds its shard of the model and then follows the tokens the worker appends (pipeline items, drains, whole-cell operations such as gradient
 gathers, optimizer steps, offload/restore), until ``stop``. Children die with their worker: each holds the read end
 of a pipe whose only write end the worker holds (a lifeline: end of file when the worker is gone, however it died;
 PDEATHSIG would follow the worker's set-up thread, which ends once the cell is built), and they stay in the worker's
 process group. The other way round, a stage that exits before the worker closes the cell takes the worker down (its
 leader would wait on it for good): the controller sees a dead cell.
 
-A child logs to RUN/logs/cell-C-stage-S.log; every stage appends one line per drained batch (its pipeline counts
-and pid) to RUN/metrics/pipeline/cell-C-stage-S.jsonl.
+A child logs to RUN/logs/cell-C-stage-S[-tp-T].log (the TP suffix when T > 1); every rank appends one line per
+drained batch (its pipeline counts and pid) to RUN/metrics/pipeline/cell-C-stage-S[-tp-T].jsonl.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from gyre_train.multicell import MultiCellConfig, PrefixGroups
 
 log = logging.getLogger("gyre_cell.worker")
 
-__all__ = ["CellStages", "PipelinedTrainingState", "main"]
+__all__ = ["CellStages", "PipelinedTrainingState", "is_multi_rank", "main"]
 
 
 def _multicell(cfg: CellWorkerConfig) -> MultiCellConfig:
@@ -46,8 +47,18 @@ def _multicell(cfg: CellWorkerConfig) -> MultiCellConfig:
     )  # fmt: skip
 
 
-def _stats_path(cfg: CellWorkerConfig, stage: int) -> Path:
-    return Path(cfg.run_dir) / "metrics" / "pipeline" / f"cell-{cfg.cell}-stage-{stage}.jsonl"
+def _rank_name(cfg: CellWorkerConfig, local: int) -> str:
+    """cell-C-stage-S, with -tp-T when the cell is tensor-parallel: the name of its log and pipeline counts."""
+    from gyre_train.megatron.cell import cell_position
+
+    assert cfg.training is not None
+    size = cfg.training.tensor_parallel
+    tp, stage = cell_position(local, size)
+    return f"cell-{cfg.cell}-stage-{stage}" + (f"-tp-{tp}" if size > 1 else "")
+
+
+def _stats_path(cfg: CellWorkerConfig, local: int) -> Path:
+    return Path(cfg.run_dir) / "metrics" / "pipeline" / f"{_rank_name(cfg, local)}.jsonl"
 
 
 def _stage_hooks(state: TorchTrainingState) -> dict:
@@ -55,8 +66,8 @@ def _stage_hooks(state: TorchTrainingState) -> dict:
 
 
 class PipelinedTrainingState:
-    """The role manager's training side of a multi-rank cell: offload and restore run on every stage (an
-    operation of the cell, applied by each stage to its own tensors)."""
+    """The role manager's training side of a multi-rank cell: offload and restore run on every rank (an
+    operation of the cell, applied by each rank to its own tensors)."""
 
     def __init__(self, own: TorchTrainingState, cell) -> None:
         self.own, self.cell = own, cell
@@ -82,12 +93,12 @@ class PipelinedTrainingState:
 
 
 class CellStages:
-    """The worker's side: start the children, join the world as stage 0, drive the cell."""
+    """The worker's side: start the children, join the world as the cell's rank 0, drive the cell."""
 
     def __init__(self, cfg: CellWorkerConfig) -> None:
         t = cfg.training
-        assert t is not None and t.backend == "megatron" and t.pipeline_parallel > 1
-        self.cfg, self.size = cfg, t.pipeline_parallel
+        assert t is not None and is_multi_rank(cfg)
+        self.cfg, self.size = cfg, t.tensor_parallel * t.pipeline_parallel
         self.procs: list[subprocess.Popen] = []
         conf = Path(cfg.run_dir) / "cells" / f"cell-{cfg.cell}-stages.json"
         conf.parent.mkdir(parents=True, exist_ok=True)
@@ -95,33 +106,37 @@ class CellStages:
         logs = Path(cfg.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         lifeline, self._lifeline = os.pipe()  # this process keeps the write end until it exits
-        for stage in range(1, self.size):
+        for local in range(1, self.size):
             argv = [sys.executable, "-m", "gyre_cell.worker_stages", "--config", str(conf)]
-            argv += ["--stage", str(stage), "--lifeline-fd", str(lifeline)]
-            with open(logs / f"cell-{cfg.cell}-stage-{stage}.log", "ab") as out:
+            argv += ["--rank", str(local), "--lifeline-fd", str(lifeline)]
+            with open(logs / f"{_rank_name(cfg, local)}.log", "ab") as out:
                 self.procs.append(
                     subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, pass_fds=(lifeline,))
                 )
         os.close(lifeline)
         self._closing = threading.Event()
-        for stage, proc in enumerate(self.procs, start=1):
-            _exit_if_stage_dies(proc, stage, cfg.cell, self._closing)
+        for local, proc in enumerate(self.procs, start=1):
+            _exit_if_stage_dies(proc, _rank_name(cfg, local), self._closing)
         self.backend = None  # PipelinedBackend, after attach
         self.worker = None
         self.state: PipelinedTrainingState | None = None
 
     def rendezvous(self) -> PrefixGroups:
-        """Join the K * P world as this cell's stage 0 (instead of ``init_cell_process``)."""
+        """Join the K * T * P world as this cell's rank 0 (instead of ``init_cell_process``)."""
         from gyre_train.megatron.cell import init_pipelined_cell
 
-        return init_pipelined_cell(_multicell(self.cfg), self.cfg.cell, 0, self.size)
+        t = self.cfg.training
+        return init_pipelined_cell(
+            _multicell(self.cfg), self.cfg.cell, 0, t.pipeline_parallel, 0, t.tensor_parallel
+        )
 
     def attach(self, stage_backend, loss):
         """Drive the cell from ``stage_backend`` (stage 0's MegatronBackend): returns the whole-cell backend."""
         from gyre_train.megatron.cell import PipelinedBackend, PipelinedWorker, open_channel
 
         own = TorchTrainingState(stage_backend.model, stage_backend.optimizer)
-        channel = open_channel(self.cfg.training.master_host or self.cfg.host)
+        # Hosted by this process on its own node's address (the core's, master_host, is another node's on Ray).
+        channel = open_channel(self.cfg.host)
         self.backend = PipelinedBackend(
             stage_backend, channel, loss, cell=self.cfg.cell, stats_path=_stats_path(self.cfg, 0),
             hooks=_stage_hooks(own),
@@ -142,19 +157,24 @@ class CellStages:
                 proc.kill()
 
 
-def _exit_if_stage_dies(proc: subprocess.Popen, stage: int, cell: int, closing: threading.Event) -> None:
-    """The other direction: a cell cannot train without one of its stages (its leader would wait on it for good),
-    so a stage that ends before ``closing`` takes its worker down; the controller then sees a dead cell."""
+def _exit_if_stage_dies(proc: subprocess.Popen, name: str, closing: threading.Event) -> None:
+    """The other direction: a cell cannot train without one of its ranks (its leader would wait on it for good),
+    so a rank that ends before ``closing`` takes its worker down; the controller then sees a dead cell."""
 
     def watch() -> None:
         code = proc.wait()
         if not closing.is_set():
-            log.error("cell %d: stage %d exited with %s; the cell cannot train without it: exiting", cell, stage,
-                      code)  # fmt: skip
+            log.error("%s exited with %s; the cell cannot train without it: exiting", name, code)
             logging.shutdown()
             os._exit(1)
 
-    threading.Thread(target=watch, name=f"stage-{stage}-watch", daemon=True).start()
+    threading.Thread(target=watch, name=f"{name}-watch", daemon=True).start()
+
+
+def is_multi_rank(cfg: CellWorkerConfig) -> bool:
+    """Whether the cell has ranks besides its worker (megatron with TP or PP > 1)."""
+    t = cfg.training
+    return t is not None and t.backend == "megatron" and t.tensor_parallel * t.pipeline_parallel > 1
 
 
 def _die_with_worker(fd: int) -> None:
@@ -171,12 +191,14 @@ def _die_with_worker(fd: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="gyre-cell stage", description="one pipeline stage of a multi-rank cell"
+        prog="gyre-cell stage", description="one rank (TP rank, pipeline stage) of a multi-rank cell"
     )
     parser.add_argument(
         "--config", required=True, type=Path, help="the cell worker's CellWorkerConfig as JSON"
     )
-    parser.add_argument("--stage", required=True, type=int, help="pipeline stage of this process (>= 1)")
+    parser.add_argument(
+        "--rank", required=True, type=int, help="rank in the cell (>= 1): TP rank + T * pipeline stage"
+    )
     parser.add_argument("--lifeline-fd", type=int, help="read end of the worker's lifeline pipe")
     args = parser.parse_args(argv)
     if args.lifeline_fd is not None:
@@ -187,27 +209,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gyre-cell stage: {args.config}: {exc}", file=sys.stderr)
         return 2
     t = cfg.training
-    if t is None or not 1 <= args.stage < t.pipeline_parallel:
-        print(f"gyre-cell stage: --stage {args.stage} is not a follower stage of this cell", file=sys.stderr)
+    if t is None or not is_multi_rank(cfg) or not 1 <= args.rank < t.tensor_parallel * t.pipeline_parallel:
+        print(f"gyre-cell stage: --rank {args.rank} is not a follower rank of this cell", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s cell-{cfg.cell}/{args.stage}: %(message)s")
+    name = _rank_name(cfg, args.rank)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}: %(message)s")
     torch.set_num_threads(cfg.cpu_threads)
 
     from gyre_train.backends import build_backend
-    from gyre_train.megatron.cell import StageFollower, init_pipelined_cell, open_channel
+    from gyre_train.megatron.cell import StageFollower, cell_position, init_pipelined_cell, open_channel
 
-    init_pipelined_cell(_multicell(cfg), cfg.cell, args.stage, t.pipeline_parallel)
+    tp, stage = cell_position(args.rank, t.tensor_parallel)
+    init_pipelined_cell(_multicell(cfg), cfg.cell, stage, t.pipeline_parallel, tp, t.tensor_parallel)
     backend = build_backend(
         "megatron", model_path=cfg.engine.model_path, dtype=t.dtype, lr=t.lr, optimizer=cfg.cell == 0,
-        pipeline_parallel=t.pipeline_parallel,
+        tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
     )  # fmt: skip
-    channel = open_channel(t.master_host or cfg.host)
+    channel = open_channel(cfg.host)  # the leader's address reaches this rank through the channel's broadcast
     state = TorchTrainingState(backend.model, backend.optimizer)
     follower = StageFollower(
-        backend, channel, t.loss, cell=cfg.cell, stats_path=_stats_path(cfg, args.stage),
+        backend, channel, t.loss, cell=cfg.cell, stats_path=_stats_path(cfg, args.rank),
         hooks=_stage_hooks(state),
     )  # fmt: skip
-    log.info("stage %d of cell %d following (pid %d)", args.stage, cfg.cell, os.getpid())
+    log.info("%s following (pid %d)", name, os.getpid())
     follower.serve()
     log.info("stopped")
     sys.stdout.flush()

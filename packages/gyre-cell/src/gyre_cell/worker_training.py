@@ -24,7 +24,7 @@ import torch
 from gyre_cell.roles import TorchTrainingState
 from gyre_cell.step_checkpoint import load_step_checkpoint, write_step_checkpoint
 from gyre_cell.transfer.publisher import WeightPublisher
-from gyre_cell.worker_stages import CellStages
+from gyre_cell.worker_stages import CellStages, is_multi_rank
 from gyre_cell.worker_types import CellWorkerConfig, PublishedWeights
 from gyre_train.backends import build_backend
 from gyre_train.buffer import TrajectoryBuffer
@@ -85,8 +85,9 @@ class CellTraining:
         )  # fmt: skip
         # gloo rendezvous of all K cells, prefix groups built once; before the backend, because a megatron
         # backend builds its groups over this world (collectively, every cell at this point).
-        # A multi-rank cell (megatron, PP > 1): this process is stage 0; its children, started now, the others.
-        self.stages = CellStages(cfg) if t.backend == "megatron" and t.pipeline_parallel > 1 else None
+        # A multi-rank cell (megatron, TP or PP > 1): this process is its rank 0; its children, started now, the
+        # others.
+        self.stages = CellStages(cfg) if is_multi_rank(cfg) else None
         if self.stages is not None:
             self.groups = self.stages.rendezvous()
         elif rendezvous_timeout_s is not None:

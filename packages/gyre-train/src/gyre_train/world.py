@@ -112,23 +112,32 @@ def _forget_failed_world() -> None:
 class PrefixGroups:
     """Communication groups over the world's ranks, one per prefix of 2..n ranks, built once per world.
 
-    ``cells``: the cell of each rank (rank = position; None: rank = cell, all K). Callers speak cells; a world that
-    left out a cell gone for good maps them to its ranks."""
+    ``cells``: the cell of each position (None: position = cell, all K). A cell's rank is ``position * stride``:
+    1 for one-process cells, a cell's rank count ``T`` for tensor-parallel cells, whose leaders megatron's rank
+    order puts T apart (``gyre_train.megatron.cell``). Callers speak cells; a world that left out a cell gone for
+    good maps them to its ranks."""
 
     def __init__(
-        self, num_cells: int, cells: list[int] | None = None, timeout: timedelta | None = None
+        self,
+        num_cells: int,
+        cells: list[int] | None = None,
+        timeout: timedelta | None = None,
+        *,
+        stride: int = 1,
     ) -> None:
         self.num_cells = num_cells
         self.cells = list(cells) if cells is not None else list(range(num_cells))
-        self._rank = {c: r for r, c in enumerate(self.cells)}
+        self.stride = stride
+        self._rank = {c: r * stride for r, c in enumerate(self.cells)}
         self._timeout = timeout  # of every group's collectives (None: the world's)
         self.groups = {
-            p: dist.new_group(list(range(p)), timeout=timeout) for p in range(2, len(self.cells) + 1)
+            p: dist.new_group([r * stride for r in range(p)], timeout=timeout)
+            for p in range(2, len(self.cells) + 1)
         }
         self._fresh: dict[tuple[int, ...], object] = {}
 
     def for_prefix(self, prefix: int):
-        """The group of ranks 0..prefix-1 (cells 0..prefix-1 when no cell was left out)."""
+        """The group of positions 0..prefix-1 (cells 0..prefix-1 when no cell was left out)."""
         if prefix not in self.groups:
             raise ValueError(f"no communication group for a prefix of {prefix} ranks (cells {self.cells})")
         return self.groups[prefix]
@@ -149,7 +158,7 @@ class PrefixGroups:
         ranks = sorted(self.rank_of(c) for c in members)
         if len(ranks) <= 1:
             return None
-        if ranks == list(range(len(ranks))):
+        if ranks == [r * self.stride for r in range(len(ranks))]:
             return self.for_prefix(len(ranks))
         key = tuple(ranks)
         if key not in self._fresh:

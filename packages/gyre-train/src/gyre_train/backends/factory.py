@@ -37,7 +37,7 @@ def check_backend(
     """Raise ``ValueError`` (naming the fields, with ``prefix`` such as ``"train."``) if the combination cannot run.
 
     ``one_process_cells``: the cells are ``gyre run``'s cell workers: megatron then runs in fp32 with one process
-    per pipeline stage (the worker and its stage processes, ``gyre_train.megatron.cell``) and the other sizes 1
+    per TP rank and pipeline stage (the worker and its rank processes, ``gyre_train.megatron.cell``), CP and EP 1
     (its bf16 path reduces gradients over the data-parallel group, which would span the cells).
     """
     sizes = {
@@ -69,12 +69,12 @@ def check_backend(
             raise ValueError(
                 f"{prefix}backend = 'megatron' trains in float32 or bfloat16, not {prefix}dtype = {dtype!r}"
             )
-        inner = {k: v for k, v in multi.items() if k != "pipeline_parallel"}
+        inner = {k: v for k, v in multi.items() if k not in ("tensor_parallel", "pipeline_parallel")}
         if one_process_cells and inner:
             raise ValueError(
                 f"{prefix}backend = 'megatron' in cell workers: {', '.join(prefix + k for k in inner)} must be 1 "
-                f"(got {inner}); a cell's ranks there are its pipeline stages only (pipeline_parallel), other "
-                "layouts run under torchrun (gyre_train.megatron.pipeline)"
+                f"(got {inner}); a cell's ranks there are its TP ranks and pipeline stages only (tensor_parallel, "
+                "pipeline_parallel), other layouts run under torchrun (gyre_train.megatron.pipeline)"
             )
         if one_process_cells and dtype == "bfloat16":
             raise ValueError(

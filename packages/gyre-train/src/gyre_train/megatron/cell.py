@@ -1,12 +1,15 @@
-"""A multi-rank pipelined cell inside a multi-cell run: one process per pipeline stage, driven by the cell's leader.
+"""A multi-rank cell inside a multi-cell run: one process per (TP rank, pipeline stage), driven by the cell's leader.
 
-``gyre run`` with ``backend = "megatron"`` and ``pipeline_parallel = P > 1`` gives each of its K cells P processes:
-the cell worker is stage 0 (the leader: it claims work like any cell, through the core's shared queue or the
-coordinator), and P - 1 child processes are the other stages (:class:`StageFollower`). They share one gloo world of
-K * P ranks laid out as megatron expects (rank = cell + K * stage: megatron's pipeline groups are the cells, its
-"data-parallel" groups one stage of every cell; the fp32 path never reduces over the latter, the cells' gradients
-are summed by the multi-cell reduce). The K - 1 prefix groups of the cells' leaders (ranks 0..K-1) are built by
-every rank, as group creation is collective.
+``gyre run`` with ``backend = "megatron"`` and ``tensor_parallel = T``, ``pipeline_parallel = P`` (T * P > 1) gives
+each of its K cells T * P processes: the cell worker is its (TP rank 0, stage 0) (the leader: it claims work like any
+cell, through the core's shared queue or the coordinator), and T * P - 1 child processes are its other ranks
+(:class:`StageFollower`). They share one gloo world of K * T * P ranks laid out in megatron's tp-dp-pp order (rank =
+tp + T * (cell + K * stage), :func:`cell_rank`): megatron's model-parallel groups (TP x PP) are the cells, its
+"data-parallel" groups one (TP rank, stage) of every cell; the fp32 path never reduces over the latter, the cells'
+gradients are summed by the multi-cell reduce. The K - 1 prefix groups of the cells' leaders (ranks 0, T, 2T, ...)
+are built by every rank, as group creation is collective. The TP ranks of a stage read the same tokens and run the
+same items (megatron's TP layers all-reduce inside the forward and backward); TP rank 0 of the last stage posts the
+results.
 
 **One item at a time, one continuous 1F1B.** The leader is handed claimed items one by one (``Trainer.run_one`` on
 the core, ``SatelliteRunner`` on a satellite, both alongside the other cells' claims on the same queue): for each it
@@ -18,7 +21,7 @@ pipeline is not drained between items: a cell pays one fill and one drain per ba
 reads or changes the accumulated state (the gradients at the batch end, a snapshot load, the optimizer step).
 
 **Whole-cell backend.** The leader's :class:`PipelinedBackend` is the cell's ``TrainBackend`` to the multi-cell
-code: each call is an ``op`` token that every stage applies with the same collective over the cell's pipeline
+code: each call is an ``op`` token that every rank applies with the same collective over the cell's model-parallel
 group. Flat parameter and gradient vectors are the whole model in Hugging Face parameter order (what a one-process
 torch backend holds), so cells exchange them as usual and a dumped batch replays on the torch backend
 (``gyre_train.replay``); each stage takes its own tensors from a full vector (``load_hf_weights``).
@@ -52,32 +55,42 @@ __all__ = [
     "PipelinedBackend",
     "PipelinedWorker",
     "StageFollower",
+    "cell_position",
     "cell_rank",
     "hf_layout",
     "init_pipelined_cell",
 ]
 
 
-def cell_rank(cell: int, stage: int, num_cells: int) -> int:
-    """Global rank of a cell's stage: megatron orders pipeline stages outermost (rank = dp + DP * pp_rank)."""
-    return cell + num_cells * stage
+def cell_rank(cell: int, stage: int, num_cells: int, tp: int = 0, tensor_parallel: int = 1) -> int:
+    """Global rank of a cell's (TP rank, stage): megatron's tp-dp-pp order, TP innermost and pipeline stages
+    outermost (rank = tp + T * (dp + DP * pp_rank)); with T = 1, rank = cell + K * stage."""
+    return tp + tensor_parallel * (cell + num_cells * stage)
 
 
-def init_pipelined_cell(cfg: MultiCellConfig, cell: int, stage: int, pipeline_parallel: int) -> PrefixGroups:
-    """Join the gloo world of K * P ranks and build the leaders' prefix groups (every rank, same order). Build the
-    megatron backend next (its group creation is collective too), then :func:`open_channel`."""
+def cell_position(local: int, tensor_parallel: int) -> tuple[int, int]:
+    """(TP rank, stage) of a cell's ``local``-th rank, 0 being its leader; TP innermost as in :func:`cell_rank`."""
+    return local % tensor_parallel, local // tensor_parallel
+
+
+def init_pipelined_cell(
+    cfg: MultiCellConfig, cell: int, stage: int, pipeline_parallel: int, tp: int = 0, tensor_parallel: int = 1
+) -> PrefixGroups:
+    """Join the gloo world of K * T * P ranks and build the leaders' prefix groups (every rank, same order; the
+    leaders are ranks 0, T, 2T, ...). Build the megatron backend next (its group creation is collective too),
+    then :func:`open_channel`."""
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{cfg.host}:{cfg.master_port}",
-        rank=cell_rank(cell, stage, cfg.num_cells),
-        world_size=cfg.num_cells * pipeline_parallel,
+        rank=cell_rank(cell, stage, cfg.num_cells, tp, tensor_parallel),
+        world_size=cfg.num_cells * tensor_parallel * pipeline_parallel,
     )
-    return PrefixGroups(cfg.num_cells, timeout=cfg.collective_timeout())
+    return PrefixGroups(cfg.num_cells, timeout=cfg.collective_timeout(), stride=tensor_parallel)
 
 
 def open_channel(host: str) -> ControlChannel:
-    """The cell's control channel over its pipeline group (collective over the cell's stages)."""
-    return ControlChannel.create(group=parallel_state.get_pipeline_model_parallel_group(), host=host)
+    """The cell's control channel over its model-parallel group (TP x PP: every rank of the cell; collective)."""
+    return ControlChannel.create(group=parallel_state.get_model_parallel_group(), host=host)
 
 
 def hf_layout(model_path: str) -> list[tuple[str, torch.Size]]:
@@ -108,9 +121,10 @@ class _Stage:
         self.pipe = StreamingPipeline(backend, channel, loss)
         # The cell is one pipeline: its micro-steps have one shard (megatron's "data-parallel" groups span cells).
         self.pipe.dp_rank, self.pipe.dp_size = 0, 1
-        self.group = parallel_state.get_pipeline_model_parallel_group()
+        self.group = parallel_state.get_model_parallel_group()  # every rank of the cell (TP x PP)
         self.leader_rank = dist.get_global_rank(self.group, 0)
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.layout = hf_layout(backend.cfg.model_path)
         self.numel = sum(s.numel() for _, s in self.layout)
         self.stats_path = Path(stats_path) if stats_path is not None else None
@@ -131,7 +145,13 @@ class _Stage:
         stats = self.pipe.end_batch()
         self.active = False
         if self.stats_path is not None:
-            row = {"cell": self.cell, "stage": self.stage, "pid": os.getpid(), **asdict(stats)}
+            row = {
+                "cell": self.cell,
+                "stage": self.stage,
+                "tp": self.tp_rank,
+                "pid": os.getpid(),
+                **asdict(stats),
+            }
             self.stats_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.stats_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -149,12 +169,14 @@ class _Stage:
                 "hf_state_dict": lambda: b.export_hf_weights(),
                 "state_dict": lambda: b.state_dict(),
             }[name]()
+            if self.tp_rank != 0 and name != "state_dict":
+                mine = {}  # every TP rank gathered the same full tensors: TP rank 0 of each stage sends them
             parts: list | None = [None] * dist.get_world_size(group) if is_leader else None
             dist.gather_object(mine, parts, dst=leader, group=group)
             if not is_leader:
                 return None
             if name == "state_dict":
-                return {"pipeline_stages": parts}
+                return {"pipeline_stages": parts}  # one state per rank of the cell, in its group's order
             merged = {k: v for part in parts for k, v in part.items()}
             if name == "hf_state_dict":
                 return merged
@@ -168,8 +190,13 @@ class _Stage:
             return None
         if name == "load_state_dict":
             box: list = [None]
-            dist.scatter_object_list(box, payload["pipeline_stages"] if is_leader else None, src=leader,
-                                     group=group)  # fmt: skip
+            parts = payload["pipeline_stages"] if is_leader else None
+            if is_leader and len(parts) != dist.get_world_size(group):
+                raise ValueError(
+                    f"the checkpoint holds {len(parts)} rank states, this cell has "
+                    f"{dist.get_world_size(group)} ranks (TP x PP): resume with the layout that saved it"
+                )  # the other ranks would wait in the scatter: this error ends the cell, which the run sees
+            dist.scatter_object_list(box, parts, src=leader, group=group)
             b.load_state_dict(box[0])
             return None
         if name == "zero_grad":
