@@ -1,12 +1,14 @@
 """KV migration from a source engine in its own process that is killed while the destination reads its blocks.
 
-The source is paused in place by the client once 5 tokens arrived (no in-process gate across processes: the request's
-budget of 1000 tokens leaves it far from finishing); the kill happens inside the destination's read gate."""
+The source process holds the request at a gate once it has 5 tokens (its engine pauses in the step that made the
+5th, as a pause in place leaves it: stop 32's CI saw a 1000-token request finish before the client's pause landed);
+the kill happens inside the destination's read gate."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,19 +21,38 @@ import pytest
 from gyre_cell.engine.kv_migration import KVExport
 
 PROMPT = [(11 * i + 5) % 480 + 7 for i in range(50)]
-N_NEW = 1000  # long enough that the pause lands long before the request could finish (pause round trip: ms)
+N_NEW = 1000
+HELD_AT = 5
 SP = {"max_new_tokens": N_NEW, "temperature": 0.0, "ignore_eos": True}
 
 pytestmark = pytest.mark.slow
+
+# The source engine served over HTTP in its own process, with the gate on request "moving".
+SOURCE = textwrap.dedent(
+    f"""
+    import sys, uvicorn
+    from gyre_cell.engine import EngineConfig, TorchEngine
+    from gyre_cell.engine.server import create_app
+
+    engine = TorchEngine(EngineConfig(model_path=sys.argv[1], max_total_tokens=2048, cpu_threads=1))
+    check_finish = engine._check_finish
+
+    def gate(req, token):
+        out = check_finish(req, token)
+        if req.rid == "moving" and len(req.output_ids) == {HELD_AT} and out is None:
+            engine.paused = True  # the engine's lock is held: it stops before its next step
+        return out
+
+    engine._check_finish = gate
+    uvicorn.run(create_app(engine), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+    """
+)
 
 
 @pytest.fixture
 def source(tiny_model: Path, port_factory: Any) -> Iterator[tuple[subprocess.Popen, str]]:
     port = port_factory()
-    exe = Path(sys.executable).parent / "gyre-cell"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "gyre_cell.cli"]
-    cmd += ["engine", "serve", "--model", str(tiny_model), "--port", str(port)]
-    cmd += ["--max-total-tokens", "2048", "--cpu-threads", "1"]
+    cmd = [sys.executable, "-c", SOURCE, str(tiny_model), str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -58,7 +79,7 @@ def test_source_killed_during_transfer_falls_back_to_recompute(
     with httpx.Client(base_url=url, timeout=60) as http:
         ref = http.post("/generate", json=body).json()
         assert http.post("/flush_cache").status_code == 200
-        # mid-decode: stream until 5 tokens arrived, pause the engine in place, pin (which ends the request)
+        # mid-decode: stream until the request's 5 tokens arrived (held there), pause in place, pin (ends it)
         last: dict[str, Any] = {}
         export = None
         with (
@@ -69,14 +90,14 @@ def test_source_killed_during_transfer_falls_back_to_recompute(
                 if not line.startswith("data:") or line.endswith("[DONE]"):
                     continue
                 last = orjson.loads(line[5:])
-                if export is None and len(last["output_ids"]) >= 5:
+                if export is None and len(last["output_ids"]) == HELD_AT:
                     assert ctl.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
                     pin = ctl.post("/kv/pin", json={"rid": "moving"})
                     assert pin.status_code == 200, pin.text
                     export = KVExport.model_validate(pin.json()).model_copy(update={"source_url": url})
         assert export is not None and last["meta_info"]["finish_reason"]["type"] == "abort"
     done = last["output_ids"]
-    assert 5 <= len(done) < N_NEW and export.token_ids == (PROMPT + done)[:-1]
+    assert len(done) == HELD_AT and export.token_ids == (PROMPT + done)[:-1]
 
     with serve_engine(tiny_model, max_total_tokens=2048, cpu_threads=1) as dst:
         used0 = dst.http.get("/v1/loads").json()["loads"][0]["num_used_tokens"]
