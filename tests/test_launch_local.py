@@ -147,9 +147,34 @@ def test_ray_bundles_per_cell(tmp_path):
     cfg = load_config(None, {"launcher.kind": "ray", "launcher.gpus_per_cell": 8,
                              "launcher.cell_resources": [{"node_a": 1}, {"node_b": 1}]})  # fmt: skip
     launcher = RayLauncher(tmp_path, launcher=cfg.launcher)
-    assert launcher._bundle(0, 1) == {"CPU": 1.0, "GPU": 8, "node_a": 1}
-    assert launcher._bundle(1, 2) == {"CPU": 2.0, "GPU": 8, "node_b": 1}
-    assert launcher._bundle(2, 1) == {"CPU": 1.0, "GPU": 8}
+    cells = cell_configs(cfg, tmp_path, tmp_path / "model")
+    one, two = (cells[0].model_copy(update={"cpu_threads": n}) for n in (1, 2))
+    assert launcher._bundles(0, one) == [{"CPU": 1.0, "GPU": 8, "node_a": 1}]
+    assert launcher._bundles(1, two) == [{"CPU": 2.0, "GPU": 8, "node_b": 1}]
+    assert launcher._bundles(2, one) == [{"CPU": 1.0, "GPU": 8}]
+    assert cells[0].kind == "elastic"
+
+
+def test_a_cell_spread_over_bundles(tmp_path):
+    """`bundles_per_cell`: a Megatron cell's placement group has n bundles sharing its GPUs, the worker's bundle
+    pinned by `cell_resources`; a standalone engine keeps one. Refused where no ranks could fill them."""
+    from gyre.launch.ray import RayLauncher
+
+    sets = {"launcher.kind": "ray", "launcher.gpus_per_cell": 8, "launcher.bundles_per_cell": 2,
+            "launcher.cell_resources": [{"node_a": 1}], "train.backend": "megatron", "train.pipeline_parallel": 2, "train.lr_warmup_steps": 0,
+            "cluster.standalone_engines": 1, "cluster.standalone_capacity": 2}  # fmt: skip
+    cfg = load_config(None, sets)
+    launcher = RayLauncher(tmp_path, launcher=cfg.launcher)
+    configs = cell_configs(cfg, tmp_path, tmp_path / "model")
+    cell, standalone = configs[0], configs[2]
+    assert (cell.kind, standalone.kind) == ("elastic", "standalone")
+    assert launcher._bundles(0, cell) == [{"CPU": 1.0, "GPU": 4.0, "node_a": 1}, {"CPU": 1.0, "GPU": 4.0}]
+    assert launcher._bundles(2, standalone) == [{"CPU": 1.0, "GPU": 8}]
+    for bad, field in [({"launcher.kind": "local"}, "needs kind = 'ray'"),
+                       ({"train.pipeline_parallel": 1}, "it has 1 (train.backend = 'megatron'"),
+                       ({"train.backend": "torch", "train.pipeline_parallel": 1}, "train.backend = 'torch'")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(field)):
+            load_config(None, {**sets, **bad})
 
 
 def test_the_lr_warmup_reaches_every_training_cell_and_megatron_refuses_it(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -67,13 +68,14 @@ def _check(run_dir: Path, steps: int) -> list[dict]:
             dump, str(run_dir / "model"), dtype="float64", loss=LossConfig(), temperature=1.0
         )
         assert loss == pytest.approx(row["loss"], abs=1e-6)
-        assert torch.allclose(grads, torch.load(dump / "summed_grads.pt"), atol=1e-6, rtol=0)
+        summed = torch.load(dump / "summed_grads.pt").double()  # float32 for a megatron cell
+        assert torch.allclose(grads, summed, atol=1e-6, rtol=0)
         checked += 1
     assert checked >= 1
     # The trainer's log-probs (computed in the cells' actors) equal the behaviour log-probs the engines returned
     # through the proxy: non-zero and checked even when every reward of the tiny model is 0 (advantages 0, loss 0).
     assert all(r["metrics"]["ratio_dev_max"] < 1e-4 for r in rows if max(r["staleness"]) == 0), rows
-    placement = [p for p in json.loads((run_dir / "logs" / "placement.json").read_text()) if "bundle" in p]
+    placement = [p for p in json.loads((run_dir / "logs" / "placement.json").read_text()) if "bundles" in p]
     assert [p["worker"] for p in placement] == [f"cell-{i}" for i in range(len(placement))]
     assert len({p["placement_group"] for p in placement}) == len(placement)  # one placement group per cell
     for p in placement:  # each actor's output in the run's logs, its resolved config first
@@ -474,3 +476,55 @@ def test_two_hosts_elastic_run_crosses_hosts(two_hosts, tmp_path):
         assert any(e.get("to") == "rollout" for e in ends), ends
     finally:
         _stop_nodes(nodes)
+
+
+def test_two_hosts_a_pipelined_cell_spans_both_hosts(two_hosts, tmp_path):
+    """`bundles_per_cell = 2`, STRICT_SPREAD: each two-stage Megatron cell has a bundle on each host, its worker
+    (stage 0) where `cell_resources` pins it and its stage 1 on the other host, started there by the cell's rank
+    host actor. Activations and gradients cross hosts inside each cell (megatron's p2p over gloo), the cells'
+    summed gradients across them; every step equals the one-process float64 reference."""
+    nodes = [_ray_node(NS[0], IPS[0], tmp_path, True, "host_a")]
+    try:
+        _wait_nodes(1)
+        nodes.append(_ray_node(NS[1], IPS[1], tmp_path, False, "host_b"))
+        _wait_nodes(2)
+        run_dir = tmp_path / "run"
+        summary = _gyre(run_dir, "--ray", f"{IPS[0]}:6379", "--steps", "2",
+                        "--set", "train.backend=megatron", "--set", "train.pipeline_parallel=2",
+                        "--set", "train.lr_warmup_steps=0", "--set", "launcher.bundles_per_cell=2",
+                        "--set", "launcher.cell_strategy=STRICT_SPREAD",
+                        "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
+                        "--set", "train.dump_batches=[0,1]", "--set", "train.hold_core_for_join=1",
+                        "--set", "dashboard.enabled=false", "--set", "scheduler.mu=1", "--set", "scheduler.B=2",
+                        prefix=["ip", "netns", "exec", NS[0]], timeout=900)  # fmt: skip
+        assert summary["steps"] == 2
+        placement = _check(run_dir, 2)
+        # Every rank process ends with its run, the remote ones too, before the nodes are stopped (one PID
+        # namespace: the netns split only the network; a pidfd is readable once its process has exited).
+        for cell in range(2):
+            for row in (run_dir / "logs" / f"cell-{cell}-ranks.jsonl").read_text().splitlines():
+                try:
+                    pidfd = os.pidfd_open(json.loads(row)["pid"])
+                except ProcessLookupError:
+                    continue  # already gone
+                try:
+                    assert select.select([pidfd], [], [], 60)[0] == [pidfd], f"rank {row} outlived its run"
+                finally:
+                    os.close(pidfd)
+    finally:
+        _stop_nodes(nodes)
+    assert [(p["worker"], p["ip"]) for p in placement] == [("cell-0", IPS[0]), ("cell-1", IPS[1])]
+    assert all(len(p["bundles"]) == 2 for p in placement)
+    for cell, (here, there) in enumerate([IPS, IPS[::-1]]):
+        (rank,) = [
+            json.loads(x) for x in (run_dir / "logs" / f"cell-{cell}-ranks.jsonl").read_text().splitlines()
+        ]
+        assert (rank["rank"], rank["bundle"], rank["ip"]) == (1, 1, there), rank
+        assert placement[cell]["ip"] == here
+        # Stage 1 ran in that process, on the other host, and trained every batch its cell did.
+        stage1 = [json.loads(x) for x in (run_dir / "metrics" / "pipeline" / f"cell-{cell}-stage-1.jsonl")
+                  .read_text().splitlines()]  # fmt: skip
+        assert stage1 and {r["pid"] for r in stage1} == {rank["pid"]}
+        trained = [r for r in _steps(run_dir) if r["microsteps_by_cell"].get(str(cell), 0) > 0]
+        assert [r["microsteps"] for r in stage1] == [r["microsteps_by_cell"][str(cell)] for r in trained]
+    assert any(r["microsteps_by_cell"].get("1", 0) > 0 for r in _steps(run_dir))

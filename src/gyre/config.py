@@ -229,6 +229,13 @@ class LauncherConfig(_Section):
     cell_resources: list[dict[str, float]] = []
     """Ray: extra resources of cell i's bundle (standalone engines follow the K cells), e.g. a node's custom
     resource to pin a cell to it; shorter than the worker list = nothing extra for the rest."""
+    bundles_per_cell: int = Field(1, ge=1)
+    """Ray: bundles of each cell's placement group, so a cell can span nodes. Each bundle gets the cell's CPUs
+    and gpus_per_cell / n GPUs; the worker runs in bundle 0 (where `cell_resources` pins it) with its first ranks,
+    and a Megatron cell's T x P ranks are split over the bundles in order (rank r in bundle r * n // (T * P)), each
+    further bundle's started by an actor on its node. Needs megatron, T x P >= n."""
+    cell_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray: the placement strategy of a cell's bundles (STRICT_SPREAD: one node each)."""
     proxy_resources: dict[str, float] | None = None
     """Ray: run the TITO proxy as an actor on a node offering these resources (e.g. a node's custom resource; {}:
     any node; a "CPU" entry reserves CPUs, else none); None: a subprocess beside the controller. The agents reach it
@@ -380,6 +387,23 @@ class RunConfig(_Section):
             self.policy_params()
         except ValueError as exc:
             raise ValueError(f"[scheduler]/[cluster]: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _bundles_fit(self) -> RunConfig:
+        n, t = self.launcher.bundles_per_cell, self.train
+        if n == 1:
+            return self
+        if self.launcher.kind != "ray":
+            raise ValueError(
+                f"launcher.bundles_per_cell = {n} spreads a cell over nodes: it needs kind = 'ray'"
+            )
+        ranks = t.tensor_parallel * t.pipeline_parallel
+        if t.backend != "megatron" or ranks < n:
+            raise ValueError(
+                f"launcher.bundles_per_cell = {n}: a cell fills its bundles with its Megatron ranks, and it has "
+                f"{ranks} (train.backend = {t.backend!r}, tensor_parallel x pipeline_parallel)"
+            )
         return self
 
     @model_validator(mode="after")

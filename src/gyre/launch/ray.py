@@ -3,7 +3,9 @@
 Placement: every worker (the K elastic cells, then the standalone engines) gets its own placement group with one
 bundle: its CPUs (`cpus_per_cell`), its GPUs (`gpus_per_cell`) and any custom resources the config names for it
 (`cell_resources`, e.g. a node's own resource to pin a cell there). The actor runs in that bundle and runs the same
-worker as the local launcher (`gyre_cell.worker.CellWorkerProcess`), in process.
+worker as the local launcher (`gyre_cell.worker.CellWorkerProcess`), in process. An elastic cell may span nodes
+(`bundles_per_cell` = n, `cell_strategy`): n bundles sharing its GPUs, the actor in bundle 0, a Megatron cell's
+other ranks over the bundles (`gyre.launch.ray_ranks`).
 
 Addresses are exchanged through the controller: each actor first reports its node's IP and free ports on that node;
 the controller then writes every worker's config with its node's address (HTTP server, Mooncake `local_hostname`)
@@ -29,6 +31,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gyre.config import LauncherConfig
@@ -76,16 +79,6 @@ def connect(lc: LauncherConfig):
     return ray
 
 
-def interface_of(ip: str) -> str | None:
-    """The network interface holding `ip` (gloo must use it, not whatever the host name resolves to)."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == ip for a in addrs):
-            return name
-    return None
-
-
 class CellActor:
     """One cell worker inside a Ray actor: reports its node, then runs `CellWorkerProcess` until shut down."""
 
@@ -109,10 +102,11 @@ class CellActor:
             "ports": ports,
         }
 
-    def start(self, config_json: str, api_key: str | None = None) -> int:
+    def start(self, config_json: str, api_key: str | None = None, bundles: int = 1) -> int:
         """Redirect this process's output to the run's log, then serve the worker in a thread; returns the PID.
 
-        `api_key` (the run's engine token) travels as a call argument over Ray's own channel: never argv or env."""
+        `api_key` (the run's engine token) travels as a call argument over Ray's own channel: never argv or env.
+        `bundles` > 1: the cell's ranks spread over its placement group's bundles (`gyre.launch.ray_ranks`)."""
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -121,6 +115,7 @@ class CellActor:
 
         import torch
 
+        from gyre.launch.ray_ranks import RayRanks, interface_of
         from gyre_cell.worker import CellWorkerProcess
 
         cfg = CellWorkerConfig.model_validate_json(config_json)
@@ -132,7 +127,11 @@ class CellActor:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
         torch.set_num_threads(cfg.cpu_threads)
         print(cfg.model_dump_json(), flush=True)  # the resolved config, first (as the local worker does)
-        self._worker = CellWorkerProcess(cfg, api_key=api_key)
+        spawner = None
+        if bundles > 1 and cfg.training is not None:
+            size = cfg.training.tensor_parallel * cfg.training.pipeline_parallel
+            spawner = RayRanks(bundles, size, Path(cfg.run_dir) / "logs" / f"cell-{cfg.cell}-ranks.jsonl")
+        self._worker = CellWorkerProcess(cfg, api_key=api_key, rank_spawner=spawner)
         threading.Thread(target=self._serve, name="cell-worker", daemon=True).start()
         return os.getpid()
 
@@ -214,14 +213,23 @@ class RayLauncher(Launcher):
             self._started_ray = True  # this launcher ends it (stop)
         return ray
 
-    def _bundle(self, i: int, cpu_threads: int) -> dict[str, float]:
-        lc = self.launcher
-        bundle = {"CPU": float(lc.cpus_per_cell if lc.cpus_per_cell is not None else cpu_threads)}
-        if lc.gpus_per_cell > 0:
-            bundle["GPU"] = lc.gpus_per_cell
-        if i < len(lc.cell_resources):
-            bundle.update(lc.cell_resources[i])
-        return bundle
+    def _spread(self, wc: CellWorkerConfig) -> int:
+        """Bundles of worker `wc`'s placement group: `bundles_per_cell` for an elastic cell, else 1."""
+        return self.launcher.bundles_per_cell if wc.kind == "elastic" else 1
+
+    def _bundles(self, i: int, wc: CellWorkerConfig) -> list[dict[str, float]]:
+        """Worker i's bundles: each the cell's CPUs and its share of the GPUs; bundle 0 (the worker's) also the
+        extra resources the config names for it."""
+        lc, n = self.launcher, self._spread(wc)
+        bundles = []
+        for b in range(n):
+            bundle = {"CPU": float(lc.cpus_per_cell if lc.cpus_per_cell is not None else wc.cpu_threads)}
+            if lc.gpus_per_cell > 0:
+                bundle["GPU"] = lc.gpus_per_cell / n
+            if b == 0 and i < len(lc.cell_resources):
+                bundle.update(lc.cell_resources[i])
+            bundles.append(bundle)
+        return bundles
 
     async def start_cells(self, configs: list[CellWorkerConfig], timeout_s: float = 300.0) -> None:
         ray = self._init_ray()
@@ -232,21 +240,23 @@ class RayLauncher(Launcher):
         remote_cls = ray.remote(max_concurrency=4)(CellActor)
         names = [cell_name(wc) for wc in configs]
         for i, wc in enumerate(configs):
-            bundle = self._bundle(i, wc.cpu_threads)
-            pg = placement_group([bundle], strategy="STRICT_PACK", name=f"gyre-{names[i]}-{os.getpid()}")
+            strategy = self.launcher.cell_strategy if self._spread(wc) > 1 else "STRICT_PACK"
+            pg = placement_group(
+                self._bundles(i, wc), strategy=strategy, name=f"gyre-{names[i]}-{os.getpid()}"
+            )
             self._groups.append(pg)
         try:
             await asyncio.to_thread(
                 ray.get, [pg.ready() for pg in self._groups], timeout=self.launcher.start_timeout_s
             )
         except Exception as exc:
-            wanted = [self._bundle(i, wc.cpu_threads) for i, wc in enumerate(configs)]
+            wanted = [self._bundles(i, wc) for i, wc in enumerate(configs)]
             raise ServiceError(
                 f"ray: placement groups not ready after {self.launcher.start_timeout_s:.0f} s ({type(exc).__name__}); "
                 f"bundles {wanted}, cluster has {ray.cluster_resources()}"
             ) from None
         for i, wc in enumerate(configs):
-            bundle = self._bundle(i, wc.cpu_threads)
+            bundle = self._bundles(i, wc)[0]
             actor = remote_cls.options(
                 name=f"gyre-{names[i]}-{os.getpid()}",
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
@@ -269,14 +279,14 @@ class RayLauncher(Launcher):
         await asyncio.to_thread(
             ray.get,
             [
-                a.start.remote(wc.model_dump_json(), self.tokens.engine)
+                a.start.remote(wc.model_dump_json(), self.tokens.engine, self._spread(wc))
                 for a, wc in zip(self._actors, placed, strict=True)
             ],
         )
         self._exits = [a.wait_exit.remote() for a in self._actors]
         self.placement = [
             {"worker": n, "node_id": node["node_id"], "ip": node["ip"], "pid": node["pid"],
-             "port": wc.port, "placement_group": pg.id.hex(), "bundle": self._bundle(i, wc.cpu_threads)}
+             "port": wc.port, "placement_group": pg.id.hex(), "bundles": self._bundles(i, wc)}
             for i, (n, node, wc, pg) in enumerate(zip(names, nodes, placed, self._groups, strict=True))
         ]  # fmt: skip
         self.log_path("placement").with_suffix(".json").write_text(
@@ -374,7 +384,7 @@ class RayLauncher(Launcher):
         name = cell_name(wc)
         with contextlib.suppress(Exception):
             ray.kill(self._actors[cell])
-        bundle = self._bundle(cell, wc.cpu_threads)
+        bundle = self._bundles(cell, wc)[0]
         actor = ray.remote(max_concurrency=4)(CellActor).options(
             name=f"gyre-{name}-{os.getpid()}-restart-{attempt}",
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
@@ -387,7 +397,9 @@ class RayLauncher(Launcher):
             (self.run_dir / "cells" / f"{name}.restart-{attempt}.json").write_text(
                 wc.model_dump_json(indent=2)
             )
-            await asyncio.to_thread(ray.get, actor.start.remote(wc.model_dump_json(), self.tokens.engine))
+            await asyncio.to_thread(
+                ray.get, actor.start.remote(wc.model_dump_json(), self.tokens.engine, self._spread(wc))
+            )
             self._exits[cell] = actor.wait_exit.remote()
             client = self.worker_client(f"http://{wc.host}:{wc.port}")
             await client.wait_ready(timeout_s, alive=lambda: self.alive(cell))

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import uvicorn
@@ -64,6 +64,9 @@ from gyre_cell.worker_types import (
     WorkerStatus,
 )
 from gyre_sched.types import CellRole
+
+if TYPE_CHECKING:
+    from gyre_cell.worker_stages import RankSpawner
 
 log = logging.getLogger("gyre_cell.worker")
 
@@ -128,8 +131,11 @@ class _NoTraining:
 
 
 class CellWorkerProcess:
-    def __init__(self, cfg: CellWorkerConfig, api_key: str | None = None) -> None:
+    def __init__(
+        self, cfg: CellWorkerConfig, api_key: str | None = None, rank_spawner: RankSpawner | None = None
+    ) -> None:
         self.cfg = cfg
+        self.rank_spawner = rank_spawner  # a multi-rank cell's other ranks (None: children on this machine)
         self.api_key = api_key  # the run's engine token: engine and /cell commands need it (not /health)
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.events = EventLog()
@@ -180,7 +186,7 @@ class CellWorkerProcess:
             if self.cfg.kind == "elastic" and not self.cfg.restarted:
                 from gyre_cell.worker_training import CellTraining
 
-                self.training = CellTraining(self.cfg, self.events.emit)
+                self.training = CellTraining(self.cfg, self.events.emit, rank_spawner=self.rank_spawner)
             starting.join()
             if failed:
                 raise failed[0]
@@ -384,8 +390,9 @@ class CellWorkerProcess:
                     training = worker.cfg.training.model_copy(update={"master_port": cmd.master_port})
                     cfg = worker.cfg.model_copy(update={"training": training})
                     worker.training = await asyncio.to_thread(
-                        CellTraining, cfg, worker.events.emit, cmd.rendezvous_timeout_s, cmd.members
-                    )
+                        CellTraining, cfg, worker.events.emit, cmd.rendezvous_timeout_s, cmd.members,
+                        worker.rank_spawner,
+                    )  # fmt: skip
                     worker.roles = (
                         None  # a role manager built without a training side: rebuilt on the next switch
                     )

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -34,7 +35,9 @@ from gyre_train.multicell import MultiCellConfig, PrefixGroups
 
 log = logging.getLogger("gyre_cell.worker")
 
-__all__ = ["CellStages", "PipelinedTrainingState", "is_multi_rank", "main"]
+__all__ = [
+    "CellStages", "LocalRanks", "PipelinedTrainingState", "RankProcess", "RankSpawner", "is_multi_rank", "main",
+]  # fmt: skip
 
 
 def _multicell(cfg: CellWorkerConfig) -> MultiCellConfig:
@@ -92,28 +95,65 @@ class PipelinedTrainingState:
         await asyncio.to_thread(self.restore_blocking)
 
 
-class CellStages:
-    """The worker's side: start the children, join the world as the cell's rank 0, drive the cell."""
+class RankProcess(Protocol):
+    """What the worker holds of one of its cell's other ranks (the part of ``subprocess.Popen`` it uses)."""
 
-    def __init__(self, cfg: CellWorkerConfig) -> None:
+    pid: int
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status once the rank ended; ``subprocess.TimeoutExpired`` after ``timeout``."""
+        ...
+
+    def kill(self) -> None: ...
+
+
+class RankSpawner(Protocol):
+    """Starts a cell's other ranks: :class:`LocalRanks` by default; a launcher that places a cell's ranks on other
+    nodes hands the worker its own (``gyre.launch.ray``: the ranks of the cell's further placement-group bundles,
+    each started by an actor on that bundle's node)."""
+
+    def spawn(self, local: int, argv: list[str], log_path: Path) -> RankProcess: ...
+
+
+class LocalRanks:
+    """The cell's other ranks as children of the worker, on its machine, tied to it by the lifeline pipe."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()  # this process keeps the write end until it exits
+
+    def spawn(self, local: int, argv: list[str], log_path: Path) -> RankProcess:
+        with open(log_path, "ab") as out:
+            return subprocess.Popen(
+                [*argv, "--lifeline-fd", str(self._read)], stdout=out, stderr=subprocess.STDOUT,
+                pass_fds=(self._read,),
+            )  # fmt: skip
+
+
+class CellStages:
+    """The worker's side: start the other ranks, join the world as the cell's rank 0, drive the cell."""
+
+    def __init__(self, cfg: CellWorkerConfig, spawner: RankSpawner | None = None) -> None:
         t = cfg.training
         assert t is not None and is_multi_rank(cfg)
         self.cfg, self.size = cfg, t.tensor_parallel * t.pipeline_parallel
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[RankProcess] = []
         conf = Path(cfg.run_dir) / "cells" / f"cell-{cfg.cell}-stages.json"
         conf.parent.mkdir(parents=True, exist_ok=True)
         conf.write_text(cfg.model_dump_json())
         logs = Path(cfg.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        lifeline, self._lifeline = os.pipe()  # this process keeps the write end until it exits
+        spawner = spawner if spawner is not None else LocalRanks()
         for local in range(1, self.size):
-            argv = [sys.executable, "-m", "gyre_cell.worker_stages", "--config", str(conf)]
-            argv += ["--rank", str(local), "--lifeline-fd", str(lifeline)]
-            with open(logs / f"{_rank_name(cfg, local)}.log", "ab") as out:
-                self.procs.append(
-                    subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, pass_fds=(lifeline,))
-                )
-        os.close(lifeline)
+            argv = [
+                sys.executable,
+                "-m",
+                "gyre_cell.worker_stages",
+                "--config",
+                str(conf),
+                "--rank",
+                str(local),
+            ]
+            self.procs.append(spawner.spawn(local, argv, logs / f"{_rank_name(cfg, local)}.log"))
         self._closing = threading.Event()
         for local, proc in enumerate(self.procs, start=1):
             _exit_if_stage_dies(proc, _rank_name(cfg, local), self._closing)
@@ -157,7 +197,7 @@ class CellStages:
                 proc.kill()
 
 
-def _exit_if_stage_dies(proc: subprocess.Popen, name: str, closing: threading.Event) -> None:
+def _exit_if_stage_dies(proc: RankProcess, name: str, closing: threading.Event) -> None:
     """The other direction: a cell cannot train without one of its ranks (its leader would wait on it for good),
     so a rank that ends before ``closing`` takes its worker down; the controller then sees a dead cell."""
 

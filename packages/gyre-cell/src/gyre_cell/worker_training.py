@@ -24,7 +24,7 @@ import torch
 from gyre_cell.roles import TorchTrainingState
 from gyre_cell.step_checkpoint import load_step_checkpoint, write_step_checkpoint
 from gyre_cell.transfer.publisher import WeightPublisher
-from gyre_cell.worker_stages import CellStages, is_multi_rank
+from gyre_cell.worker_stages import CellStages, RankSpawner, is_multi_rank
 from gyre_cell.worker_types import CellWorkerConfig, PublishedWeights
 from gyre_train.backends import build_backend
 from gyre_train.buffer import TrajectoryBuffer
@@ -69,9 +69,11 @@ class CellTraining:
         emit: Emit,
         rendezvous_timeout_s: float | None = None,
         members: list[int] | None = None,
+        rank_spawner: RankSpawner | None = None,
     ) -> None:
         """``rendezvous_timeout_s``: this (restarted) cell joins a re-formed world generation, whose rendezvous is
-        bounded (`reform_cell_world`), of the cells ``members`` (None: all K); None: the run's first world."""
+        bounded (`reform_cell_world`), of the cells ``members`` (None: all K); None: the run's first world.
+        ``rank_spawner``: how a multi-rank cell starts its other ranks (None: children on this machine)."""
         if cfg.training is None:
             raise ValueError("a cell without a [training] section has no training side")
         self.cfg, self.emit = cfg, emit
@@ -87,7 +89,7 @@ class CellTraining:
         # backend builds its groups over this world (collectively, every cell at this point).
         # A multi-rank cell (megatron, TP or PP > 1): this process is its rank 0; its children, started now, the
         # others.
-        self.stages = CellStages(cfg) if is_multi_rank(cfg) else None
+        self.stages = CellStages(cfg, rank_spawner) if is_multi_rank(cfg) else None
         if self.stages is not None:
             self.groups = self.stages.rendezvous()
         elif rendezvous_timeout_s is not None:
