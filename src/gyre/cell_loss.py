@@ -48,10 +48,12 @@ bfloat16 (its DDP buffers hold the world's groups).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
+from gyre_cell.worker_client import CellCommandError
 from gyre_cell.worker_types import ReformCommand
 from gyre_sched import events as ev
 from gyre_sched.types import CellRole
@@ -80,6 +82,7 @@ class CellLosses:
         self.restarting: dict[int, asyncio.Event] = {}  # set once the restart ended (restored, or it failed)
         self.generation = 0  # of the gloo world (0: the one formed at start)
         self._refused_said = False
+        self._losing: dict[int, asyncio.Event] = {}  # set when the cell is found lost (`unless_lost`)
 
     async def absorb(self, cell: int | None, exc: BaseException) -> bool:
         """True if `exc` came from satellite `cell` having died (then the run goes on without it)."""
@@ -93,6 +96,8 @@ class CellLosses:
             return True
         self.lost.add(cell)
         self.untrained.discard(cell)
+        if (losing := self._losing.pop(cell, None)) is not None:
+            losing.set()  # its calls in flight give up (`unless_lost`); a restored cell's get a fresh event
         log.warning("cell %d lost (%s: %s): the run goes on with the other cells; see %s", cell,
                     type(exc).__name__, exc, self.c.run_dir / "logs" / f"cell-{cell}.log")  # fmt: skip
         self.c.events.put_nowait(ev.CellLost(cell))
@@ -111,6 +116,31 @@ class CellLosses:
         else:
             self.gone.add(cell)
         return True
+
+    async def unless_lost[T](self, cell: int | None, call: Awaitable[T]) -> T:
+        """`call` to satellite `cell`, given up once the cell is found lost meanwhile: a dead host's port, or one a
+        stranger listens on, may never answer, and a publication must not wait on it for the client's timeout
+        (stop 32's CI: a load to a killed cell whose port was taken held the publication for good). Raises
+        `CellCommandError` then, which `check` absorbs as the loss it is."""
+        if cell is None or cell == 0:
+            return await call
+        task = asyncio.ensure_future(call)
+        if cell not in self.lost:
+            losing = self._losing.setdefault(cell, asyncio.Event())
+            waiter = asyncio.ensure_future(losing.wait())
+            try:
+                await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            finally:
+                waiter.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise CellCommandError(f"cell {cell} was lost while the call was under way")
 
     async def open_batch(self, version: int, final: bool) -> None:
         """The core opens the policy's batch; with the `train.hold_core_for_join` test gate, once every restart

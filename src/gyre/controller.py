@@ -417,7 +417,11 @@ class Controller:
         t0 = time.perf_counter()
         ref = await self.cells[0].publish(version)
         targets = [c for i, c in enumerate(self.cells) if self._serving(i)] + self.standalone
-        loads = await asyncio.gather(*(c.load_weights(ref) for c in targets), return_exceptions=True)
+        index = {id(c): i for i, c in enumerate(self.cells)}  # a standalone engine: no cell, never lost
+        loads = await asyncio.gather(
+            *(self.losses.unless_lost(index.get(id(c)), c.load_weights(ref)) for c in targets),
+            return_exceptions=True,
+        )
         loads = await self.losses.check(targets, loads)  # a satellite that died meanwhile: left out
         self.published = ref
         row = {"version": version, "transport": self.cfg.weights.transport, "core_s": round(ref.seconds, 4),
