@@ -16,6 +16,7 @@ import pytest
 
 import gyre.cell_loss as cell_loss
 from gyre.cell_loss import CellLosses
+from gyre.engine_routes import EngineRoutes
 from gyre_cell.worker_client import CellCommandError, CellWorkerClient
 from gyre_cell.worker_types import PublishedWeights
 from gyre_sched.types import CellRole
@@ -43,6 +44,9 @@ class _Controller:
         self.cells, self.standalone, self.run_dir = cells, [], run_dir
         self.events: asyncio.Queue = asyncio.Queue()
         self.runner, self.policy = _Runner(), _Policy()
+        self.losses: CellLosses | None = None
+        self.routes = EngineRoutes(self.runner.admin_call, cells, [], lambda: self.policy.roles,
+                                   lambda: self.losses.lost)  # fmt: skip
 
 
 def test_a_load_to_a_silent_cell_ends_when_the_cell_is_found_lost(tmp_path, monkeypatch):
@@ -55,7 +59,7 @@ def test_a_load_to_a_silent_cell_ends_when_the_cell_is_found_lost(tmp_path, monk
         core = CellWorkerClient("http://127.0.0.1:9")  # never called: the core is never lost
         cell = CellWorkerClient(f"http://127.0.0.1:{silent.getsockname()[1]}")
         controller = _Controller([core, cell], tmp_path)
-        losses = CellLosses(controller)  # type: ignore[arg-type]
+        losses = controller.losses = CellLosses(controller)  # type: ignore[arg-type]
         load = asyncio.create_task(losses.unless_lost(1, cell.load_weights(PublishedWeights(version=3))))
         assert await losses.absorb(1, CellCommandError("its event stream ended"))
         with pytest.raises(CellCommandError, match="cell 1 was lost while the call was under way"):

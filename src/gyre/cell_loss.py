@@ -101,13 +101,8 @@ class CellLosses:
         log.warning("cell %d lost (%s: %s): the run goes on with the other cells; see %s", cell,
                     type(exc).__name__, exc, self.c.run_dir / "logs" / f"cell-{cell}.log")  # fmt: skip
         self.c.events.put_nowait(ev.CellLost(cell))
-        roles = self.c.policy.roles
-        serving = [c.engine_url for i, c in enumerate(self.c.cells)
-                   if i not in self.lost and roles[i] is CellRole.ROLLOUT]  # fmt: skip
         try:
-            await self.c.runner.admin_call(
-                "PUT", "/routes", {"engines": serving + [s.engine_url for s in self.c.standalone]}
-            )
+            await self.c.routes.put()
         except Exception as routes_failed:  # the proxy refused: that stops the run, as any failed part does
             self.c.events.put_nowait(routes_failed)
         if self.restart is not None:
@@ -175,12 +170,7 @@ class CellLosses:
             raise RuntimeError(
                 f"the restarted engine serves version {served}, not the published {ref.version}"
             )
-        roles = self.c.policy.roles
-        serving = [c.engine_url for i, c in enumerate(self.c.cells)
-                   if i == cell or (i not in self.lost and roles[i] is CellRole.ROLLOUT)]  # fmt: skip
-        await self.c.runner.admin_call(
-            "PUT", "/routes", {"engines": serving + [s.engine_url for s in self.c.standalone]}
-        )
+        await self.c.routes.put(also=cell)
         self.c.events.put_nowait(ev.CellRestored(cell, version=ref.version))
 
     def restored(self, event: ev.CellRestored) -> bool:

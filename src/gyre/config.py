@@ -105,9 +105,13 @@ class TrainConfig(_Section):
     loss: LossConfig = LossConfig()
     """The GSPO objective; the loss and its metrics read this one config."""
     hold_core_for_join: int | None = None
-    """Test gate: before its second micro-step of a batch the core waits (at most 30 s) for this satellite to
-    join and claim an item, until it has once; makes a mid-batch join that trains certain in short runs. While
-    any satellite's worker restarts no batch opens, and the wait applies again once this cell rejoined."""
+    """Test gate: before its second micro-step of a batch the core waits (at most `hold_timeout_s`) for this
+    satellite to join and claim an item, until it has once; makes a mid-batch join that trains certain in short
+    runs. While any satellite's worker restarts no batch opens, and the wait applies again once this cell
+    rejoined."""
+    hold_timeout_s: float = Field(30.0, gt=0)
+    """How long the `hold_core_for_join` gate holds the core before it goes on alone (a loaded machine can take
+    longer to move a restarted cell back into training)."""
     stop_gate: StopGate | None = None
     """Test gate: satellite `cell` stops itself (SIGSTOP) the first time it reaches `at`: right before its
     end-of-batch reduce (`reduce`) or when asked to re-form the world (`reform`), as a host that stops answering

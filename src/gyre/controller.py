@@ -24,6 +24,7 @@ import orjson
 
 from gyre.cell_loss import CellLosses
 from gyre.config import RunConfig
+from gyre.engine_routes import EngineRoutes
 from gyre.tasks import Query
 from gyre_cell.worker_client import CellCommandError, CellWorkerClient
 from gyre_cell.worker_types import PublishedWeights
@@ -74,6 +75,8 @@ class Controller:
         self.target_steps = 0
         self.on_step: Callable[[dict], None] | None = None  # the run monitor: metrics, dashboard, progress
         self.losses = CellLosses(self)  # satellites whose worker died (gyre.cell_loss)
+        self.routes = EngineRoutes(runner.admin_call, cells, standalone, lambda: self.policy.roles,
+                                   lambda: self.losses.lost)  # fmt: skip
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -142,10 +145,7 @@ class Controller:
         with (self.run_dir / "metrics" / "switches.jsonl").open("ab") as out:
             for result in results:
                 out.write(result.report.model_dump_json().encode() + b"\n")
-        serving = [c.engine_url for i, c in enumerate(self.cells) if self._serving(i)]
-        await self.runner.admin_call(
-            "PUT", "/routes", {"engines": serving + [s.engine_url for s in self.standalone]}
-        )
+        await self.routes.put()
 
     def _progress_line(self, t: float, done: int, steps: int) -> None:
         led = self.policy.ledger
@@ -224,6 +224,8 @@ class Controller:
                 case ev.Cancel(eid, _reason):
                     self.runner.cancel(eid)
                 case ev.BeginTransition(cell, _src, dst):
+                    if dst is CellRole.TO_TRAINING:
+                        self.routes.switching_to_training(cell)  # its engine stays listed until its drain
                     self._spawn(self._transition(cell, dst, moved), cell=cell)
                 case ev.Publish(version):
                     self._spawn(self._publish(version))
@@ -374,16 +376,17 @@ class Controller:
         client = self.cells[cell]
         kv = None
         if dst is CellRole.TO_TRAINING:
-            await reroutes  # the cell's executions have their new routes: now its in-flight calls can move
-            drained = await self.runner.admin_call("POST", "/engines/drain", {"engine": client.engine_url})
-            kv = drained.get("kv_migration") if isinstance(drained, dict) else None
+            try:
+                await (
+                    reroutes
+                )  # the cell's executions have their new routes: now its in-flight calls can move
+                kv = await self.routes.drain(cell)
+            finally:
+                self.routes.switch_ended(cell)
             result = await self._retry_switch(client.to_training)
         else:
             result = await client.to_rollout(self.published)
-            serving = [c.engine_url for i, c in enumerate(self.cells) if i == cell or self._serving(i)]
-            await self.runner.admin_call(
-                "PUT", "/routes", {"engines": serving + [s.engine_url for s in self.standalone]}
-            )
+            await self.routes.put(also=cell)
         row = result.report.model_dump(mode="json")
         if dst is CellRole.TO_TRAINING and kv is not None:
             row["kv_migration"] = kv  # the proxy's KV-migration totals right after this drain (issue 17)

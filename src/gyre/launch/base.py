@@ -155,7 +155,7 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
                 temperature=cfg.model.temperature, loss=t.loss, master_port=master, coordinator_port=coordinator,
                 claim_timeout_s=t.claim_timeout_s, collective_timeout_s=t.collective_timeout_s,
                 snapshot=cfg.weights.snapshot, dump_batches=t.dump_batches,
-                hold_core_for_join=t.hold_core_for_join, stop_gate=t.stop_gate,
+                hold_core_for_join=t.hold_core_for_join, hold_timeout_s=t.hold_timeout_s, stop_gate=t.stop_gate,
                 backend=t.backend, device=c.device, tensor_parallel=t.tensor_parallel,
                 pipeline_parallel=t.pipeline_parallel, context_parallel=t.context_parallel,
                 expert_parallel=t.expert_parallel, checkpoint_keep=t.checkpoint_keep,

@@ -93,6 +93,7 @@ class CellTrainingConfig(_Wire):
     """Test gate: before its second micro-step of a batch the core waits (at most hold_timeout_s) for this
     satellite to join and claim an item, until it has once; makes a mid-batch join that trains certain in short runs."""
     hold_timeout_s: float = Field(30.0, gt=0)
+    """How long that wait lasts at most; then the core goes on alone."""
     stop_gate: StopGate | None = None
     """Test gate: a satellite stops itself at one point (`StopGate`)."""
     backend: Literal["torch", "megatron"] = "torch"
