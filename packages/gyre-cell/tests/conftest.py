@@ -81,6 +81,13 @@ def served(tiny_model: Path) -> Iterator[Served]:
         yield s
 
 
+@pytest.fixture
+def served_without_backup(tiny_model: Path) -> Iterator[Served]:
+    """An engine that keeps no copy of the weights it releases (`--weights-backup none`): they come back from disk."""
+    with serve(tiny_model, weights_backup="none") as s:
+        yield s
+
+
 @pytest.fixture(scope="module")
 def shared(tiny_model: Path) -> Iterator[Served]:
     """One engine for tests that leave no state behind."""

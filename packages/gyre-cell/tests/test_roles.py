@@ -1,4 +1,5 @@
-"""Cell role switching against the real torch engine server (`gyre-cell engine serve` in a subprocess)."""
+"""Cell role switching against the real torch engine server: `gyre-cell engine serve` in a subprocess, and the round
+trip on the same server in-process, whose gate (Served.hold_after) holds a request while the switch starts."""
 
 from __future__ import annotations
 
@@ -98,8 +99,9 @@ async def _decoding(client: TorchEngineClient) -> bool:
 
 @pytest.mark.slow
 def test_round_trip_serves_new_weights_and_releases_memory(
-    engine_url: str, tiny_model: Path, tiny_model_b: Path
+    served_without_backup, tiny_model: Path, tiny_model_b: Path
 ) -> None:
+    engine_url = served_without_backup.url
     expected_a = _greedy(_model(tiny_model), PROMPT, 8)
     expected_b = _greedy(_model(tiny_model_b), PROMPT, 8)
     assert expected_a != expected_b
@@ -117,13 +119,18 @@ def test_round_trip_serves_new_weights_and_releases_memory(
 
             mgr = CellRoleManager(client, trainer.state, CellRoleManagerConfig(cell="3"))
             # A request still running when the switch starts is aborted (the proxy retries it elsewhere).
-            long = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True}))
-            while not await _decoding(client):  # gate: the long request holds KV and decodes
-                await asyncio.sleep(0.01)
+            # The gate: the engine holds the request once it has 4 tokens (Served.hold_after), so it still runs,
+            # holding KV, when the switch starts (a polled one could end first on a loaded machine).
+            held = served_without_backup.hold_after("long", 4)
+            long = asyncio.create_task(
+                client.generate(PROMPT, {"max_new_tokens": 3000, "ignore_eos": True}, rid="long")
+            )
+            assert await asyncio.to_thread(held.wait, 60), "the request never reached its gate"
+            assert await _decoding(client)
             rep = await mgr.to_training()
             cut = await long
             assert cut.finish_reason is not None and cut.finish_reason.type == "abort"
-            assert cut.completion_tokens < 3000
+            assert cut.completion_tokens == 4  # exactly what it had at the gate
 
             assert mgr.role is CellRole.TRAINING
             assert (rep.from_role, rep.to_role, rep.cell) == (CellRole.ROLLOUT, CellRole.TRAINING, "3")
