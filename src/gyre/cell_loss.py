@@ -137,16 +137,13 @@ class CellLosses:
             await task
         raise CellCommandError(f"cell {cell} was lost while the call was under way")
 
-    async def open_batch(self, version: int, final: bool, first: bool = False) -> None:
-        """The core opens the policy's batch (`first`: the first of a burst); with the `train.hold_core_for_join`
-        test gate, once every restart under way ended, so a short run surely sees a restarted cell rejoin, or one
-        left out, before its last burst: a restart that was under way at the publication (a second cell lost just
-        before it) rejoins here, still at the burst boundary, rather than at the run's last publication."""
+    async def open_batch(self, version: int, final: bool) -> None:
+        """The core opens the policy's batch; with the `train.hold_core_for_join` test gate, once every restart
+        under way ended (so a short run surely sees a restarted cell rejoin, or one left out, before its last
+        burst)."""
         if self.c.cfg.train.hold_core_for_join is not None:
             while pending := [e for e in self.restarting.values() if not e.is_set()]:
                 await pending[0].wait()
-            if first:
-                await self.rejoin_training()
         await self.c.cells[0].open_batch(version, final)
 
     async def _restore(self, cell: int) -> None:

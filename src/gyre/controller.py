@@ -233,8 +233,7 @@ class Controller:
                     self.steps_done < self.target_steps
                 ):  # none after the run's last step
                     final = self.policy.step_in_burst == self.policy.params.mu - 1
-                    first = self.policy.step_in_burst == 0
-                    self._spawn(self.losses.open_batch(version, final, first))
+                    self._spawn(self.losses.open_batch(version, final))
                 case ev.GroupReady(gid):
                     self._spawn(self._send_group(gid))
                 case _:
