@@ -14,9 +14,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# How long a fault run's core holds for the hold cell's claim (train.hold_timeout_s): a loaded 2-core machine took
-# over 30 s (the default) to move a restarted cell back into training, and the run went on without it.
-HOLD_S = 300
 CLAUDE = ROOT / "node_modules" / ".bin" / "claude"
 NEEDS_CLI = ("test_claude_code_", "test_harness_contract")
 
@@ -84,8 +81,7 @@ class FaultRun:
         expect_failure: bool = False,
     ) -> dict | None:
         argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
-                str(run_dir), "--set", f"train.hold_core_for_join={hold}", "--set", f"train.hold_timeout_s={HOLD_S}",
-                "--set", "dashboard.enabled=false",
+                str(run_dir), "--set", f"train.hold_core_for_join={hold}", "--set", "dashboard.enabled=false",
                 "--quiet", *(x for kv in sets for x in ("--set", kv))]  # fmt: skip
         proc = subprocess.Popen(
             argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
