@@ -161,10 +161,25 @@ class CellLosses:
         self.gone.add(cell)
         self.restarting[cell].set()
 
-    async def _load_current(self, cell: int) -> None:
-        ref = self.c.published
+    async def _load_current(self, cell: int, attempts: int = 3) -> None:
+        """Load the published weights into the restored cell. The core refreshes its weight buffer in place while
+        it publishes: a pull then finds a newer version than the one asked for and the load fails (a clean-clone
+        CI run here: "pulled weight version 4, expected 2", and the cell stayed lost). So the load waits out a
+        publication under way, and one that began or ended during it makes it load again."""
         client = self.c.cells[cell]
-        await client.load_weights(ref)
+        for attempt in range(attempts):
+            while self.c.policy.publishing:  # the policy's publication ends with PublishDone
+                await asyncio.sleep(0.1)
+            ref = self.c.published
+            try:
+                await client.load_weights(ref)
+                break
+            except CellCommandError as exc:
+                moved = self.c.policy.publishing or self.c.published.version != ref.version
+                if attempt == attempts - 1 or not moved:
+                    raise
+                log.info("cell %d: a publication moved on while it loaded version %d (%s): it loads again",
+                         cell, ref.version, exc)  # fmt: skip
         served = (await client.status()).weight_version
         if served != str(ref.version):
             raise RuntimeError(
