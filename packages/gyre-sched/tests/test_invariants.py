@@ -4,6 +4,7 @@ The core checks its invariants after every event (deep_checks recounts every exe
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,7 @@ from gyre_sched.events import (
     Tick,
     TransitionDone,
 )
+from gyre_sched.ledger import InvariantError
 from gyre_sched.policies import make_policy
 from gyre_sched.types import CellRole
 
@@ -94,8 +96,13 @@ def test_invariants_under_random_event_orders(kind, streaming, k_spare, continuo
             actions.append("assign")
         if batch_open and training and pol.batch:
             actions.append("claim")
-        if batch_open and pol.batch is not None and len(pol.batch) == p.B:
-            actions.append("step")
+        if (
+            batch_open
+            and pol.batch is not None
+            and len(pol.batch) == p.B
+            and pol.roles[0] is CellRole.TRAINING
+        ):
+            actions.append("step")  # the core takes the step: only while it trains
         act = data.draw(st.sampled_from(actions))
         now += data.draw(st.sampled_from([0.0, 1.0, 10.0]))
         if act == "terminate":
@@ -137,3 +144,37 @@ def test_invariants_under_random_event_orders(kind, streaming, k_spare, continuo
         led = pol.ledger
         assert 0 <= led.f <= led.p <= led.d - led.x
         assert led.running <= pol.capacity()
+
+
+def test_a_step_reported_while_the_core_switches_is_refused():
+    """The counterexample test_invariants found once (Colocate, streaming, mu = 1, phi = 0, C_s = 0, k_spare = 0):
+    the generator reported a step while every cell, the core included, was still switching to training. The policy
+    took it, published with the core mid-switch and then began the core's switch a second time ("transition of cell
+    0 done while training"). A step can only come from a training core: the generator now says so, and the policy
+    refuses such a report at once with its cause."""
+    p = params("colocate", streaming=True, k_spare=0, continuous=False, c_s=0, phi2=0, mu=1)
+    pol = make_policy(p, deep_checks=True)
+    pol.start(0.0)
+    for eid in ("g0.e0", "g0.e1"):
+        pol.handle(Terminated(eid, "completed"), 0.0)
+        pol.handle(Assessed(eid, "valid"), 0.0)
+    pol.handle(Terminated("g1.e0", "completed"), 0.0)
+    out = pol.handle(Terminated("g1.e1", "completed"), 0.0)
+    assert [d.cell for d in out if isinstance(d, BeginTransition)] == [0, 1, 2]
+    for cell in (0, 1):
+        pol.handle(TransitionDone(cell), 0.0)
+    pol.handle(Assessed("g1.e0", "valid"), 0.0)
+    assert any(isinstance(d, OpenBatch) for d in pol.handle(TransitionDone(2), 0.0))
+    pol.handle(Assessed("g1.e1", "excluded"), 0.0)  # g1 dropped, g2 dispatched as its refill
+    pol.handle(GroupAssigned("g0"), 0.0)  # streaming: the cells go back to rollout for the second group
+    for cell in (0, 1, 2):
+        pol.handle(TransitionDone(cell), 0.0)
+    for eid in ("g2.e0", "g2.e1"):
+        pol.handle(Terminated(eid, "completed"), 0.0)
+    pol.handle(Assessed("g2.e0", "valid"), 0.0)
+    out = pol.handle(Assessed("g2.e1", "valid"), 0.0)
+    assert [d.cell for d in out if isinstance(d, BeginTransition)] == [0, 1, 2]
+    pol.handle(GroupAssigned("g2"), 0.0)
+    assert pol.roles[0] is CellRole.TO_TRAINING
+    with pytest.raises(InvariantError, match="step 1 done while the core is to_training"):
+        pol.handle(StepDone(1), 0.0)

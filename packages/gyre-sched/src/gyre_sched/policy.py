@@ -371,6 +371,10 @@ class PolicyCore:
                 f"step {version} done, but open batch is {self.batch_version} with "
                 f"{0 if self.batch is None else len(self.batch)} groups"
             )
+        if self.roles[0] is not CellRole.TRAINING:
+            # the core takes every optimizer step: a step reported while it is away from training is a broken
+            # report, and accepting it led later to a begin of the core mid-switch (found by test_invariants)
+            raise InvariantError(f"step {version} done while the core is {self.roles[0].value}")
         st = [self.version - g.v_d for g in self.batch]
         for g in self.batch:
             self.ledger.consume(g)
