@@ -168,3 +168,38 @@ def test_a_bounded_starve_timeout_still_raises_data_starvation(tiny_model, tmp_p
             core.step()
     finally:
         core.coordinator.close()
+
+
+def test_a_claim_at_batch_open_never_closes_the_new_batch(tiny_model):
+    """A satellite's claim that pumps between the queue's open and the packer's open saw the previous batch's packer
+    closed and closed the new queue: the core's pump then failed with "the stream of this batch is closed" (about
+    once in 90 batch openings of a normal run). The gate: the claim is made exactly there, inside the queue's open.
+    Before the fix the pump lock is free at that point and the claim runs through at once (and closes the stream);
+    now it waits for the lock until both streams are open."""
+    trainer, _ = _trainer(tiny_model)
+    for group in make_groups(2 * B, N, seed=5, max_len=24):
+        _add(trainer.buffer, group)
+    trainer.step()  # batch 0 ends: its packer is closed
+    assert trainer.packer.closed
+    seen: dict = {}
+    claimant = threading.Thread(target=lambda: seen.update(item=trainer.claim(1)))
+    queue_open = trainer.queue.open
+
+    def open_then_claim(batch: int) -> None:
+        queue_open(batch)
+        seen["lock_held"] = trainer._pump_lock.locked()
+        if seen["lock_held"]:
+            claimant.start()  # it can only pump once open_batch lets go of the lock
+        else:
+            seen["item"] = trainer.claim(
+                1
+            )  # nothing orders it after the packer's open: the interleaving that failed
+
+    trainer.queue.open = open_then_claim
+    trainer.open_batch()  # before the fix: RuntimeError, the stream of this batch is closed
+    if seen["lock_held"]:
+        claimant.join()
+    assert seen["lock_held"]
+    item = seen["item"]
+    assert item is not None and item.microstep.batch == 1  # the claim got the new batch's first micro-step
+    assert not trainer.queue.finished  # the claimed item is still out: the batch goes on

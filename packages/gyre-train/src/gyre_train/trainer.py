@@ -85,8 +85,11 @@ class Trainer:
 
     def open_batch(self) -> None:
         self.in_batch = True
-        self.queue.open(self.version)
-        self.packer.open_batch(self.version, self.version)
+        # Both streams open under the pump lock: a satellite's claim that pumped between the two saw the previous
+        # batch's packer closed and closed the new queue ("the stream of this batch is closed" ended a normal run).
+        with self._pump_lock:
+            self.queue.open(self.version)
+            self.packer.open_batch(self.version, self.version)
         self._opened_at = time.perf_counter()
         self._emit("batch_open", batch=self.version)
         self.pump()
