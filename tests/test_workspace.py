@@ -15,7 +15,7 @@ PACKAGES = ["gyre-tito", "gyre-sched", "gyre-eval", "gyre-train", "gyre-cell"]
 # DESIGN §3.1: who may depend on whom (direct edges among Gyre packages).
 ALLOWED_EDGES = {
     "gyre-tito": set(),
-    "gyre-eval": set(),
+    "gyre-eval": {"gyre-sched"},  # the execution outcome type only: the runner produces it
     "gyre-sched": set(),
     "gyre-train": {"gyre-tito"},
     "gyre-cell": {

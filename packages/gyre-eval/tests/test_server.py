@@ -27,7 +27,7 @@ def _app(tmp_path):
 
 
 def test_submit_is_idempotent_and_status_is_queryable(tmp_path, workspace):
-    sub = submission(workspace, outcome="timed_out")
+    sub = submission(workspace, outcome="harness_timeout")
 
     async def scenario(url):
         async with httpx.AsyncClient(base_url=url) as http, EvalClient(url) as client:
@@ -45,7 +45,7 @@ def test_submit_is_idempotent_and_status_is_queryable(tmp_path, workspace):
     with serve_in_thread(_app(tmp_path)) as url:
         final, again, report, attempts, listed = run(scenario(url))
     assert (final.status, final.score, final.attempts) == ("valid", 0.5, 1)
-    assert final.provenance.critique == "missing: tests.py" and final.provenance.outcome == "timed_out"
+    assert final.provenance.critique == "missing: tests.py" and final.provenance.outcome == "harness_timeout"
     assert again == final
     assert (report.reward, report.status, report.excluded, report.history) == (0.5, "valid", False, [final])
     assert [t.ok for t in attempts] == [True]
@@ -267,3 +267,34 @@ async def _after_restart(url, ids):
 def test_submission_schema_round_trips_through_the_client_shape(workspace):
     sub = submission(workspace)
     assert Submission.model_validate_json(sub.model_dump_json()) == sub
+
+
+def test_every_outcome_the_runner_produces_is_accepted_and_kept(tmp_path, workspace):
+    """One vocabulary: the execution outcome is the runner's (gyre_sched.types.Outcome). gyre-eval once had its own
+    list ("timed_out" where the runner says "harness_timeout"), so the first harness timeout of a run was refused
+    with a 422 and ended the run. Every outcome the producer defines goes through the HTTP API and is recorded as
+    sent; a word outside the producer's vocabulary is a 422 that names the field."""
+    from typing import get_args
+
+    from gyre_sched.types import Outcome
+
+    outcomes = get_args(Outcome)
+    assert "harness_timeout" in outcomes
+
+    async def scenario(url):
+        async with httpx.AsyncClient(base_url=url) as http, EvalClient(url) as client:
+            finals = {}
+            for i, outcome in enumerate(outcomes):
+                sub = submission(workspace, f"e-{outcome}", group_id=f"g{i}", outcome=outcome)
+                created = await client.submit(sub)
+                finals[outcome] = await client.wait_final(created.id, timeout=30)
+            bad = json.loads(submission(workspace, "e-bad", group_id="gb").model_dump_json())
+            refused = await http.post("/v1/assessments", json={**bad, "outcome": "timed_out"})
+            return finals, refused
+
+    with serve_in_thread(_app(tmp_path)) as url:
+        finals, refused = run(scenario(url))
+    assert {o: (a.status, a.provenance.outcome) for o, a in finals.items()} == {
+        o: ("valid", o) for o in outcomes
+    }
+    assert refused.status_code == 422 and "outcome" in refused.text

@@ -128,12 +128,12 @@ def test_harness_timed_out_execution_is_scored_on_its_artifact(tmp_path, workspa
             service,
             submission(workspace, "e-done", group_size=2, dispatch_index=0, outcome="completed"),
             submission(
-                workspace, "e-late", group_size=2, dispatch_index=1, outcome="timed_out", budget_s=9999
+                workspace, "e-late", group_size=2, dispatch_index=1, outcome="harness_timeout", budget_s=9999
             ),
         )
     )
     assert (done.status, done.score) == (timed_out.status, timed_out.score) == ("valid", 0.8)
-    assert timed_out.provenance.outcome == "timed_out"
+    assert timed_out.provenance.outcome == "harness_timeout"
     assert flaky.calls[0].__dict__.keys() == flaky.calls[1].__dict__.keys()
     assert {k: v for k, v in flaky.calls[0].__dict__.items() if k not in ("execution_id", "deadline")} == {
         k: v for k, v in flaky.calls[1].__dict__.items() if k not in ("execution_id", "deadline")

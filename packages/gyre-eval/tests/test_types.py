@@ -58,7 +58,7 @@ def _roundtrip(model):
 
 
 def test_every_wire_type_round_trips():
-    sub = Submission(**SUB, task={"prompt": "build it"}, outcome="timed_out")
+    sub = Submission(**SUB, task={"prompt": "build it"}, outcome="harness_timeout")
     assert _roundtrip(sub).deadline == 1060.0
     a = _roundtrip(_assessment())
     assert a.score == 0.0 and a.status == "valid" and not a.excluded

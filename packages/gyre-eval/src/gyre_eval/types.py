@@ -10,11 +10,10 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
+from gyre_sched.types import Outcome
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AssessmentStatus = Literal["valid", "unresolved", "no_work"]
-# How the execution ended (DESIGN §2). Recorded for provenance only: the score never depends on it.
-Outcome = Literal["completed", "failed", "timed_out", "cancelled"]
 GroupState = Literal["pending", "ready", "dropped"]
 AdvantageMode = Literal["grpo", "mean"]
 
@@ -66,6 +65,8 @@ class Submission(_Wire):
     budget_s: float = Field(gt=0)
     """Overall budget (execution plus evaluation retries), in seconds from launch."""
     outcome: Outcome = "completed"
+    """How the execution ended, in its producer's vocabulary (the execution runner's, ``gyre_sched.types.Outcome``):
+    recorded for provenance only, the score never depends on it."""
     no_work_reason: str | None = Field(default=None, max_length=2000)
     """Set when the execution failed completely (e.g. image pull): a zero-reward placeholder stands in."""
     task: dict[str, Any] = Field(default_factory=dict)
