@@ -16,6 +16,7 @@ import pytest
 
 from gyre.cli import main
 from gyre.report import report_data
+from gyre.rundata import RunView
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
@@ -105,6 +106,33 @@ def test_report_of_an_interrupted_run_renders(tmp_path):
         roles = page.evaluate("window.gyreCharts.roles.data.datasets.find(d => d.label === 'training').data")
         assert roles == [{"x": [60.0, 120.0], "y": "cell 0 (core)"}]  # 3600 s .. 7200 s, in minutes
         browser.close()
+
+
+def _plant(run_dir: Path) -> dict[str, Path]:
+    """g0.e0: a FIFO with no writer; g0.e1: a symlink to g1.e0's answer; g1.e0: a real answer; g1.e1: a directory."""
+    ws = {e: run_dir / "workspaces" / e for e in ("g0.e0", "g0.e1", "g1.e0", "g1.e1")}
+    for path in ws.values():
+        path.mkdir(parents=True)
+    os.mkfifo(ws["g0.e0"] / "answer.txt")
+    (ws["g1.e0"] / "answer.txt").write_text("The code is mint.")
+    (ws["g0.e1"] / "answer.txt").symlink_to(ws["g1.e0"] / "answer.txt")
+    (ws["g1.e1"] / "answer.txt").mkdir()
+    return ws
+
+
+def test_the_report_and_the_views_treat_answers_as_untrusted(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    interrupted_run(run_dir, 40.0)
+    _plant(run_dir)
+    view = RunView(run_dir)
+    view.refresh()
+    assert view.answer("g1.e0") == "The code is mint."
+    assert view.answer("g0.e1") is None  # the sibling's answer through a symlink is not this execution's
+    assert view.answer("g0.e0") is None and view.answer("g1.e1") is None  # FIFO, directory
+    assert view.answer("..") is None and view.answer("g1.e0/../g1.e0") is None
+    assert main(["report", str(run_dir)]) == 0  # the FIFO did not hang it; the directory is no traceback
+    assert "Traceback" not in capsys.readouterr().err
+    assert (run_dir / "report.html").stat().st_size > 0
 
 
 def test_report_of_a_folder_without_a_run(tmp_path, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,9 @@ class RunMonitor:
 
             self.dashboard = DashboardServer(self.view, d.host, d.port, d.token, d.refresh_s)
             self.url = await self.dashboard.start()
-            (self.run_dir / "dashboard.url").write_text(self.url + "\n")
+            fd = os.open(self.run_dir / "dashboard.url", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:  # the URL carries the dashboard's token
+                f.write(self.url + "\n")
             log.info("dashboard: %s", self.url)
         self._task = asyncio.create_task(self._loop())
 

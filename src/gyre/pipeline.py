@@ -89,6 +89,10 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
     run_dir = Path(cfg.run_dir).resolve()
     if (run_dir / "trace.jsonl").exists():
         raise RunDirError(f"{run_dir} already holds a run (trace.jsonl); choose another --run-dir")
+    # 0700: the run holds credentials (tokens, the dashboard's URL) and every execution's work, which no other
+    # local user, nor a check dropped to its own uid, may read (a sibling's answer was one symlink away)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    run_dir.chmod(0o700)
     for sub in ("records", "trajectories", "checkpoints", "metrics", "logs"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,7 +35,27 @@ import orjson
 
 from gyre_sched.trace import summarize_trace
 
-__all__ = ["Call", "RunView", "percentile", "time_unit"]
+__all__ = ["Call", "RunView", "percentile", "read_artifact", "time_unit"]
+
+
+def read_artifact(path: Path, max_bytes: int) -> bytes | None:
+    """At most ``max_bytes`` of a file an agent wrote, or None unless it is a regular file. The last component is not
+    followed if it is a symlink (a link to a sibling's answer or a root-only file reads as nothing), a FIFO or device
+    is never read (O_NONBLOCK: opening a FIFO cannot wait for a writer; it is then refused as not regular), a
+    directory is None, and a huge file costs ``max_bytes``: nothing here can block the caller or grow with the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:  # missing, a symlink (ELOOP), a directory's parent gone, permission
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.pread(fd, max_bytes, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
 
 SAMPLES_PER_STEP = 3
 """Sample answers kept per step: the best, the median and the worst reward of the step's executions."""
@@ -379,12 +400,11 @@ class RunView:
         return [e for e in self._executions.values() if e.group in set(groups)]
 
     def answer(self, execution_id: str, limit: int = 400) -> str | None:
-        path = self.run_dir / "workspaces" / execution_id / "answer.txt"
-        try:
-            data = path.read_bytes()[: limit * 4]
-        except (FileNotFoundError, NotADirectoryError):
+        """The first ``limit`` characters of the execution's answer.txt, or None. An agent wrote it: untrusted."""
+        if "/" in execution_id or execution_id in ("", ".", ".."):
             return None
-        return data.decode("utf-8", errors="replace")[:limit]
+        data = read_artifact(self.run_dir / "workspaces" / execution_id / "answer.txt", limit * 4)
+        return None if data is None else data.decode("utf-8", errors="replace")[:limit]
 
     def _samples(self) -> list[dict]:
         out = []

@@ -28,6 +28,7 @@ import stat
 import struct
 import sys
 import warnings  # noqa: F401  (os.execvpe imports it lazily; after dropping privileges the stdlib may be unreadable)
+from functools import partial
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 32, 1024, 2048, 4096, 16384
@@ -115,8 +116,12 @@ def _prepare(spec: dict) -> None:
     work = os.path.join(root, "work")
     if spec.get("workspace"):
         try:
-            # symlinks stay links (pointing outside is harmless under read-only mounts)
-            shutil.copytree(spec["workspace"], work, symlinks=True, copy_function=_copy_regular)
+            # Links stay links only where they resolve inside the workspace: a link out of it (to a sibling
+            # execution's answer, or a file the check's uid may read) would be scored as this execution's work.
+            shutil.copytree(
+                spec["workspace"], work, symlinks=True, copy_function=_copy_regular,
+                ignore=partial(_links_out_of, os.path.realpath(spec["workspace"])),
+            )  # fmt: skip
         except (OSError, shutil.Error) as e:
             full = "No space left" in str(e)
             raise SetupError(
@@ -132,6 +137,19 @@ def _prepare(spec: dict) -> None:
             os.lchown(dirpath, uid, uid)
             for name in dirnames + filenames:
                 os.lchown(os.path.join(dirpath, name), uid, uid)
+
+
+def _links_out_of(workspace: str, directory: str, names: list[str]) -> set[str]:
+    """copytree's ignore: the names in ``directory`` that are symlinks resolving outside ``workspace`` (the real path
+    follows every link of a chain, so a hop through ``..`` is caught too)."""
+    out = set()
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.islink(path):
+            target = os.path.realpath(path)
+            if target != workspace and not target.startswith(workspace.rstrip("/") + "/"):
+                out.add(name)
+    return out
 
 
 def _copy_regular(src: str, dst: str) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from gyre_sched.types import Outcome
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gyre_sched.types import Outcome
 
 AssessmentStatus = Literal["valid", "unresolved", "no_work"]
 GroupState = Literal["pending", "ready", "dropped"]
