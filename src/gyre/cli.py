@@ -6,6 +6,11 @@
   code path. Prints progress and, as its last line, a JSON summary.
 - `gyre config [--config FILE] [--set key=value ...]`: print the resolved config without running anything.
 - `gyre report RUN`: rebuild RUN/report.html from the run directory.
+- `gyre --version`: the installed version of the `gyre` distribution.
+
+`gyre --help`, `gyre --version` and `gyre config` import no torch (tests/test_cli_door.py): this module and
+gyre.config import only light modules at the top, every command its heavy ones when it runs. `gyre run` and
+`gyre demo` refuse a `[model] path` they cannot load in one line (exit 2) before any process starts.
 
 With `[launcher] controller_resources` (Ray), `gyre run` places the controller on a cluster node and follows it
 (gyre.launch.placed): its log on stderr, its summary on stdout, its exit status.
@@ -25,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from gyre.config import ConfigError, RunConfig, load_config
+from gyre.config import ConfigError, RunConfig, check_model_path, load_config
 
 __all__ = ["main"]
 
@@ -55,8 +60,33 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
     return load_config(args.config, overrides)
 
 
+DISTRIBUTION = "gyre"
+"""The meta-package's distribution name, whose version `gyre --version` prints."""
+
+
+class _Version(argparse.Action):
+    """`--version`: the installed distribution's version, looked up only when asked (argparse's own "version"
+    action takes the string up front, which would read the package metadata on every command)."""
+
+    def __init__(
+        self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None
+    ) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            text = version(DISTRIBUTION)
+        except PackageNotFoundError:
+            parser.exit(2, f"{parser.prog}: the {DISTRIBUTION!r} distribution is not installed\n")
+        print(f"{parser.prog} {text}")  # on stdout, as argparse's own version action prints it
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gyre", description="Gyre: elastic RL for long-horizon LLM agents.")
+    parser.add_argument("--version", action=_Version, help="print the installed version of gyre and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (
         ("run", "a run from a config file (cells as processes, every scheduler policy)"),
@@ -94,6 +124,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _run_until_signal(cfg: RunConfig, command: str, resume=None) -> int:
+    try:  # here, in the process that runs the controller (a placed one on its node), before anything starts
+        check_model_path(cfg)
+    except ConfigError as exc:
+        print(f"gyre {command}: {exc}", file=sys.stderr)
+        return 2
     from gyre.launch import make_launcher
 
     services = make_launcher(cfg, resume.run_dir if resume else None)

@@ -15,14 +15,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gyre_cell.stop_gate import StopGate
+
+# Only torch-free modules: `gyre config` and `gyre --help` load this file, and tests/test_cli_door.py checks that
+# they do not load torch (the worker's wire types and the loss itself do: their config models live apart).
 from gyre_cell.transfer.mooncake import MooncakeConfig
-from gyre_cell.worker_types import StopGate
 from gyre_eval.sandbox import SandboxConfig
 from gyre_sched.config import PolicyConfig, PolicyParams
 from gyre_train.backends import check_backend
-from gyre_train.loss import LossConfig
+from gyre_train.loss_config import LossConfig
 
-__all__ = ["ConfigError", "RunConfig", "load_config"]
+__all__ = ["ConfigError", "RunConfig", "check_model_path", "load_config"]
 
 
 class _Section(BaseModel):
@@ -467,6 +470,33 @@ def load_config(path: Path | None, overrides: dict | None = None) -> RunConfig:
             for e in exc.errors()
         )
         raise ConfigError(f"{where}{problems}") from exc
+
+
+def check_model_path(cfg: RunConfig) -> None:
+    """Refuse a `[model] path` the run cannot load, before any process starts (`gyre run`, `gyre demo`).
+
+    The path must be a local Hugging Face checkpoint folder: the cells load it with `from_pretrained`, and the TITO
+    proxy reads its `tokenizer.json` from it, so a hub name (even one in the local cache) fails there. Unset, the
+    run builds or copies its builtin model itself. With `[launcher] proxy_resources` on Ray nothing on this machine
+    reads the model (the cells and the proxy run on cluster nodes, where the path may be node-local), so it is not
+    checked here.
+    """
+    raw = cfg.model.path
+    if raw is None or (cfg.launcher.kind == "ray" and cfg.launcher.proxy_resources is not None):
+        return
+    path = Path(raw)  # as the pipeline reads it: relative to the working directory
+    if not path.is_dir():
+        what = "not a folder" if path.exists() else "no such folder"
+        raise ConfigError(
+            f"model.path {raw!r}: {what}; it must be a local Hugging Face checkpoint folder (config.json, "
+            "tokenizer.json, weights), or unset for the builtin model"
+        )
+    missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).is_file()]
+    if missing:
+        raise ConfigError(
+            f"model.path {raw!r}: no {' or '.join(missing)} in this folder; it must be a Hugging Face checkpoint "
+            "folder (config.json, tokenizer.json, weights)"
+        )
 
 
 def _merge(into: dict, new: dict) -> None:

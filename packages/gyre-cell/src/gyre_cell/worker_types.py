@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gyre_cell.engine.config import EngineConfig
 from gyre_cell.roles import SwitchReport
 from gyre_cell.sglang_adapter import SGLangLaunchConfig
+from gyre_cell.stop_gate import StopGate  # re-exported: apart, a run config embeds it without torch
 from gyre_cell.transfer.mooncake import MooncakeConfig
 from gyre_train.loss import LossConfig
 
@@ -38,15 +39,6 @@ __all__ = [
 class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     schema_version: Literal[1] = 1
-
-
-class StopGate(_Wire):
-    """Test gate: cell `cell` stops itself (SIGSTOP) the first time it reaches `at`, as a host that stops answering
-    there does: right before its end-of-batch reduce (`reduce`), or when asked to re-form the gloo world (`reform`).
-    A restarted worker does not arm it."""
-
-    cell: int = Field(ge=1)
-    at: Literal["reduce", "reform"]
 
 
 class CellTrainingConfig(_Wire):

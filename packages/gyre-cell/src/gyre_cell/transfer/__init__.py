@@ -3,21 +3,35 @@
 `WeightPublisher` keeps a registered flat buffer of the model's tensors (HF names) and refreshes it in place under
 a seqlock; `WeightSubscriber` reads the whole buffer with batched Mooncake reads and never returns a torn
 snapshot; `WeightManifest` is the handshake (peer, address, length, version, layout), sent directly or over HTTP.
+
+The names below load on first use (PEP 562): the publisher and the subscriber import torch, while
+`gyre_cell.transfer.mooncake` (whose `MooncakeConfig` a run config embeds) must import without it.
 """
 
-from .engine_loader import mooncake_engine_loader, published_weights_loader, pull_into_engine
-from .manifest import TensorEntry, WeightManifest
-from .mooncake import MooncakeConfig, MooncakeUnavailableError, import_transfer_engine, open_transfer_engine
-from .publisher import WeightPublisher
-from .snapshot_channel import MooncakeSnapshotChannel, StaleSnapshotError
-from .subscriber import (
-    Snapshot,
-    SubscriberConfig,
-    TornSnapshotError,
-    TransferError,
-    WeightSubscriber,
-    fetch_manifest,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine_loader import mooncake_engine_loader, published_weights_loader, pull_into_engine
+    from .manifest import TensorEntry, WeightManifest
+    from .mooncake import (
+        MooncakeConfig,
+        MooncakeUnavailableError,
+        import_transfer_engine,
+        open_transfer_engine,
+    )
+    from .publisher import WeightPublisher
+    from .snapshot_channel import MooncakeSnapshotChannel, StaleSnapshotError
+    from .subscriber import (
+        Snapshot,
+        SubscriberConfig,
+        TornSnapshotError,
+        TransferError,
+        WeightSubscriber,
+        fetch_manifest,
+    )
 
 __all__ = [
     "MooncakeConfig",
@@ -39,3 +53,37 @@ __all__ = [
     "published_weights_loader",
     "pull_into_engine",
 ]
+
+_SOURCES = {
+    "mooncake_engine_loader": ".engine_loader",
+    "published_weights_loader": ".engine_loader",
+    "pull_into_engine": ".engine_loader",
+    "TensorEntry": ".manifest",
+    "WeightManifest": ".manifest",
+    "MooncakeConfig": ".mooncake",
+    "MooncakeUnavailableError": ".mooncake",
+    "import_transfer_engine": ".mooncake",
+    "open_transfer_engine": ".mooncake",
+    "WeightPublisher": ".publisher",
+    "MooncakeSnapshotChannel": ".snapshot_channel",
+    "StaleSnapshotError": ".snapshot_channel",
+    "Snapshot": ".subscriber",
+    "SubscriberConfig": ".subscriber",
+    "TornSnapshotError": ".subscriber",
+    "TransferError": ".subscriber",
+    "WeightSubscriber": ".subscriber",
+    "fetch_manifest": ".subscriber",
+}
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(source, __name__), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -12,9 +12,10 @@ one-line error naming the fields).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from gyre_train.backends.base import TrainBackend
+if TYPE_CHECKING:  # base imports torch; configs import this module for check_backend and must not load it
+    from gyre_train.backends.base import TrainBackend
 
 __all__ = ["BACKENDS", "build_backend", "check_backend"]
 
