@@ -13,10 +13,10 @@ format:
 	uv run ruff check --fix .
 
 test:
-	uv run pytest -q
+	uv run pytest -q -n 2
 
 test-fast:
-	uv run pytest -q -m "not slow and not gpu"
+	uv run pytest -q -n 2 -m "not slow and not gpu"
 
 bench-quick:
 	for b in bench/*.py; do uv run python $$b --quick | tail -n 1; done

@@ -2,6 +2,7 @@
 selected test drives it and it is missing, so the README's test command works on a fresh machine. Without npm, or
 if the install fails, those tests fail with one line saying how to install it."""
 
+import fcntl
 import json
 import os
 import shutil
@@ -23,6 +24,14 @@ def pytest_collection_modifyitems(session, config, items):
         return
     if not any(Path(str(item.fspath)).name.startswith(NEEDS_CLI) for item in items):
         return
+    # Every xdist worker collects: one installs while the others wait for it, then find the CLI there.
+    with open(ROOT / ".npm-install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not CLAUDE.exists():
+            _npm_ci()
+
+
+def _npm_ci() -> None:
     if shutil.which("npm") is None:
         print(
             "\nClaude Code CLI missing and npm not found: install Node.js + npm, then run `npm ci` at the repo root"

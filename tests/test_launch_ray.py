@@ -31,7 +31,9 @@ from gyre_train.loss import LossConfig
 from gyre_train.replay import replay_batch
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+# One xdist worker runs every Ray test in turn: a local Ray instance and the two-host namespaces (fixed names, a
+# fixed GCS port) are machine-wide.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 # Token authentication off: the test cluster lives inside two private namespaces (no route out of them).
 RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1",

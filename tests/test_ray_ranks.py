@@ -17,7 +17,9 @@ from gyre.config import LauncherConfig
 from gyre.launch.ray import connect
 from gyre.launch.ray_ranks import RankHost, _RemoteRank
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs every Ray test in turn: a local Ray instance and the two-host namespaces (fixed names, a
+# fixed GCS port) are machine-wide.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
 def test_a_rank_host_reports_its_ranks_ends_and_takes_them_down_with_it(tmp_path):
