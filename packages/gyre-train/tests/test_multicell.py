@@ -112,6 +112,34 @@ def test_coordinator_keeps_the_training_set_a_prefix_and_closes_the_window(tiny_
         coord.close()
 
 
+def test_strangers_on_the_control_port_leave_the_coordinator_serving(tiny_model, tmp_path):
+    """A plain connect-and-close, a peer with the wrong key and one sending garbage before any handshake: each is
+    refused on its own connection, and a satellite with the key is served after them (the listener's own handshake
+    ran in the accept thread, which one connect-and-close ended for good)."""
+    import socket
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    import orjson
+
+    from gyre_train.types import CellRequest, CoordinatorReply
+
+    coord, _ = _coordinator(tiny_model, tmp_path, batch_groups=1)
+    address = (coord.cfg.host, coord.cfg.control_port)
+    try:
+        socket.create_connection(address).close()
+        with socket.create_connection(address) as raw:
+            raw.sendall(b"\x00\x00\x00\x10GET / HTTP/1.1\r\n\r\n")
+        with pytest.raises((AuthenticationError, EOFError, ConnectionError)):
+            Client(address, authkey=b"not-the-key")
+        with Client(address, authkey=coord.cfg.authkey.encode()) as conn:
+            conn.send_bytes(CellRequest(op="join", cell=1).model_dump_json().encode())
+            reply = CoordinatorReply.model_validate(orjson.loads(conn.recv_bytes()))
+        assert reply.status == "wait" and reply.error is None  # served: no batch is open yet
+    finally:
+        coord.close()
+
+
 def test_a_wait_for_a_claim_ends_when_the_cell_dies(tiny_model, tmp_path):
     """`wait_claimed` (the core's hold for a joining satellite) returns once the cell claimed, and ends at once
     when the cell dies before it claims: a hold no longer waits out its timeout for a cell that is gone."""

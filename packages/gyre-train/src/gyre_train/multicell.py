@@ -51,7 +51,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from pathlib import Path
 
 import orjson
@@ -148,7 +149,10 @@ class Coordinator:
         self._claimed: set[int] = set()  # cells that claimed an item of the open batch
         self.lost: list[tuple[int | None, int, str, int]] = []
         """(batch, cell, reason, items requeued) of every drop, in order."""
-        self._listener = Listener((cfg.host, cfg.control_port), authkey=cfg.authkey.encode())
+        # No authkey on the listener: its accept() would run the handshake in the accept thread, where a peer that
+        # connects and closes (or never answers) ended or blocked accepting for every later satellite. Each
+        # connection authenticates in its own thread instead (`_serve`).
+        self._listener = Listener((cfg.host, cfg.control_port))
         self._threads: list[threading.Thread] = []
         threading.Thread(target=self._accept, daemon=True, name="coordinator-accept").start()
 
@@ -303,6 +307,15 @@ class Coordinator:
     def _serve(self, conn: Connection) -> None:
         cell = None  # the satellite on this connection (one per process)
         with conn:
+            key = self.cfg.authkey.encode()
+            try:  # what Listener(authkey=...) does in accept(): both sides prove they hold the key
+                deliver_challenge(conn, key)
+                answer_challenge(conn, key)
+            except (AuthenticationError, EOFError, OSError) as exc:
+                log.warning(
+                    "coordinator: refused a connection that failed the handshake (%s)", type(exc).__name__
+                )
+                return
             while True:
                 try:
                     raw = conn.recv_bytes()
