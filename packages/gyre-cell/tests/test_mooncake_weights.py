@@ -223,6 +223,24 @@ def test_publisher_in_process_layout_and_tied_weights() -> None:
         assert pub.version == 8 and torch.equal(pub.tensors()["norm.weight"], torch.full((3,), 9.0))
 
 
+def test_a_version_outside_int64_is_refused_and_never_holds_the_write_lock() -> None:
+    """`/cell/publish` with version 2**63 answered 500 and left the publisher's lock held: every later publish, save
+    and re-form hung. The wire model now refuses it (a 422), and the publisher releases its lock whatever happens."""
+    from pydantic import ValidationError
+
+    from gyre_cell.worker_types import VERSION_MAX, PublishCommand
+
+    with pytest.raises(ValidationError, match="less than or equal"):
+        PublishCommand(version=VERSION_MAX + 1)
+    named = {"norm.weight": torch.ones(3)}
+    with WeightPublisher(named, version=1) as pub:
+        with pytest.raises(ValueError, match="int64"):
+            pub.publish(named, version=2**63)
+        assert pub.version == 1
+        pub.publish({"norm.weight": torch.full((3,), 4.0)}, version=VERSION_MAX)  # the lock was released
+        assert pub.version == VERSION_MAX and torch.equal(pub.tensors()["norm.weight"], torch.full((3,), 4.0))
+
+
 def test_layout_views_round_trip_dtypes() -> None:
     named = [
         ("a", torch.arange(6, dtype=torch.float32).view(2, 3)),

@@ -166,10 +166,15 @@ class RendezvousPort(_Wire):
     port: int = Field(ge=1, le=65535)
 
 
+VERSION_MAX = 2**63 - 1
+"""The largest policy version: the weight buffer's header and the engines hold it as an int64 (a larger one was a
+500 that left the publish lock held)."""
+
+
 class PublishedWeights(_Wire):
     """Where a published policy version can be read (the core's answer to a publish, the input of a load)."""
 
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=VERSION_MAX)
     manifest_url: str | None = None
     """Mooncake: the core's weight manifest (engines pull the bytes from its registered buffer)."""
     path: str | None = None
@@ -179,7 +184,7 @@ class PublishedWeights(_Wire):
 
 
 class PublishCommand(_Wire):
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=VERSION_MAX)
     save: bool = False
     """Also write a Hugging Face checkpoint (always done with weights = disk)."""
 
@@ -187,11 +192,11 @@ class PublishCommand(_Wire):
 class SaveCommand(_Wire):
     """Write the current policy (HF checkpoint) and the trainer state (weights, Adam, step, buffer)."""
 
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=VERSION_MAX)
 
 
 class OpenBatchCommand(_Wire):
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=VERSION_MAX)
     """Policy version the batch starts from (the step produces version + 1)."""
     final: bool
     """Last step of the burst: satellites leave after it (no broadcast)."""

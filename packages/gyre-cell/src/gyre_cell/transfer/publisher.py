@@ -88,8 +88,13 @@ class WeightPublisher:
         return self._views
 
     def end_write(self, version: int) -> None:
-        """Close the open write: the buffer now holds `version`."""
-        self._header[VERSION] = version
+        """Close the open write: the buffer now holds `version`. A version the header cannot hold (outside int64)
+        aborts the write instead: the lock is released either way, so one bad version never blocks later writes."""
+        try:
+            self._header[VERSION] = version
+        except (OverflowError, ValueError, RuntimeError, TypeError):  # torch: ValueError (overflow)
+            self.abort_write()
+            raise ValueError(f"version {version!r} does not fit the buffer's int64 header") from None
         self._header[SEQ] = self._write_seq + 2
         self._lock.release()
 
