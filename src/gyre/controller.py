@@ -262,10 +262,14 @@ class Controller:
             return
         path = await self.runner.export(eid, self.cfg.train.j_max, self.cfg.train.seed)
         agent = self.cfg.agent
+        # The paper's zero-reward placeholder, not a valid zero of an untouched workspace.
+        if done.no_work is not None:
+            log.warning("execution %s: %s; see %s", eid, done.no_work, self.run_dir / "logs" / "agents")
         submission = Submission(
             execution_id=eid, group_id=gid, group_size=self.policy.params.N, dispatch_index=index,
             group_dispatched=self.policy.ledger.groups[gid].n_d,  # a burst's own spares, a carried group's more
-            artifact_ref=str(done.workspace), evaluator=f"task-{query.query_id}", launched_at=done.launched_at,
+            artifact_ref=None if done.no_work else str(done.workspace), no_work_reason=done.no_work,
+            evaluator=f"task-{query.query_id}", launched_at=done.launched_at,
             budget_s=launch.get("overall_budget_s") or agent.overall_budget_s, outcome=done.outcome,
             task={"prompt": query.prompt},
         )  # fmt: skip

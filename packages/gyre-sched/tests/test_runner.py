@@ -192,6 +192,33 @@ def test_outcomes_exactly_once_each(tmp_path, proxy):
     assert proxy.hellos["ok"]["cwd"] == str(done["ok"].workspace)  # the harness runs in its workspace
 
 
+def test_a_harness_that_cannot_start_leaves_no_work_not_a_valid_zero(tmp_path, proxy, monkeypatch):
+    """A harness program that does not exist (a typo in the config) ran nothing: its execution is a `no_work`
+    placeholder with the reason, whether the runner's exec fails itself (no setpriv: FileNotFoundError) or the
+    setpriv shell reports it (exit 127); a harness that ran and failed is still an ordinary failure."""
+    import gyre_sched.runner as runner_module
+
+    async def main(template):
+        runner = ExecutionRunner(tmp_path, proxy.url, ADMIN_TOKEN, template, 60.0)
+        try:
+            return await runner.run(f"e{len(proxy.log)}", "g0", "http://engine-0", "task")
+        finally:
+            await runner.aclose()
+
+    missing = ["/nonexistent/harness", "{workspace}"]
+    via_setpriv = asyncio.run(main(missing)) if runner_module._SETPRIV else None
+    monkeypatch.setattr(runner_module, "_SETPRIV", None)
+    direct = asyncio.run(main(missing))
+    ran_and_failed = asyncio.run(main([sys.executable, "-c", "raise SystemExit(3)"]))
+    for done in filter(None, (via_setpriv, direct)):
+        assert done.outcome == "failed" and "could not start" in done.no_work, done
+        assert proxy.ends(done.execution_id) == 1
+    assert "FileNotFoundError" in direct.no_work and direct.returncode is None
+    if via_setpriv is not None:
+        assert via_setpriv.returncode == 127
+    assert (ran_and_failed.outcome, ran_and_failed.returncode, ran_and_failed.no_work) == ("failed", 3, None)
+
+
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
 def test_process_group_killed(tmp_path, proxy, how):
     async def main():

@@ -103,6 +103,26 @@ class Finished:
     """Unix time of launch: the overall budget runs from here."""
     returncode: int | None = None
     """The harness's exit status (negative: killed by that signal); None when it was never started."""
+    no_work: str | None = None
+    """Why the execution left no assessable work, when it did not: its harness could not start (no such program,
+    not executable: exit 126 or 127, or the sandbox's exec failed). Assessed as the paper's zero-reward placeholder
+    (``no_work``), never as a valid zero of its untouched workspace."""
+
+
+NO_START_CODES = (126, 127)
+"""Exit statuses of a shell (and of setpriv's `sh -c exec`) whose command could not be run."""
+
+
+def _could_not_start(returncode: int | None, log: Path) -> str | None:
+    """Why the harness never ran, from its exit status and the first line of its log; None if it ran."""
+    try:
+        with log.open("rb") as f:
+            head = f.read(600).split(b"\n", 1)[0].decode(errors="replace").strip()
+    except OSError:
+        head = ""
+    if returncode in NO_START_CODES or (returncode == 1 and head.startswith("bwrap: execvp")):
+        return f"the harness could not start (exit {returncode}: {head or 'no output'})"
+    return None
 
 
 def _die_with_runner(parent: int, cgroups: Sequence[Path]) -> None:
@@ -293,17 +313,31 @@ class ExecutionRunner:
                 preexec = partial(_die_with_runner, os.getpid(), cgroups)
             else:
                 argv, preexec = _dying_with_runner(argv)
-            with log.open("wb") as out:
-                proc = await asyncio.create_subprocess_exec(
-                    *argv,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=asyncio.subprocess.STDOUT,
-                    env=env,
-                    cwd=workspace,
-                    start_new_session=True,
-                    preexec_fn=preexec,
-                )
+            try:
+                with log.open("wb") as out:
+                    proc = await asyncio.create_subprocess_exec(
+                        *argv,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=asyncio.subprocess.STDOUT,
+                        env=env,
+                        cwd=workspace,
+                        start_new_session=True,
+                        preexec_fn=preexec,
+                    )
+            except OSError as exc:  # no such program, not executable: nothing ran, nothing to assess
+                no_work = f"the harness could not start ({type(exc).__name__}: {exc})"
+                log.write_text(no_work + "\n")
+                if relay is not None:
+                    await relay.close()
+                LaunchSandbox.remove_cgroups(cgroups)
+                if self.sandbox is not None:
+                    await asyncio.to_thread(self.sandbox.release, execution_id)
+                if execution_id in self._cancelled:
+                    done = Finished(execution_id, "cancelled", workspace, launched_at)
+                else:
+                    done = Finished(execution_id, "failed", workspace, launched_at, None, no_work)
+                return await self._end(execution_id, done)
             self._procs[execution_id] = proc
             if budget_s is not None:
                 timeout_s = min(timeout_s, max(0.0, launched_at + budget_s - time.time()))
@@ -326,13 +360,19 @@ class ExecutionRunner:
                     await asyncio.to_thread(self.sandbox.release, execution_id)
         if execution_id in self._cancelled:
             outcome = "cancelled"
+        no_work = _could_not_start(returncode, log) if outcome == "failed" else None
+        done = Finished(execution_id, outcome, workspace, launched_at, returncode, no_work)
+        return await self._end(execution_id, done)
+
+    async def _end(self, execution_id: str, done: Finished) -> Finished:
+        """The execution is over: its proxy registration ends (once), and so does the runner's state of it."""
         async with self._lock(execution_id):
             self._state[execution_id] = "ended"
             self._routes.pop(execution_id, None)
             self._cancelled.discard(execution_id)
             await self.admin_call("POST", f"/executions/{execution_id}/end")
         self._locks.pop(execution_id, None)
-        return Finished(execution_id, outcome, workspace, launched_at, returncode)
+        return done
 
     async def _wait(
         self, execution_id: str, proc: asyncio.subprocess.Process, log: Path, timeout_s: float
