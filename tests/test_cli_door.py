@@ -132,3 +132,30 @@ def test_the_light_modules_keep_every_name_where_it_was():
         assert set(package.__all__) <= set(dir(package))
         with pytest.raises(AttributeError, match="no_such_name"):
             _ = package.no_such_name
+
+
+@pytest.mark.parametrize(
+    ("setting", "needle"),
+    [
+        ("train.lr=inf", "train.lr"),
+        ("train.lr=nan", "train.lr"),
+        ("agent.harness_timeout_s=inf", "harness_timeout_s"),
+    ],
+)
+def test_an_infinite_setting_is_a_config_error(setting, needle, capsys):
+    """`lr = inf` passed validation and failed late, inside the trainer."""
+    from gyre.cli import main
+
+    assert main(["config", "--set", setting]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_a_json_config_whose_top_level_is_a_list_is_one_line(tmp_path, capsys):
+    from gyre.cli import main
+
+    config = tmp_path / "run.json"
+    config.write_text("[1, 2]")
+    assert main(["config", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "top level must be an object" in err[0]

@@ -29,7 +29,8 @@ __all__ = ["ConfigError", "RunConfig", "check_model_path", "load_config"]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No infinities or NaN anywhere in a run's own sections: `lr = inf` passed and failed late, inside the trainer.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -450,9 +451,14 @@ def load_config(path: Path | None, overrides: dict | None = None) -> RunConfig:
     if path is not None:
         try:
             text = path.read_text()
-            _merge(data, tomllib.loads(text) if path.suffix == ".toml" else json.loads(text))
+            loaded = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{path}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"{path}: the top level must be an object of sections, not a {type(loaded).__name__}"
+            )
+        _merge(data, loaded)
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
