@@ -270,7 +270,10 @@ def test_a_satellite_that_stops_answering_is_lost_restarted_and_trains_again(fau
     def boundary(lines: list[dict]) -> bool:
         return any(x["ev"] == "publish" for x in lines)
 
-    summary = fault_run(tmp_path, run_dir, boundary, stop_cell1, f"train.steps={steps}")
+    # The stream's silence bound is this test's to set: 15 s, not the 50 s default it waited out before.
+    summary = fault_run(
+        tmp_path, run_dir, boundary, stop_cell1, f"train.steps={steps}", "launcher.cell_silence_s=15"
+    )
     assert summary["steps"] == steps
     ((pid, t_stop),) = stopped
     assert not Path(f"/proc/{pid}").exists()  # the launcher killed the stopped worker before restarting

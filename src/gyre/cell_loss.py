@@ -2,8 +2,8 @@
 
 What happens when a call to satellite cell i fails (its event stream, a role switch, a join, a weight load):
 - the worker is asked for its status; if it answers, the failure was something else and the run stops as before;
-- if it does not (dead, or hung: a host that lost power answers nothing, and the event stream's read timeout, 50 s,
-  finds it), the cell is lost: the policy gets `CellLost(i)` (traced as `cell_lost`), which takes the cell out of
+- if it does not (dead, or hung: a host that lost power answers nothing, and the event stream's silence bound,
+  `[launcher] cell_silence_s`, finds it), the cell is lost: the policy gets `CellLost(i)` (traced as `cell_lost`), which takes the cell out of
   every later role decision and reroutes its executions to free slots (or cancels them when there is none: never
   assessed, they are excluded, so a spare takes their place or their groups are dropped and refilled at once); the
   proxy stops routing to its engine at once, and a call that was streaming from it fails over to another engine

@@ -261,6 +261,10 @@ class LauncherConfig(_Section):
     service_hang_s: float = Field(30.0, gt=0)
     """The proxy or gyre-eval answering no health probe (every 5 s) for this long is hung: killed, then handled as a
     dead one (gyre-eval restarted on its port; the proxy's death ends the run with one line naming it)."""
+    cell_silence_s: float = Field(50.0, ge=2.0)
+    """A cell whose event stream answers nothing for this long is lost (a stopped or hung host: no reset, no end of
+    file, calls just hang). The stream's long poll is answered at least every min(20 s, half of this) while the cell
+    lives, so a busy cell is not taken for a silent one."""
     reform_timeout_s: float = Field(120.0, gt=0)
     """A restarted satellite rejoins training when every cell re-forms the gloo world: how long the core waits for
     all K cells there. A cell that dies or hangs inside it costs this long, not gloo's 30 minutes."""

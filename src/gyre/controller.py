@@ -328,7 +328,7 @@ class Controller:
         after = 0
         while True:
             try:
-                batch = await cell.events(after)
+                batch = await cell.events(after, silence_s=self.cfg.launcher.cell_silence_s)
             except Exception as exc:  # the process died or hangs: name it and its log, one line
                 log_file = self.run_dir / "logs" / f"cell-{index}.log"
                 raise RunFailed(

@@ -105,10 +105,12 @@ class CellWorkerClient:
                 raise CellCommandError(f"cell at {self.base_url} not ready after {timeout_s:.0f} s")
             await asyncio.sleep(0.2)
 
-    async def events(self, after: int, timeout_s: float = 20.0) -> EventBatch:
-        resp = await self._http.get(
-            "/events", params={"after": after, "timeout": timeout_s}, timeout=timeout_s + 30
-        )
+    async def events(self, after: int, timeout_s: float = 20.0, silence_s: float = 50.0) -> EventBatch:
+        """Events after ``after``: a long poll that the cell answers within ``timeout_s`` even when nothing happened.
+        A cell that answers nothing for ``silence_s`` (a stopped or hung host sends no reset and no end of file)
+        raises httpx's ReadTimeout; the poll is kept at most half of it, so a slow answer is not taken for silence."""
+        poll = min(timeout_s, silence_s / 2)
+        resp = await self._http.get("/events", params={"after": after, "timeout": poll}, timeout=silence_s)
         resp.raise_for_status()
         return EventBatch.model_validate_json(resp.content)
 
