@@ -26,14 +26,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from gyre.config import LauncherConfig
+from gyre.launch.ray import connect
+from gyre.launch.ray_ranks import RankHost, _RemoteRank
 from gyre_sched.trace import iter_trace, read_trace
 from gyre_train.loss import LossConfig
 from gyre_train.replay import replay_batch
 
 ROOT = Path(__file__).resolve().parents[1]
-# One xdist worker runs every Ray test in turn: a local Ray instance and the two-host namespaces (fixed names, a
-# fixed GCS port) are machine-wide.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+# Every Ray test of the suite is in this file: xdist (`--dist loadfile`) runs a file's tests on one worker, in turn,
+# and a local Ray instance and the two-host namespaces (fixed names, a fixed GCS port) are machine-wide.
+pytestmark = pytest.mark.slow
 
 # Token authentication off: the test cluster lives inside two private namespaces (no route out of them).
 RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1",
@@ -530,3 +533,38 @@ def test_two_hosts_a_pipelined_cell_spans_both_hosts(two_hosts, tmp_path):
         trained = [r for r in _steps(run_dir) if r["microsteps_by_cell"].get(str(cell), 0) > 0]
         assert [r["microsteps"] for r in stage1] == [r["microsteps_by_cell"][str(cell)] for r in trained]
     assert any(r["microsteps_by_cell"].get("1", 0) > 0 for r in _steps(run_dir))
+
+
+# ---- the rank host of a cell spread over nodes (gyre.launch.ray_ranks), on a local Ray instance ---------------------
+# (was tests/test_ray_ranks.py: in this file so that every Ray test runs on one xdist worker, in turn)
+# A `RankHost` reports its ranks' exit statuses; once the host itself is gone (its node lost, its owner dead) the
+# worker's handle reads a rank killed by SIGKILL, and the rank does not outlive it (parent-death signal).
+
+
+def test_a_rank_host_reports_its_ranks_ends_and_takes_them_down_with_it(tmp_path):
+    ray = connect(LauncherConfig(kind="ray", num_cpus=2))
+    try:
+        host = ray.remote(max_concurrency=4)(RankHost).remote()
+        node = ray.get(host.node.remote(), timeout=120)
+        assert node["ip"] and node["python"] == sys.executable
+        log = str(tmp_path / "rank.log")
+        ends = _RemoteRank(
+            host, ray.get(host.spawn.remote([sys.executable, "-c", "raise SystemExit(3)"], {}, log))
+        )
+        assert ends.wait(60) == 3
+
+        argv = [sys.executable, "-c", "import threading; print('up', flush=True); threading.Event().wait()"]
+        rank = _RemoteRank(host, ray.get(host.spawn.remote(argv, {"GYRE_PROBE": "1"}, log)))
+        with pytest.raises(subprocess.TimeoutExpired):
+            rank.wait(0.2)  # still running: the handle says so rather than an exit status
+        with open(f"/proc/{rank.pid}/environ", "rb") as f:
+            assert b"GYRE_PROBE=1" in f.read().split(b"\0")
+        pidfd = os.pidfd_open(rank.pid)
+        try:
+            ray.kill(host)
+            assert rank.wait() == -signal.SIGKILL  # the host is gone
+            assert select.select([pidfd], [], [], 60)[0] == [pidfd], "the rank outlived its host"
+        finally:
+            os.close(pidfd)
+    finally:
+        ray.shutdown()
