@@ -280,6 +280,7 @@ class ExecutionRunner:
         log.parent.mkdir(parents=True, exist_ok=True)
         launched_at = time.time()
         returncode: int | None = None
+        start_error: str | None = None
         outcome = "cancelled"
         if execution_id not in self._cancelled:  # cancelled while registering: never started
             base_url = self.proxy_url
@@ -326,43 +327,39 @@ class ExecutionRunner:
                         preexec_fn=preexec,
                     )
             except OSError as exc:  # no such program, not executable: nothing ran, nothing to assess
-                no_work = f"the harness could not start ({type(exc).__name__}: {exc})"
-                log.write_text(no_work + "\n")
-                if relay is not None:
-                    await relay.close()
-                LaunchSandbox.remove_cgroups(cgroups)
-                if self.sandbox is not None:
-                    await asyncio.to_thread(self.sandbox.release, execution_id)
-                if execution_id in self._cancelled:
-                    done = Finished(execution_id, "cancelled", workspace, launched_at)
-                else:
-                    done = Finished(execution_id, "failed", workspace, launched_at, None, no_work)
-                return await self._end(execution_id, done)
-            self._procs[execution_id] = proc
-            if budget_s is not None:
-                timeout_s = min(timeout_s, max(0.0, launched_at + budget_s - time.time()))
-            try:
-                if execution_id in self._cancelled:  # cancelled while the process was being created
+                outcome, start_error = "failed", f"the harness could not start ({type(exc).__name__}: {exc})"
+                log.write_text(start_error + "\n")
+                await self._release_launch(execution_id, relay, cgroups)
+            else:
+                self._procs[execution_id] = proc
+                if budget_s is not None:
+                    timeout_s = min(timeout_s, max(0.0, launched_at + budget_s - time.time()))
+                try:
+                    if execution_id in self._cancelled:  # cancelled while the process was being created
+                        self._kill(proc)
+                    returncode, stalled = await self._wait(execution_id, proc, log, timeout_s)
+                    outcome = "stalled" if stalled else "completed" if returncode == 0 else "failed"
+                except TimeoutError:
                     self._kill(proc)
-                returncode, stalled = await self._wait(execution_id, proc, log, timeout_s)
-                outcome = "stalled" if stalled else "completed" if returncode == 0 else "failed"
-            except TimeoutError:
-                self._kill(proc)
-                returncode = await proc.wait()
-                outcome = "harness_timeout"
-            finally:
-                self._procs.pop(execution_id, None)
-                self._kill(proc)  # whatever the harness left running in its group goes with it
-                if relay is not None:
-                    await relay.close()
-                LaunchSandbox.remove_cgroups(cgroups)
-                if self.sandbox is not None:
-                    await asyncio.to_thread(self.sandbox.release, execution_id)
+                    returncode = await proc.wait()
+                    outcome = "harness_timeout"
+                finally:
+                    self._procs.pop(execution_id, None)
+                    self._kill(proc)  # whatever the harness left running in its group goes with it
+                    await self._release_launch(execution_id, relay, cgroups)
         if execution_id in self._cancelled:
             outcome = "cancelled"
-        no_work = _could_not_start(returncode, log) if outcome == "failed" else None
+        no_work = (start_error or _could_not_start(returncode, log)) if outcome == "failed" else None
         done = Finished(execution_id, outcome, workspace, launched_at, returncode, no_work)
         return await self._end(execution_id, done)
+
+    async def _release_launch(self, execution_id: str, relay: ProxyRelay | None, cgroups: list[Path]) -> None:
+        """What a launch holds besides the harness: the sandbox's relay to the proxy, its cgroups, its lease."""
+        if relay is not None:
+            await relay.close()
+        LaunchSandbox.remove_cgroups(cgroups)
+        if self.sandbox is not None:
+            await asyncio.to_thread(self.sandbox.release, execution_id)
 
     async def _end(self, execution_id: str, done: Finished) -> Finished:
         """The execution is over: its proxy registration ends (once), and so does the runner's state of it."""
