@@ -227,15 +227,17 @@ def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
     before = demo_eval.evaluate_policy(demo_model.demo_policy(), episodes=64, seed=5)
     after = demo_eval.evaluate_policy(run_dir / "checkpoints" / f"policy-v{steps_n}", episodes=64, seed=5)
     assert after["mean_reward"] >= before["mean_reward"] + 0.1, (before, after)
-    # And the run's own curve rose: the last quarter of steps well above the first. A step's mean is over 4 queries
-    # (16 executions), so quarters differ by query difficulty too. bench/demo_learning.py measures the 2x on
-    # seeds 0-2 (seed 0 with these defaults: x2.6 idle, x2.8 under load; the one collapse seen at this lr, before
-    # the clip of 0.3, fell to 0.05); 1.5x leaves room for CI's load and its hold gate, and fails a flat or
-    # collapsing curve.
+    # And the run's own curve rose: its last quarter of steps well above where the policy started, which the held-out
+    # `before` measures on the same kind of queries (chains of three). The first quarter of the run's own steps is no
+    # such baseline: lr warms up over those 10 steps and the policy already learns in them, faster or slower with the
+    # machine's load (a clean-clone CI run on two xdist workers: first quarter 0.37, last 0.55, held-out after
+    # +0.1 or more; the 1.5x of the first quarter it asked then failed a run that learned). bench/demo_learning.py
+    # measures the curve: last quarters 0.69-0.70 on seeds 0-2; the held-out before is 0.32 here, so this asks 0.42
+    # (1.5x of a typical first quarter of 0.25-0.27 asked 0.38-0.40). A flat or collapsing curve fails.
     rewards = summary["mean_reward_per_step"]
     quarter = steps_n // 4
     first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
-    assert last >= 1.5 * first and last >= 0.3, (first, last, rewards)
+    assert last >= before["mean_reward"] + 0.1 and last >= 0.3, (before, first, last, rewards)
 
     # Counters, steps and staleness recomputed from the trace alone.
     trace = read_trace(run_dir / "trace.jsonl")
