@@ -58,7 +58,7 @@ def test_help_and_config_do_not_import_torch():
 def test_version_prints_the_installed_distribution_version():
     proc = _gyre("--version")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == f"gyre {version('gyre')}\n"
+    assert proc.stdout == f"gyre {version('gyre-rl')}\n"
 
 
 @pytest.mark.parametrize(

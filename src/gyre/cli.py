@@ -60,7 +60,7 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
     return load_config(args.config, overrides)
 
 
-DISTRIBUTION = "gyre"
+DISTRIBUTION = "gyre-rl"
 """The meta-package's distribution name, whose version `gyre --version` prints."""
 
 

@@ -4,7 +4,7 @@
   the controller on this machine, bound to loopback. Needs no Ray.
 - `ray` (`RayLauncher`, `[launcher] kind = "ray"` or `gyre run --ray ADDRESS`): one placement group per cell (its
   CPUs, or its GPUs), each cell worker a Ray actor running the same worker code (`gyre_cell.worker`), bound to its
-  node's own address; the addresses are exchanged through the controller. Needs `gyre[ray]`.
+  node's own address; the addresses are exchanged through the controller. Needs `gyre-rl[ray]`.
 
 Both hand the controller the same things: one `CellWorkerClient` per elastic cell and per standalone engine, the
 proxy URL and its admin token. Imports are lazy: `gyre.launch` never imports Ray unless the ray launcher is used.

@@ -53,7 +53,7 @@ def _import_ray():
         import ray
     except ImportError as exc:  # pragma: no cover - the dev group has it
         raise ServiceError(
-            f"[launcher] kind = 'ray' needs Ray ({exc}): install gyre[ray] (uv sync --extra ray)"
+            f"[launcher] kind = 'ray' needs Ray ({exc}): install gyre-rl[ray] (uv sync --extra ray)"
         ) from None
     return ray
 
