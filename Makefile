@@ -1,22 +1,22 @@
 # One set of commands for developers and CI (.ci/run uses the same ones).
 .PHONY: sync lint format test test-fast bench-quick wheels
 
-sync:
-	uv sync --locked
+sync:  # the test and lint environment (the default one, `uv sync`, is what the demo imports)
+	uv sync --locked --group dev
 
 lint:
-	uv run ruff check .
-	uv run ruff format --check .
+	uv run --group dev ruff check .
+	uv run --group dev ruff format --check .
 
 format:
-	uv run ruff format .
-	uv run ruff check --fix .
+	uv run --group dev ruff format .
+	uv run --group dev ruff check --fix .
 
 test:
-	uv run pytest -q -n 2
+	uv run --group dev pytest -q -n 2
 
 test-fast:
-	uv run pytest -q -n 2 -m "not slow and not gpu"
+	uv run --group dev pytest -q -n 2 -m "not slow and not gpu"
 
 bench-quick:
 	for b in bench/*.py; do uv run python $$b --quick | tail -n 1; done

@@ -2,10 +2,18 @@
 
 Property tests keep every counterexample they ever found: hypothesis saves a failing example in a committed example
 database (`tests/hypothesis-examples`, commit what a failure adds there) and replays it first on every run, and it
-prints the reproduction blob of any failure, so a failure found once is checked on every run after it."""
+prints the reproduction blob of any failure, so a failure found once is checked on every run after it.
 
+The system packages the selected tests need are installed here when missing (as root), or the run stops at once with
+one line naming them; the Claude Code CLI is installed by tests/conftest.py."""
+
+import ctypes
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
@@ -15,3 +23,87 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile("gyre")
+
+
+# What the tests need from the system (Debian's package names), by the test paths that need it: the README's test
+# command installs what is missing with apt-get when it runs as root, else stops at once with one line naming it.
+# tests/test_workspace.py checks that every test file naming chromium, bubblewrap or runc is listed here.
+SYSTEM_PACKAGES: dict[str, tuple[str, ...]] = {
+    # the dashboard and report tests drive Debian's chromium headless with playwright (no browser download)
+    "chromium": ("tests/test_dashboard.py", "tests/test_report.py"),
+    # the execution sandbox (gyre_sched.sandbox) at launch and its probes
+    "bubblewrap": (
+        "packages/gyre-sched/tests/test_sandbox_check.py",
+        "tests/test_harness_contract.py",
+        "tests/test_harness_sandbox.py",
+        "tests/test_sandbox_run.py",
+    ),
+    # the same sandbox through an OCI container runtime
+    "runc": ("tests/test_harness_sandbox.py", "tests/test_sandbox_run.py"),
+    # Mooncake's transfer engine loads it even for TCP; a run uses Mooncake wherever it loads
+    "libibverbs1": ("tests", "packages/gyre-cell/tests"),
+}
+
+
+def _installed(package: str) -> bool:
+    if package == "libibverbs1":
+        try:
+            ctypes.CDLL("libibverbs.so.1")  # as Mooncake loads it (LD_LIBRARY_PATH included)
+        except OSError:
+            return False
+        return True
+    return shutil.which({"bubblewrap": "bwrap"}.get(package, package)) is not None
+
+
+def _selected(config) -> list[Path]:
+    """The paths this session collects from: its arguments (less any ::test part), else the configured testpaths."""
+    args = [a.split("::")[0] for a in config.args if not a.startswith("-")]
+    if not args:
+        return [config.rootpath / p for p in config.getini("testpaths")]
+    return [(config.invocation_params.dir / a).resolve() for a in args]
+
+
+def _needed(config) -> list[str]:
+    """The packages of the selected paths: a path needs what any test path under or above it needs."""
+    selected = _selected(config)
+    needed = []
+    for package, paths in SYSTEM_PACKAGES.items():
+        for path in (config.rootpath / p for p in paths):
+            if any(path == s or path.is_relative_to(s) or s.is_relative_to(path) for s in selected):
+                needed.append(package)
+                break
+    return needed
+
+
+def _apt_get_install(packages: list[str]) -> str:
+    """apt-get install (after an update if the first try fails); '' on success, else its last line of output."""
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "-o", "DPkg::Lock::Timeout=600", *packages]
+    proc = subprocess.run(install, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env)
+        proc = subprocess.run(install, capture_output=True, text=True, env=env)
+    if proc.returncode == 0:
+        return ""
+    return (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput") or config.option.help or config.option.version:
+        return  # an xdist worker: the controller set the machine up before it started
+    missing = [p for p in _needed(config) if not _installed(p)]
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        why = "not root"
+    elif shutil.which("apt-get") is None:
+        why = "no apt-get on PATH"
+    else:
+        why = _apt_get_install(missing)
+        missing = [p for p in missing if not _installed(p)]
+        if not missing:
+            return
+    names = " ".join(missing)
+    raise pytest.UsageError(
+        f"the tests need Debian's {names} ({why}): run `apt-get install -y {names}` as root"
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -100,10 +102,91 @@ def test_light_package_does_not_import_torch(module):
     assert out.stdout.strip() == "", f"{module} imported {out.stdout.strip()}"
 
 
+# The README's test command: the `dev` group brings what the tests import (SGLang, Megatron-core, Ray, playwright...),
+# which the default environment, the one `uv run gyre demo` syncs, leaves out.
+TEST_COMMAND = "uv run --group dev pytest -q -n 2"
+
+
 def test_ci_runs_exactly_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     m = re.search(r"<!-- test-command -->\s*```(?:bash|sh)?\n(.+?)\n```", readme, re.DOTALL)
     assert m, "README must hold the test command in a fenced block after <!-- test-command -->"
     command = m.group(1).strip()
+    assert command == TEST_COMMAND
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert command in ci_lines, f"{command!r} not run by .ci/run"
+
+
+def _locked_packages(*args: str) -> set[str]:
+    """The distributions an environment synced from the lock holds (uv export reads uv.lock, resolves nothing)."""
+    out = subprocess.run(
+        ["uv", "export", "--frozen", "--no-hashes", "--no-emit-workspace", "--no-header", *args],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return {
+        re.split(r"[=<>;\[ ]", line, maxsplit=1)[0].lower()
+        for line in out.stdout.splitlines()
+        if line[:1].isalnum()
+    }
+
+
+HEAVY = {
+    "sglang",
+    "flashinfer-python",
+    "sglang-kernel",
+    "megatron-core",
+    "ray",
+    "playwright",
+    "pytest",
+    "mkdocs-material",
+}
+
+
+def test_default_environment_leaves_out_what_the_demo_does_not_import():
+    default = _locked_packages()
+    assert {"torch", "transformers", "mooncake-transfer-engine-non-cuda", "tensorboard"} <= default
+    assert not default & HEAVY, sorted(default & HEAVY)
+    assert _locked_packages("--group", "dev") >= HEAVY  # the test command's environment has them all
+
+
+def _root_conftest():
+    spec = importlib.util.spec_from_file_location("gyre_root_conftest", ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_test_file_naming_a_system_tool_is_in_the_system_map():
+    listed = _root_conftest().SYSTEM_PACKAGES
+    words = {"chromium": r"chromium", "bubblewrap": r"\bbwrap\b|bubblewrap", "runc": r"\brunc\b"}
+    files = sorted(ROOT.glob("tests/**/test_*.py")) + sorted(ROOT.glob("packages/*/tests/**/test_*.py"))
+    files.remove(Path(__file__).resolve())  # this file names them all
+    for package, word in words.items():
+        naming = {str(f.relative_to(ROOT)) for f in files if re.search(word, f.read_text())}
+        assert naming and naming <= set(listed[package]), (
+            f"{package}: {sorted(naming - set(listed[package]))}"
+        )
+
+
+def _collect_without_system_tools(*paths: str) -> subprocess.CompletedProcess:
+    """`pytest --collect-only` of `paths` with only the environment's own bin on PATH (no chromium, no apt-get)."""
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", *paths],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+
+
+def test_test_command_stops_at_once_naming_the_system_package_to_install():
+    proc = _collect_without_system_tools("tests/test_report.py")
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ERROR: the tests need Debian's chromium"), proc.stderr
+    assert "apt-get install -y chromium" in lines[0] and "test_report" not in proc.stdout  # nothing collected
+
+
+def test_a_selection_needs_only_its_own_system_packages():
+    light = _collect_without_system_tools("packages/gyre-tito/tests/test_parse.py")
+    assert light.returncode == 0 and "test_parse.py::" in light.stdout, light.stderr
+    other = _collect_without_system_tools("tests/test_workspace.py")
+    assert "chromium" not in other.stderr and "bubblewrap" not in other.stderr, other.stderr
