@@ -6,6 +6,7 @@ an OCI container runtime (runc; `.ci/run` installs both)."""
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -133,3 +134,35 @@ def test_harness_timeout_beyond_the_overall_budget_is_refused(stack):
     with pytest.raises(ValueError, match="overall budget must cover"):
         asyncio.run(_run(runner, "x", harness_timeout_s=40.0))
     assert srv.admin("GET", "/admin/executions/x").status_code == 404  # refused before registration
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a distinct host identity needs root (CI runs as root)")
+def test_the_harness_is_not_root_outside_its_sandbox(stack):
+    """Root-only files on the paths the sandbox mounts stay unreadable: the harness's uid 65534 is the host's nobody,
+    not root (bubblewrap's user namespace mapped it to the operator's uid, root here). It still writes its workspace
+    (probe.json) and reaches the proxy through the relay."""
+    srv, _, tmp, runtime = stack
+    mounted = tmp / "checkout"  # a read-only mounted folder, as the checkout's src folders are
+    mounted.mkdir(mode=0o755)
+    (mounted / "public.txt").write_text("shared")
+    secret = mounted / "operator-only.txt"
+    secret.write_text("operator secret")
+    secret.chmod(0o600)
+    paths = {
+        "read": {"operator_file": str(secret), "public_file": str(mounted / "public.txt")},
+        "list": {"ssl_private": "/etc/ssl/private"} if Path("/etc/ssl/private").is_dir() else {},
+        "host_home": str(Path.home()),
+        "workspaces": str(tmp / "run" / "workspaces"),
+        "connect": {},
+    }
+    harness = CommandHarness([sys.executable, "-c", PROBE, json.dumps(paths)])
+    runner, sandbox = _runner(srv, tmp / "run", harness, runtime)
+    sandbox.ro_paths = [*sandbox.ro_paths, str(mounted)]
+    done = asyncio.run(_run(runner, "ident-1"))
+    assert done.outcome == "completed", (tmp / "run" / "logs" / "agents" / "ident-1.log").read_text()
+    out = json.loads((done.workspace / "probe.json").read_text())
+    assert out["uid"] == 65534 and out["proxy_call"] == ["succeeded", "'pong'"]
+    assert out["read:public_file"] == ["succeeded", "'shared'"]  # mounted: only the identity keeps the secret
+    assert out["read:operator_file"][:2] == ["failed", "PermissionError"], out["read:operator_file"]
+    for key in paths["list"]:
+        assert out["list:" + key][:2] == ["failed", "PermissionError"], out["list:" + key]
