@@ -113,11 +113,10 @@ def _value(v: object) -> str:
     return json.dumps(to_jsonable_python(v), ensure_ascii=False)
 
 
-def _cell(text: str, *, code: bool = False) -> str:
-    """One table cell: one line, `|` escaped; outside code spans, nothing Markdown or HTML would act on."""
-    text = " ".join(text.split()).replace("|", "\\|")
-    if code:
-        return text
+def _cell(text: str) -> str:
+    """One table cell on one line; outside code spans, nothing that Markdown or HTML would act on: `|`, `<`, `>`,
+    `*` and `_` are escaped (types and defaults are plain text: a `|` inside a code span shows its backslash)."""
+    text = " ".join(text.split())
     # Code spans and citations of the docs ("docs/design/training.md#objective", which become links) stay as they are.
     parts = re.split(r"(`+[^`]*?`+|\bdocs/[\w/.-]+\.md(?:#[\w-]+)?)", text)
     for i, part in enumerate(parts):
@@ -125,7 +124,9 @@ def _cell(text: str, *, code: bool = False) -> str:
             if part.startswith("docs/"):
                 parts[i] = f"[{part.removeprefix('docs/')}](../{part.removeprefix('docs/')})"
         else:
-            parts[i] = part.replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*").replace("_", "\\_")
+            for raw, escaped in (("|", "\\|"), ("<", "&lt;"), (">", "&gt;"), ("*", "\\*"), ("_", "\\_")):
+                part = part.replace(raw, escaped)
+            parts[i] = part
     return "".join(parts)
 
 
@@ -141,9 +142,7 @@ def _config_page(title: str, intro: str, root: object, root_name: str) -> str:
             if sub is not None and value is not None:
                 subs.append((name, value))
                 continue
-            rows.append(
-                f"| `{name}` | `{_cell(_type_name(tp), code=True)}` | `{_cell(_value(value), code=True)}` | {_cell(doc)} |"
-            )
+            rows.append(f"| `{name}` | {_cell(_type_name(tp))} | {_cell(_value(value))} | {_cell(doc)} |")
         heading = f"[{path}]" if path else root_name
         out.append(f"\n## `{heading}`\n\n")
         class_doc = inspect.getdoc(cls) if cls.__doc__ else ""
@@ -170,8 +169,8 @@ def config_pages() -> dict[str, str]:
         "config.md": _config_page(
             "Run config (`gyre run`)",
             "Every field of a run's config file (TOML or JSON), of `--set section.field=value`, and of "
-            "`RUN/config.json`. `uv run gyre config` prints the resolved values. The defaults are the demo "
-            "preset's (`gyre demo` runs them).",
+            "`RUN/config.json`. `uv run gyre config` prints the resolved values and where each came from, "
+            "`--explain` with these descriptions. The defaults are the demo preset's (`gyre demo` runs them).",
             RunConfig(),
             "top level",
         ),

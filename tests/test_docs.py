@@ -84,6 +84,16 @@ def test_every_docs_path_cited_in_the_repository_resolves(site):
     assert not broken, "\n".join(broken)
 
 
+def test_every_relative_link_of_the_readmes_resolves():
+    """The landing README and the package and example READMEs link into docs/ and examples/ by relative paths."""
+    broken = []
+    for readme in [p for p in _repo_files((".md",)) if p.name == "README.md" and DOCS not in p.parents]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme.read_text()):
+            if not re.match(r"[a-z]+://", target) and not (readme.parent / target).exists():
+                broken.append(f"{readme.relative_to(ROOT)}: {target}")
+    assert not broken, "\n".join(broken)
+
+
 def test_a_broken_citation_is_found(site):
     assert _broken(site, "see docs/design/training.md#objective and docs/concepts/cells.md") == []
     assert _broken(site, "docs/design/training.md#no-such-anchor, docs/nowhere.md") == [
