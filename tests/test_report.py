@@ -199,6 +199,9 @@ def test_report_of_a_real_interrupted_demo_run(tmp_path, capsys):
         page = browser.new_page(viewport={"width": 1300, "height": 900})
         layout = _render(page, run_dir / "report.html")
         assert layout["reward"]["points"][0] == len(steps) >= 1
+        lr = page.evaluate("window.gyreCharts.lr.data.datasets[0].data.map(p => p.y)")
+        assert lr == [s["metrics"]["lr"] for s in steps] and all(v > 0 for v in lr)  # recorded by the trainer
+        assert "did not finish" in page.inner_text("#run-status")
         assert (
             page.eval_on_selector_all("#executions tbody tr", "t => t.map(r => r.dataset.execution)")
             == dispatched

@@ -51,6 +51,8 @@
     ["response length", "output tokens an execution generated, over all its model calls"],
     ["turns", "model calls of one execution"],
     ["tok", "tokens"],
+    ["input sources", "where a call's input tokens came from: policy (sampled by the engine earlier in the execution) or external (prompts, tool results, text the harness added)"],
+    ["finish", "why the engine stopped the call's output: stop (end of the turn), tool_use (a tool call), length (the token limit), abort, ..."],
     ["p50", "median (50th percentile) of the model calls' latency, request to last token"],
     ["p99", "99th percentile of the model calls' latency: 1 call in 100 took longer"],
     ["role class", "what a model call was for: main/task, main/summary, sub/task (a subagent), sub/summary"],
@@ -204,12 +206,14 @@
   }
   const stat = (rows, key) => {
     const v = rows.map((e) => num(e[key])).filter((x) => x != null);
-    return v.length ? { mean: v.reduce((a, b) => a + b, 0) / v.length, max: Math.max(...v) } : { mean: null, max: null };
+    return v.length ? { mean: v.reduce((a, b) => a + b, 0) / v.length, max: v.reduce((a, b) => Math.max(a, b)) }
+      : { mean: null, max: null };
   };
   // The range of the run's rewards: the mean +- std band never leaves it (0/1 rewards: the band stays within [0, 1]).
   function rewardRange(executions) {
     const v = executions.map((e) => num(e.reward)).filter((x) => x != null);
-    return v.length ? [Math.min(...v), Math.max(...v)] : null;
+    // reduce, not Math.min(...v): a long run has more rewards than a call takes arguments
+    return v.length ? [v.reduce((a, b) => Math.min(a, b)), v.reduce((a, b) => Math.max(a, b))] : null;
   }
 
   function drawCharts(series, executions) {
@@ -392,8 +396,8 @@
     const tail = n.input_tail == null ? `[${n.input_tail_tokens} tokens]` : n.input_tail;
     return `<div class="node" data-call="${esc(n.call_id)}">
       <div class="node-head"><b>call ${n.seq}</b><span class="${roleClass(n.role_class)}">${esc(n.role_class)}</span>
-        <span>${esc(n.call_kind)} · agent ${esc(n.agent_id)}</span><span>in ${n.input_tokens} tok (${esc(prov)})</span>
-        <span>out ${n.output_tokens} tok, <b>${n.target_tokens}</b> target</span><span>finish ${esc(n.finish_reason)}</span>
+        <span>${esc(n.call_kind)} · agent ${esc(n.agent_id)}</span><span>in ${n.input_tokens} ${abbr("tok")} (${abbr("input sources", prov)})</span>
+        <span>out ${n.output_tokens} ${abbr("tok")}, <b>${n.target_tokens}</b> ${abbr("target tokens", "target")}</span><span>${abbr("finish")} ${esc(n.finish_reason)}</span>
         <span>${fmt(n.latency_s, 2)} s</span></div>
       <div class="segments">${segs}</div>
       <div class="text"><span class="input-tail">…${esc(tail)}</span>${pieces}</div></div>`;
