@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gyre_sched.sandbox_oci import OciBundle, give_to, oci_resources
+from gyre_sched.sandbox_oci import OciBundle, give_to, oci_resources, sweep_oci
 
 __all__ = ["FORWARDER", "LaunchSandbox", "ProxyRelay", "default_ro_paths"]
 
@@ -133,9 +133,8 @@ class ProxyRelay:
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
-        self.dir = Path(
-            tempfile.mkdtemp(prefix="gyre-relay-")
-        )  # short path: Unix socket names are <= 107 bytes
+        # Short (Unix socket names are <= 107 bytes), named by the controller's pid: `LaunchSandbox.sweep`.
+        self.dir = Path(tempfile.mkdtemp(prefix=f"gyre-relay-{os.getpid()}-"))
         self.path = self.dir / "proxy.sock"
         self._server: asyncio.base_events.Server | None = None
 
@@ -197,6 +196,17 @@ def _v2_enable(parent: Path) -> set[str]:
             (parent / "cgroup.subtree_control").write_text(f"+{ctrl}")
             enabled.add(ctrl)
     return enabled & set(LIMITED)
+
+
+def _dead(pid_prefixed: str) -> bool:
+    """Whether the controller whose pid starts `pid_prefixed` (``PID-...``) is gone (a live or reused pid: kept)."""
+    try:
+        os.kill(int(pid_prefixed.split("-", 1)[0]), 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, OSError):
+        return False
+    return False
 
 
 def _open_parents(mounted: Sequence[str], links: Sequence[str]) -> list[str]:
@@ -330,6 +340,25 @@ class LaunchSandbox:
         bundle = self._bundles.pop(name, None)
         if bundle is not None:
             bundle.delete()
+
+    def sweep(self) -> list[Path]:
+        """Remove what the launches of a dead controller left (a SIGKILL skips every clean-up): its executions'
+        cgroups (what still runs in them is killed), proxy relay folders, and OCI bundles and containers, each named
+        by its controller's pid. Called as a runner starts; returns the folders it removed."""
+        gone: list[Path] = []
+        if self.runtime != "oci":
+            for root in _cgroup_roots(Path(self.cgroup_root)).values():
+                with contextlib.suppress(OSError):
+                    left = [cg for cg in (root / "gyre").iterdir() if cg.is_dir() and _dead(cg.name)]
+                    self.remove_cgroups(left)
+                    gone += [cg for cg in left if not cg.exists()]
+        for folder in Path(tempfile.gettempdir()).glob("gyre-relay-*"):
+            if _dead(folder.name.removeprefix("gyre-relay-")):
+                shutil.rmtree(folder, ignore_errors=True)
+                gone.append(folder)
+        if self.runtime == "oci":
+            gone += sweep_oci(self.oci_runtime, _dead)
+        return gone
 
     # ---- limits -------------------------------------------------------------------------------------------------
     def make_cgroup(self, name: str) -> list[Path]:
