@@ -1,6 +1,6 @@
 """A harness that probes its sandbox (run as `python -c <this file's text> PATHS_JSON`: the file itself is not visible
-inside the sandbox). It tries to read each of PATHS_JSON's "read" files, list the host's home and the run's workspaces,
-connect to each "connect" address, make one model call through the proxy (ANTHROPIC_BASE_URL) and spawn 64 processes;
+inside the sandbox). It tries to read each of PATHS_JSON's "read" files, list the host's home, the run's workspaces and each
+"list" folder, connect to each "connect" address, make one model call through the proxy (ANTHROPIC_BASE_URL) and spawn 64 processes;
 it writes what happened to probe.json in its workspace. Used by tests/test_harness_sandbox.py and test_sandbox_run.py.
 """
 
@@ -31,6 +31,8 @@ def attempt(name, fn):
 for key, p in paths["read"].items():
     attempt("read:" + key, lambda p=p: Path(p).read_text())
 attempt("list:host_home", lambda: os.listdir(paths["host_home"]))
+for key, p in paths.get("list", {}).items():
+    attempt("list:" + key, lambda p=p: os.listdir(p))
 attempt("list:other_workspaces", lambda: os.listdir(paths["workspaces"]))
 for key, (host, port) in paths["connect"].items():
     attempt("connect:" + key, lambda a=(host, port): socket.create_connection(a, timeout=3).close())

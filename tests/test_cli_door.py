@@ -32,7 +32,7 @@ def test_help_and_config_do_not_import_torch():
         "from gyre.cli import main\n"
         "config, help_text = io.StringIO(), io.StringIO()\n"
         "with contextlib.redirect_stdout(config):\n"
-        "    rc = main(['config'])\n"
+        "    rc = main(['config', '--json'])\n"
         "try:\n"
         "    with contextlib.redirect_stdout(help_text):\n"
         "        main(['--help'])\n"

@@ -356,6 +356,27 @@ def test_dashboard_of_a_live_demo_run_in_chromium(tmp_path):
                 [s["mean_reward"] for s in steps]
             )
             assert [pt["y"] for pt in charts["loss"]["data"][0]] == pytest.approx([s["loss"] for s in steps])
+            # the lr the trainer recorded for each step (the demo's constant lr), the gradient norm, and the mean
+            # turns of each step's executions as the executions table counts them
+            assert [pt["y"] for pt in charts["lr"]["data"][0]] == [s["metrics"]["lr"] for s in steps]
+            assert all(s["metrics"]["lr"] > 0 for s in steps)
+            assert [pt["y"] for pt in charts["gradnorm"]["data"][0]] == pytest.approx(
+                [s["grad_norm"] for s in steps]
+            )
+            table = {r["execution"]: r for r in page.evaluate("window.gyreState.executions")}
+            turns = [
+                [
+                    table[e]["calls"]
+                    for e in table
+                    if table[e]["group"] in s["group_ids"] and table[e]["launch_t"] is not None
+                ]
+                for s in steps
+            ]
+            assert [pt["y"] for pt in charts["turns"]["data"][0]] == pytest.approx(
+                [sum(t) / len(t) for t in turns]
+            )
+            assert all(pt["y"] > 0 for pt in charts["length"]["data"][0])
+            assert page.inner_text("#run-status") == "finished, 3 steps"
             trace = _jsonl(run_dir / "trace.jsonl")
             staleness = [d for line in trace if line["ev"] == "step_end" for d in line["staleness"]]
             hist = dict(zip(charts["staleness"]["labels"], charts["staleness"]["data"][0], strict=True))

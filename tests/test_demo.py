@@ -24,7 +24,7 @@ from gyre_tito.render import ChatTokenizer
 
 
 def test_config_prints_resolved_defaults(capsys):
-    assert main(["config", "--set", "train.steps=7"]) == 0
+    assert main(["config", "--json", "--set", "train.steps=7"]) == 0
     cfg = json.loads(capsys.readouterr().out)
     assert cfg["train"]["steps"] == 7
     assert cfg["cluster"]["cells"] == 2

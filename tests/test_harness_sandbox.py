@@ -5,10 +5,14 @@ timeout, and a harness timeout longer than the overall budget is refused. Each u
 an OCI container runtime (runc; `.ci/run` installs both)."""
 
 import asyncio
+import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import uuid
 from pathlib import Path
 
@@ -133,3 +137,129 @@ def test_harness_timeout_beyond_the_overall_budget_is_refused(stack):
     with pytest.raises(ValueError, match="overall budget must cover"):
         asyncio.run(_run(runner, "x", harness_timeout_s=40.0))
     assert srv.admin("GET", "/admin/executions/x").status_code == 404  # refused before registration
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a distinct host identity needs root (CI runs as root)")
+def test_the_harness_is_not_root_outside_its_sandbox(stack):
+    """Root-only files on the paths the sandbox mounts stay unreadable: the harness's uid 65534 is the host's nobody,
+    not root (bubblewrap's user namespace mapped it to the operator's uid, root here). It still writes its workspace
+    (probe.json) and reaches the proxy through the relay."""
+    srv, _, tmp, runtime = stack
+    mounted = tmp / "checkout"  # a read-only mounted folder, as the checkout's src folders are
+    mounted.mkdir(mode=0o755)
+    (mounted / "public.txt").write_text("shared")
+    secret = mounted / "operator-only.txt"
+    secret.write_text("operator secret")
+    secret.chmod(0o600)
+    paths = {
+        "read": {"operator_file": str(secret), "public_file": str(mounted / "public.txt")},
+        "list": {"ssl_private": "/etc/ssl/private"} if Path("/etc/ssl/private").is_dir() else {},
+        "host_home": str(Path.home()),
+        "workspaces": str(tmp / "run" / "workspaces"),
+        "connect": {},
+    }
+    harness = CommandHarness([sys.executable, "-c", PROBE, json.dumps(paths)])
+    runner, sandbox = _runner(srv, tmp / "run", harness, runtime)
+    sandbox.ro_paths = [*sandbox.ro_paths, str(mounted)]
+    done = asyncio.run(_run(runner, "ident-1"))
+    assert done.outcome == "completed", (tmp / "run" / "logs" / "agents" / "ident-1.log").read_text()
+    out = json.loads((done.workspace / "probe.json").read_text())
+    assert out["uid"] == 65534 and out["proxy_call"] == ["succeeded", "'pong'"]
+    assert out["read:public_file"] == ["succeeded", "'shared'"]  # mounted: only the identity keeps the secret
+    assert out["read:operator_file"][:2] == ["failed", "PermissionError"], out["read:operator_file"]
+    for key in paths["list"]:
+        assert out["list:" + key][:2] == ["failed", "PermissionError"], out["list:" + key]
+
+
+def _left_by(pid: int, runtime: str) -> list[Path]:
+    """What the launches of controller `pid` made and have not removed: relay folders, cgroups, OCI bundles and
+    containers' state."""
+    tmpdir = Path(tempfile.gettempdir())
+    left = [*tmpdir.glob(f"gyre-relay-{pid}-*"), *tmpdir.glob(f"gyre-oci-{pid}-*")]
+    left += [cg for cg in Path("/sys/fs/cgroup").glob(f"**/gyre/{pid}-*") if cg.is_dir()]
+    if runtime == "oci":
+        listed = subprocess.run(["runc", "list", "-q"], capture_output=True, text=True).stdout.split()
+        left += [Path("runc:" + c) for c in listed if c.startswith(f"gyre-{pid}-")]
+    return left
+
+
+def _alive(token: str) -> str:
+    return subprocess.run(["pgrep", "-af", token], capture_output=True, text=True).stdout
+
+
+def test_a_cancellation_during_the_launch_leaves_nothing(stack):
+    """SIGINT's shutdown cancels an execution while its harness is being spawned: the harness, its relay folder and
+    cgroups (its OCI container and bundle) go all the same (the relay folder and cgroups were left)."""
+    srv, _, tmp, runtime = stack
+    token = f"gyre-launch-cancel-{uuid.uuid4().hex}"
+    harness = CommandHarness(["/usr/bin/sh", "-c", f"/usr/bin/sleep 1000; : {token}"])
+    runner, sandbox = _runner(srv, tmp / "run", harness, runtime)
+    made: list[Path] = []
+    make_cgroup = sandbox.make_cgroup
+
+    def make_then_cancel(
+        name,
+    ):  # the gate: the cgroups are made and the spawn comes next, with no wait between
+        made.extend(make_cgroup(name))
+        asyncio.current_task().cancel()
+        return made
+
+    sandbox.make_cgroup = make_then_cancel
+
+    async def launch():
+        task = asyncio.ensure_future(_run(runner, "cancel-1"))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(launch())
+    assert made or runtime == "oci"  # this machine's cgroups are writable (bubblewrap makes them)
+    assert _left_by(os.getpid(), runtime) == [] and not _alive(token)
+
+
+CONTROLLER = """
+import asyncio, sys
+from pathlib import Path
+from gyre_sched.harness import CommandHarness
+from gyre_sched.runner import ExecutionRunner
+from gyre_sched.sandbox import LaunchSandbox
+run_dir, url, engine, runtime, token = sys.argv[1:6]
+sandbox = LaunchSandbox(max_processes=32, memory_bytes=1 << 30, cpu_cores=1.0, runtime=runtime)
+harness = CommandHarness(["/usr/bin/sh", "-c", f"echo up > ready; /usr/bin/sleep 1000; : {token}"])
+runner = ExecutionRunner(Path(run_dir), url, "adm", harness, 600.0, sandbox=sandbox)
+asyncio.run(runner.run("killed-1", "g", engine, "task"))
+"""
+
+
+def _read_gate(fifo: Path, proc: subprocess.Popen) -> str:
+    """What the harness writes to `fifo`; "exited" if its controller ends first (then nobody else would write)."""
+
+    def unblock() -> None:
+        proc.wait()
+        with contextlib.suppress(OSError):  # the reader waits in open(): this write end opens at once
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            os.write(fd, b"exited")
+            os.close(fd)
+
+    threading.Thread(target=unblock, daemon=True).start()
+    with open(fifo) as f:
+        return f.read()
+
+
+def test_what_a_killed_controller_left_is_swept_at_the_next_start(stack):
+    """A controller SIGKILLed while its sandboxed harness runs cleans nothing up; the next runner's start removes
+    what it left (relay folder, cgroups and what still runs in them, OCI container and bundle), found by its pid."""
+    srv, eng, tmp, runtime = stack
+    token = f"gyre-killed-controller-{uuid.uuid4().hex}"
+    workspace = tmp / "run" / "workspaces" / "killed-1"
+    workspace.mkdir(parents=True)
+    os.mkfifo(workspace / "ready")  # the gate: the harness writes to it once it runs
+    argv = [sys.executable, "-c", CONTROLLER, str(tmp / "run"), srv.url, eng.url, runtime, token]
+    proc = subprocess.Popen(argv)
+    try:
+        assert _read_gate(workspace / "ready", proc) == "up\n"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _left_by(proc.pid, runtime)  # SIGKILL: no clean-up ran
+    ExecutionRunner(tmp / "run2", srv.url, "adm", ["true"], 10.0, sandbox=LaunchSandbox(runtime=runtime))
+    assert _left_by(proc.pid, runtime) == [] and not _alive(token)

@@ -4,7 +4,9 @@
   entry point): cell worker processes, standalone engines, proxy, evaluator, controller.
 - `gyre demo [--config FILE] [...]`: the `demo` preset of `gyre run` on this machine (tiny model, CPU cells); same
   code path. Prints progress and, as its last line, a JSON summary.
-- `gyre config [--config FILE] [--set key=value ...]`: print the resolved config without running anything.
+- `gyre config [--config FILE] [--set key=value ...] [--explain] [--json]`: print the resolved config without
+  running anything, each value with where it came from (default, file, --set); `--explain` adds each field's
+  description, `--json` prints the config alone as JSON.
 - `gyre report RUN`: rebuild RUN/report.html from the run directory.
 - `gyre --version`: the installed version of the `gyre` distribution.
 
@@ -48,7 +50,7 @@ def _overrides(pairs: list[str]) -> dict:
     return out
 
 
-def _resolve(args: argparse.Namespace) -> RunConfig:
+def _resolve(args: argparse.Namespace, sources: dict[str, str] | None = None) -> RunConfig:
     overrides = _overrides(args.set)
     if getattr(args, "run_dir", None):
         overrides["run_dir"] = args.run_dir
@@ -57,7 +59,7 @@ def _resolve(args: argparse.Namespace) -> RunConfig:
     if getattr(args, "ray", None):
         overrides["launcher.kind"] = "ray"
         overrides["launcher.address"] = None if args.ray == "local" else args.ray
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, sources)
 
 
 DISTRIBUTION = "gyre-rl"
@@ -104,7 +106,12 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
         )
-        if name != "config":
+        if name == "config":
+            p.add_argument("--explain", action="store_true", help="print each field's description above it")
+            p.add_argument(
+                "--json", action="store_true", help="print the resolved config as JSON, nothing else"
+            )
+        else:
             p.add_argument("--run-dir", default=None, help="run directory (default runs/<UTC timestamp>)")
             p.add_argument("--steps", type=int, default=None, help="optimizer steps to run")
             p.add_argument("--ray", default=None, metavar="ADDRESS",
@@ -233,12 +240,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run" and args.config is None:
             print("gyre run: a config file is needed (or --resume RUN_DIR)", file=sys.stderr)
             return 2
-        cfg = _resolve(args)
+        sources: dict[str, str] = {}
+        cfg = _resolve(args, sources)
     except ConfigError as exc:
         print(f"gyre {args.command}: {exc}", file=sys.stderr)
         return 2
     if args.command == "config":
-        print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        if args.json:
+            print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        else:
+            from gyre.config_view import render
+
+            print(render(cfg, sources, explain=args.explain))
         return 0
     if args.placed_controller:
         _join(cfg, args.placed_controller)

@@ -30,7 +30,8 @@ __all__ = ["ConfigError", "RunConfig", "check_model_path", "load_config"]
 
 class _Section(BaseModel):
     # No infinities or NaN anywhere in a run's own sections: `lr = inf` passed and failed late, inside the trainer.
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    # Attribute docstrings are the fields' descriptions (`gyre config --explain`, the reference docs).
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
 
 
 class ModelConfig(_Section):
@@ -175,6 +176,7 @@ class RolloutConfig(_Section):
     """Each cell's rollout engine: the torch engine inside the cell worker, or an SGLang server the worker starts,
     watches and updates (`gyre_cell.worker_engine`); standalone engines too."""
     sglang: SGLangSection = SGLangSection()
+    """The SGLang server each cell starts when `engine = "sglang"`."""
 
 
 class AgentConfig(_Section):
@@ -217,6 +219,7 @@ class MetricsConfig(_Section):
     wandb_project: str | None = None
     """Also log to Weights & Biases under this project (needs `wandb` installed; WANDB_* variables apply)."""
     wandb_entity: str | None = None
+    """The Weights & Biases entity (team or user) of `wandb_project` (None: the account's default)."""
 
 
 class LauncherConfig(_Section):
@@ -341,11 +344,13 @@ class JudgeSection(_Section):
     """An OpenAI-compatible endpoint root (http://host:port/v1). None: the run's own TITO proxy, where the judge is
     one more execution (id `judge`, its own credential; its calls are recorded and never trained on)."""
     model: str = "gyre-policy"
+    """The model name asked of the endpoint (the run's own proxy serves the policy under any name)."""
     api_key_env: str | None = None
     """`base_url`'s key, read from this environment variable."""
     temperature: float = Field(0.0, ge=0)
     """Asked of the endpoint (the run's proxy pins every call to the run's temperature)."""
     max_tokens: int = Field(256, ge=1)
+    """max_tokens of each judge call."""
     max_artifact_chars: int = Field(20_000, ge=100)
     """Workspace text shown to the judge (larger artifacts are truncated, and the prompt says so)."""
 
@@ -374,20 +379,29 @@ class RunConfig(_Section):
     run_dir: str | None = None
     """None: runs/<UTC timestamp>. Where config.json, trace.jsonl, records/, assessments.sqlite, trajectories/, checkpoints/, report.html go."""
     model: ModelConfig = ModelConfig()
+    """The policy: a local Hugging Face checkpoint or a builtin model, and its sampling temperature."""
     cluster: ClusterConfig = ClusterConfig()
+    """The cells and the standalone rollout pool: how many, how many executions each serves, on which device."""
     scheduler: PolicyConfig = DEMO_SCHEDULER
     """gyre-sched's policy config: kind (elastic/async/colocate), N, B, phi, mu, rho_min, tau_s, k_spare, dispatch..."""
     train: TrainConfig = TrainConfig()
+    """The optimizer, the GSPO loss, micro-steps, checkpoints and the training backend."""
     weights: WeightsConfig = WeightsConfig()
+    """How the core's new weights reach the rollout engines and joining satellites."""
     rollout: RolloutConfig = RolloutConfig()
     """The rollout engine of every cell: in-process torch (default) or a supervised SGLang server."""
     agent: AgentConfig = AgentConfig()
+    """The built-in agent's limits and every execution's deadlines."""
     dashboard: DashboardConfig = DashboardConfig()
+    """The live dashboard served during the run."""
     metrics: MetricsConfig = MetricsConfig()
+    """TensorBoard files and, optionally, Weights & Biases."""
     launcher: LauncherConfig = LauncherConfig()
     """local subprocesses (default) or a Ray cluster (`gyre run --ray ADDRESS`)."""
     tasks: TasksConfig = TasksConfig()
+    """The task file (None: the demo's tasks)."""
     harness: HarnessConfig = HarnessConfig()
+    """The program each execution runs: the built-in agent, a command, or Claude Code."""
     judge: JudgeSection = JudgeSection()
     """Scores judge-rubric tasks: the run's proxy (its own execution, never trained) or another endpoint."""
     assessment: AssessmentSection = AssessmentSection()
@@ -445,11 +459,14 @@ class ConfigError(ValueError):
     """A config file that cannot be used; the message names the file and the field."""
 
 
-def load_config(path: Path | None, overrides: dict | None = None) -> RunConfig:
+def load_config(
+    path: Path | None, overrides: dict | None = None, sources: dict[str, str] | None = None
+) -> RunConfig:
     """Read `path` (TOML/JSON) over the demo preset (the defaults), apply `--set` overrides, validate.
 
     A partial section overrides the preset field by field: `[scheduler] kind = "async"` keeps the preset's N and
-    B, it does not fall back to the scheduler package's own paper-scale defaults.
+    B, it does not fall back to the scheduler package's own paper-scale defaults. `sources`, when given, receives
+    the dotted key of every value the file set (`file`) and of every override (`--set`): gyre.config_view.
     """
     data: dict = RunConfig().model_dump(mode="json")
     if path is not None:
@@ -463,7 +480,11 @@ def load_config(path: Path | None, overrides: dict | None = None) -> RunConfig:
                 f"{path}: the top level must be an object of sections, not a {type(loaded).__name__}"
             )
         _merge(data, loaded)
+        if sources is not None:
+            sources.update(dict.fromkeys(_leaf_keys(loaded), "file"))
     for dotted, value in (overrides or {}).items():
+        if sources is not None:
+            sources[dotted] = "--set"
         node = data
         *parents, leaf = dotted.split(".")
         for part in parents:
@@ -507,6 +528,17 @@ def check_model_path(cfg: RunConfig) -> None:
             f"model.path {raw!r}: no {' or '.join(missing)} in this folder; it must be a Hugging Face checkpoint "
             "folder (config.json, tokenizer.json, weights)"
         )
+
+
+def _leaf_keys(data: dict, prefix: str = "") -> list[str]:
+    """Dotted keys of the values in nested tables (a table's own key when it is empty)."""
+    out = []
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out += _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}")
+    return out
 
 
 def _merge(into: dict, new: dict) -> None:

@@ -353,6 +353,7 @@ class RunView:
             "training_cells": row.get("training_cells"),
             "microsteps_by_cell": row.get("microsteps_by_cell") or {},
             "staleness": st,
+            "group_ids": row.get("group_ids") or [],  # the page's per-step response length and turns
             "staleness_mean": sum(st) / len(st) if st else None,
             "seconds": row.get("seconds"),
             "metrics": m,

@@ -62,3 +62,25 @@ def test_bad_warmups_are_refused_by_name():
         check_backend("torch", lr_warmup_steps=-1)
     with pytest.raises(ValueError, match="lr_warmup_steps must be >= 0"):
         TorchBackendConfig(model_path="x", lr_warmup_steps=-1)
+
+
+def test_each_step_report_records_the_lr_its_update_used(tiny_model):
+    """StepReport.metrics["lr"] is the lr of that step's update (what RUN/metrics/steps.jsonl and the report chart)."""
+    from gyre_train.buffer import TrajectoryBuffer
+    from gyre_train.cell import CellWorker
+    from gyre_train.loss import LossConfig
+    from gyre_train.packing import PackingConfig
+    from gyre_train.synthetic import make_groups
+    from gyre_train.trainer import Trainer, TrainerConfig
+
+    n, b = 2, 1
+    packing = PackingConfig(group_size=n, batch_groups=b, tokens_per_shard=64, window_shards=1)
+    trainer = Trainer(TrainerConfig(packing=packing), CellWorker(0, _backend(tiny_model, warmup=3), LossConfig()),
+                      TrajectoryBuffer(n))  # fmt: skip
+    recorded = []
+    for step in range(4):
+        for gid, v, execs in make_groups(b, n, seed=30 + step, max_len=30, version=step):
+            for eid, reward, trajs in execs:
+                trainer.buffer.add_execution(gid, v, eid, reward, trajs)
+        recorded.append(trainer.step().metrics["lr"])
+    assert recorded == pytest.approx([LR / 3, 2 * LR / 3, LR, LR])

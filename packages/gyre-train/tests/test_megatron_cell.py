@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import pytest
 import torch
@@ -96,6 +97,23 @@ RANK = (
 )
 
 
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Wait for every rank; the first one that fails ends the others at once. A dead rank leaves its peers blocked
+    in a rendezvous or a store read for their own timeouts, so waiting on the ranks in order hid the one that failed
+    behind a peer's 400 s wait (a CI run: the satellite's wait timed out and the core's log was never shown)."""
+    with ThreadPoolExecutor(len(procs)) as pool:
+        pending = {pool.submit(p.wait) for p in procs}
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+                if not done or any(f.result() != 0 for f in done):
+                    break
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
+
 @pytest.fixture(scope="module")
 def run(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("pipelined-cells")
@@ -103,7 +121,7 @@ def run(tiny_model, tmp_path_factory):
     script.write_text(RANK)
     master, control = free_ports(2)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = []
+    procs, logs = [], []
     for s in range(PP):
         for c in range(K):
             argv = [
@@ -116,18 +134,14 @@ def run(tiny_model, tmp_path_factory):
                 str(master),
                 str(control),
             ]
-            pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-            procs.append(subprocess.Popen(argv, env=env, start_new_session=True, **pipe))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=400)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+            logs.append(out / f"rank-{c}-{s}.log")
+            with logs[-1].open("w") as log:
+                procs.append(subprocess.Popen(argv, env=env, start_new_session=True, stdout=log, stderr=log))
+    _wait_all(procs, timeout_s=400)
     for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log[-3000:]
+        assert p.returncode == 0, f"{log.name} exited {p.returncode}:\n" + "\n".join(
+            f"--- {other.name}\n{other.read_text()[-2500:]}" for other in logs
+        )
     return out
 
 

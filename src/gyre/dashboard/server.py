@@ -57,12 +57,10 @@ def _loopback_host(host_header: str) -> bool:
 def page(head: str, scripts: str, refresh_s: float, mode: str) -> str:
     """static/index.html with its head and scripts filled in (linked here, inlined by the static report)."""
     html = (STATIC / "index.html").read_text()
-    return (
-        html.replace("<!--HEAD-->", head)
-        .replace("<!--SCRIPTS-->", scripts)
-        .replace('data-refresh-s="1"', f'data-refresh-s="{refresh_s:g}"')
-        .replace('data-mode="live"', f'data-mode="{mode}"')
-    )
+    html = html.replace('data-refresh-s="1"', f'data-refresh-s="{refresh_s:g}"', 1)
+    html = html.replace('data-mode="live"', f'data-mode="{mode}"', 1)
+    # the placeholders last: nothing in the inlined scripts and data is searched or replaced
+    return html.replace("<!--HEAD-->", head, 1).replace("<!--SCRIPTS-->", scripts, 1)
 
 
 class _Cached:

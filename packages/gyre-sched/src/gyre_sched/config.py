@@ -26,7 +26,8 @@ LaunchOrder = Literal["dispatch", "predicted"]
 
 
 class _Cfg(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Attribute docstrings are the fields' descriptions (`gyre config --explain`, the reference docs).
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,6 +166,7 @@ class PolicyConfig(_Cfg):
     ``params(K=..., C_e=..., C_s=..., harness_timeout_s=..., overall_budget_s=...)`` builds the core's PolicyParams."""
 
     kind: PolicyKind = "elastic"
+    """The policy: elastic (cells move between rollout and training), async (a fixed split) or colocate."""
     N: int = Field(16, ge=1)
     """Valid rewards per group."""
     B: int = Field(32, ge=1)

@@ -164,6 +164,26 @@ def _dying_with_runner(
     return argv, partial(_die_with_runner, runner_pid, ())
 
 
+async def _spawn(argv: Sequence[str], log: Path, env: dict[str, str], cwd: Path,
+                 preexec: Callable[[], None] | None) -> asyncio.subprocess.Process:  # fmt: skip
+    """The harness's process, in its own session, its output to `log`. A cancellation that lands while it is being
+    created still returns it to the canceller's clean-up: the spawn goes on under a shield, its whole group is killed
+    and reaped, then the cancellation goes on (asyncio's own clean-up killed only the group's leader)."""
+    with log.open("wb") as out:
+        created = asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                                                 stderr=asyncio.subprocess.STDOUT, env=env, cwd=cwd,
+                                                 start_new_session=True, preexec_fn=preexec)  # fmt: skip
+        spawn = asyncio.ensure_future(created)
+        try:
+            return await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            with contextlib.suppress(OSError):
+                proc = await spawn
+                ExecutionRunner._kill(proc)
+                await proc.wait()
+            raise
+
+
 class ExecutionRunner:
     """Runs one harness process per execution against the TITO proxy's admin API (``/admin``)."""
 
@@ -203,6 +223,7 @@ class ExecutionRunner:
             raise ValueError(f"stall_detect_s must be > 0 (or None: no watchdog), got {stall_detect_s}")
         if sandbox is not None:
             sandbox.check()
+            sandbox.sweep()  # what a controller killed before its clean-up left
         self.stall_detect_s = stall_detect_s
         self.stall_poll_s = stall_poll_s or max(1.0, (stall_detect_s or 0.0) / 10)
         # injectable: tests drive the watchdog's clock and when it looks
@@ -283,9 +304,28 @@ class ExecutionRunner:
         start_error: str | None = None
         outcome = "cancelled"
         if execution_id not in self._cancelled:  # cancelled while registering: never started
+            outcome, returncode, start_error = await self._launch(
+                execution_id, chosen, workspace, task, registered["credential"], log, launched_at, timeout_s,
+                budget_s,
+            )  # fmt: skip
+        if execution_id in self._cancelled:
+            outcome = "cancelled"
+        no_work = (start_error or _could_not_start(returncode, log)) if outcome == "failed" else None
+        done = Finished(execution_id, outcome, workspace, launched_at, returncode, no_work)
+        return await self._end(execution_id, done)
+
+    async def _launch(self, execution_id: str, chosen: Harness, workspace: Path, task: str, credential: str,
+                      log: Path, launched_at: float, timeout_s: float,
+                      budget_s: float | None) -> tuple[str, int | None, str | None]:  # fmt: skip
+        """Start the harness (in the sandbox, with its relay and cgroups) and wait for its end: (outcome, exit
+        status, why it could not start). Whatever the launch made goes when it ends, however it ends: a
+        cancellation (the controller's shutdown at a SIGINT) that lands while the relay starts or the harness is
+        being spawned too, where the relay folder and the cgroups were left behind."""
+        relay: ProxyRelay | None = None
+        cgroups: list[Path] = []
+        proc: asyncio.subprocess.Process | None = None
+        try:
             base_url = self.proxy_url
-            relay: ProxyRelay | None = None
-            cgroups: list[Path] = []
             if self.sandbox is not None:
                 parts = urlsplit(self.proxy_url)
                 port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -294,9 +334,7 @@ class ExecutionRunner:
                 )
                 relay = ProxyRelay(parts.hostname or "127.0.0.1", port)
                 await relay.start()
-            ctx = HarnessContext(
-                execution_id, workspace, task, base_url, registered["credential"], self.model
-            )
+            ctx = HarnessContext(execution_id, workspace, task, base_url, credential, self.model)
             argv, env = chosen.argv(ctx), self._env(chosen, ctx)
             preexec: Callable[[], None] | None = None
             if self.sandbox is not None and relay is not None:
@@ -315,43 +353,31 @@ class ExecutionRunner:
             else:
                 argv, preexec = _dying_with_runner(argv)
             try:
-                with log.open("wb") as out:
-                    proc = await asyncio.create_subprocess_exec(
-                        *argv,
-                        stdin=asyncio.subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=asyncio.subprocess.STDOUT,
-                        env=env,
-                        cwd=workspace,
-                        start_new_session=True,
-                        preexec_fn=preexec,
-                    )
+                proc = await _spawn(argv, log, env, workspace, preexec)
             except OSError as exc:  # no such program, not executable: nothing ran, nothing to assess
-                outcome, start_error = "failed", f"the harness could not start ({type(exc).__name__}: {exc})"
+                start_error = f"the harness could not start ({type(exc).__name__}: {exc})"
                 log.write_text(start_error + "\n")
-                await self._release_launch(execution_id, relay, cgroups)
-            else:
-                self._procs[execution_id] = proc
-                if budget_s is not None:
-                    timeout_s = min(timeout_s, max(0.0, launched_at + budget_s - time.time()))
-                try:
-                    if execution_id in self._cancelled:  # cancelled while the process was being created
-                        self._kill(proc)
-                    returncode, stalled = await self._wait(execution_id, proc, log, timeout_s)
-                    outcome = "stalled" if stalled else "completed" if returncode == 0 else "failed"
-                except TimeoutError:
+                return "failed", None, start_error
+            self._procs[execution_id] = proc
+            if budget_s is not None:
+                timeout_s = min(timeout_s, max(0.0, launched_at + budget_s - time.time()))
+            try:
+                if execution_id in self._cancelled:  # cancelled while the process was being created
                     self._kill(proc)
-                    returncode = await proc.wait()
-                    outcome = "harness_timeout"
-                finally:
-                    self._procs.pop(execution_id, None)
-                    self._kill(proc)  # whatever the harness left running in its group goes with it
-                    await self._release_launch(execution_id, relay, cgroups)
-        if execution_id in self._cancelled:
-            outcome = "cancelled"
-        no_work = (start_error or _could_not_start(returncode, log)) if outcome == "failed" else None
-        done = Finished(execution_id, outcome, workspace, launched_at, returncode, no_work)
-        return await self._end(execution_id, done)
+                returncode, stalled = await self._wait(execution_id, proc, log, timeout_s)
+                return (
+                    ("stalled" if stalled else "completed" if returncode == 0 else "failed"),
+                    returncode,
+                    None,
+                )
+            except TimeoutError:
+                self._kill(proc)
+                return "harness_timeout", await proc.wait(), None
+        finally:
+            self._procs.pop(execution_id, None)
+            if proc is not None:
+                self._kill(proc)  # whatever the harness left running in its group goes with it
+            await self._release_launch(execution_id, relay, cgroups)
 
     async def _release_launch(self, execution_id: str, relay: ProxyRelay | None, cgroups: list[Path]) -> None:
         """What a launch holds besides the harness: the sandbox's relay to the proxy, its cgroups, its lease."""

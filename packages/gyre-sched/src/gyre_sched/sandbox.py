@@ -4,8 +4,12 @@
 ``LaunchSandbox.wrap`` turns a harness argv into a ``bwrap`` command line (or a ``RUNTIME run --bundle`` one whose
 bundle says the same):
 
-- **own namespaces**: user (the harness runs as uid/gid 65534), pid (a fresh ``/proc``; when the sandbox's init dies
-  every process in it dies), network, ipc, uts, cgroup;
+- **own namespaces**: pid (a fresh ``/proc``; when the sandbox's init dies every process in it dies), network, ipc,
+  uts, cgroup;
+- **identity**: the harness runs as uid/gid 65534. When Gyre runs as root that is the host's nobody, with no
+  capability: bubblewrap makes no user namespace (one would map 65534 back to root, who reads every root-only file on
+  the mounted paths) and the forwarder drops to it, an OCI runtime starts it so. Run by another user, bubblewrap
+  makes a user namespace, and the harness has that user's rights on the host;
 - **filesystem**: a fresh root with ``/usr`` (and its ``/bin``, ``/lib`` links), a few files of ``/etc`` (certificates,
   passwd, hosts, ...), the execution's own workspace and private home (read-write, at their host paths), the
   interpreter / CLI paths the harness needs (read-only), a private ``/tmp``; nothing else of the host: not the host's
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gyre_sched.sandbox_oci import OciBundle, give_to, oci_resources
+from gyre_sched.sandbox_oci import OciBundle, give_to, oci_resources, sweep_oci
 
 __all__ = ["FORWARDER", "LaunchSandbox", "ProxyRelay", "default_ro_paths"]
 
@@ -49,16 +53,29 @@ INNER_SOCKET = "/run/gyre/proxy.sock"
 
 # Inside the sandbox: listen on the proxy's loopback port, relay to the Unix socket, run the harness, exit with it.
 FORWARDER = r"""
-import ctypes, socket, subprocess, sys, threading
-try:  # die with the process that started the sandbox (bwrap's init, or the OCI runtime's `run`)
-    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-except Exception:
-    pass
-path, port, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+import ctypes, os, socket, subprocess, sys, threading
+path, port, uid, argv = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+libc = ctypes.CDLL(None, use_errno=True)
 srv = socket.socket()
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind(("127.0.0.1", port))
 srv.listen(128)
+if os.getuid() == 0:  # bubblewrap run by root, no user namespace: become the sandbox's user for good
+    try:
+        cap = 0
+        while libc.prctl(24, cap, 0, 0, 0) == 0:  # PR_CAPBSET_DROP, every capability the kernel knows
+            cap += 1
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)  # clears the permitted and effective capabilities
+        if libc.prctl(38, 1, 0, 0, 0) != 0 or os.getresuid() != (uid, uid, uid):  # PR_SET_NO_NEW_PRIVS
+            raise OSError("the drop did not hold")
+    except OSError as e:
+        print(f"sandbox: cannot become uid {uid}: {e}", file=sys.stderr)
+        sys.exit(126)
+# Die with the process that started the sandbox (bwrap's init, or the OCI runtime's `run`); set after the drop,
+# which clears it.
+libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
 def pipe(a, b):
     try:
         while True:
@@ -116,9 +133,8 @@ class ProxyRelay:
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
-        self.dir = Path(
-            tempfile.mkdtemp(prefix="gyre-relay-")
-        )  # short path: Unix socket names are <= 107 bytes
+        # Short (Unix socket names are <= 107 bytes), named by the controller's pid: `LaunchSandbox.sweep`.
+        self.dir = Path(tempfile.mkdtemp(prefix=f"gyre-relay-{os.getpid()}-"))
         self.path = self.dir / "proxy.sock"
         self._server: asyncio.base_events.Server | None = None
 
@@ -182,6 +198,33 @@ def _v2_enable(parent: Path) -> set[str]:
     return enabled & set(LIMITED)
 
 
+def _dead(pid_prefixed: str) -> bool:
+    """Whether the controller whose pid starts `pid_prefixed` (``PID-...``) is gone (a live or reused pid: kept)."""
+    try:
+        os.kill(int(pid_prefixed.split("-", 1)[0]), 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, OSError):
+        return False
+    return False
+
+
+def _open_parents(mounted: Sequence[str], links: Sequence[str]) -> list[str]:
+    """bwrap's ``--chmod 0755`` for each folder it made on the way to a mount point (it makes them 0700): a
+    harness that is not root inside the sandbox could not reach its own interpreter or workspace through them.
+    Never a folder of a mounted host tree, nor one behind one of the root's links (``/lib`` -> ``usr/lib``)."""
+    hosts = [Path(p) for p in [*mounted, *links]]
+    made = {
+        a
+        for p in mounted
+        for a in Path(p).parents
+        if a != Path("/")
+        and str(a) not in ("/tmp", "/run")
+        and not any(a == h or h in a.parents for h in hosts)
+    }
+    return [arg for a in sorted(made) for arg in ("--chmod", "0755", str(a))]
+
+
 @dataclass
 class LaunchSandbox:
     """bubblewrap (or an OCI runtime) around each harness; limits per execution."""
@@ -228,40 +271,54 @@ class LaunchSandbox:
         """The command line running `argv` in the sandbox (env given explicitly, nothing inherited); `name` (the
         execution id) names its OCI container, removed by `release(name)`."""
         python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-        inner = [python, "-I", "-S", "-c", FORWARDER, INNER_SOCKET, str(proxy_port), *argv]
+        inner = [python, "-I", "-S", "-c", FORWARDER, INNER_SOCKET, str(proxy_port), str(self.uid), *argv]
         if self.runtime == "oci":
             return self._wrap_oci(inner, workspace, home, env, relay_dir, name)
-        cmd = [
-            self.bwrap,
-            "--unshare-all",
-            "--die-with-parent",
-            "--uid",
-            str(self.uid),
-            "--gid",
-            str(self.uid),
-        ]
-        cmd += ["--ro-bind", "/usr", "/usr"]
+        if os.geteuid() == 0:
+            # A user namespace would map the harness's uid back to root on the host, where it reads every root-only
+            # file on the mounted paths: root's bwrap makes the other namespaces and its mounts without one, and the
+            # forwarder becomes `uid` (the host's nobody), as under an OCI runtime.
+            give_to(self.uid, workspace, home)
+            cmd = [self.bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
+            cmd += ["--unshare-cgroup-try", "--die-with-parent"]
+        else:  # an operator's own user namespace: the harness has the operator's uid on the host
+            cmd = [
+                self.bwrap,
+                "--unshare-all",
+                "--die-with-parent",
+                "--uid",
+                str(self.uid),
+                "--gid",
+                str(self.uid),
+            ]
+        binds = [("/usr", "/usr")]  # (host path, sandbox path), read-only
         for link in ("bin", "lib", "lib64", "sbin"):
             target = os.readlink(f"/{link}") if os.path.islink(f"/{link}") else None
             if target is not None:
                 cmd += ["--symlink", target, f"/{link}"]
             elif os.path.isdir(f"/{link}"):
-                cmd += ["--ro-bind", f"/{link}", f"/{link}"]
-        for p in ETC_FILES:
-            cmd += ["--ro-bind-try", p, p]
-        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
-        for p in self.ro_paths:
-            if p not in ("/usr", "/") and not p.startswith("/usr/"):
-                cmd += ["--ro-bind-try", p, p]
-        cmd += ["--bind", str(workspace), str(workspace), "--bind", str(home), str(home)]
-        cmd += [
-            "--bind",
-            str(relay_dir),
-            str(Path(INNER_SOCKET).parent),
-            "--chdir",
-            str(workspace),
-            "--clearenv",
+                binds.append((f"/{link}", f"/{link}"))
+        binds += [(p, p) for p in ETC_FILES if os.path.exists(p)]
+        for src, dst in binds:
+            cmd += ["--ro-bind", src, dst]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+        # After the tmpfs mounts: what is bound under /tmp lies on top of them.
+        ro = [
+            (p, p)
+            for p in self.ro_paths
+            if p not in ("/usr", "/") and not p.startswith("/usr/") and os.path.exists(p)
         ]
+        rw = [
+            (str(workspace), str(workspace)),
+            (str(home), str(home)),
+            (str(relay_dir), str(Path(INNER_SOCKET).parent)),
+        ]
+        for src, dst in ro:
+            cmd += ["--ro-bind-try", src, dst]
+        for src, dst in rw:
+            cmd += ["--bind", src, dst]
+        cmd += _open_parents([dst for _, dst in binds + ro + rw], ["/bin", "/lib", "/lib64", "/sbin"])
+        cmd += ["--chdir", str(workspace), "--clearenv"]
         for k, v in env.items():
             cmd += ["--setenv", k, v]
         return [*cmd, "--", *inner]
@@ -283,6 +340,25 @@ class LaunchSandbox:
         bundle = self._bundles.pop(name, None)
         if bundle is not None:
             bundle.delete()
+
+    def sweep(self) -> list[Path]:
+        """Remove what the launches of a dead controller left (a SIGKILL skips every clean-up): its executions'
+        cgroups (what still runs in them is killed), proxy relay folders, and OCI bundles and containers, each named
+        by its controller's pid. Called as a runner starts; returns the folders it removed."""
+        gone: list[Path] = []
+        if self.runtime != "oci":
+            for root in _cgroup_roots(Path(self.cgroup_root)).values():
+                with contextlib.suppress(OSError):
+                    left = [cg for cg in (root / "gyre").iterdir() if cg.is_dir() and _dead(cg.name)]
+                    self.remove_cgroups(left)
+                    gone += [cg for cg in left if not cg.exists()]
+        for folder in Path(tempfile.gettempdir()).glob("gyre-relay-*"):
+            if _dead(folder.name.removeprefix("gyre-relay-")):
+                shutil.rmtree(folder, ignore_errors=True)
+                gone.append(folder)
+        if self.runtime == "oci":
+            gone += sweep_oci(self.oci_runtime, _dead)
+        return gone
 
     # ---- limits -------------------------------------------------------------------------------------------------
     def make_cgroup(self, name: str) -> list[Path]:

@@ -23,10 +23,10 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["OciBundle", "container_id", "give_to", "oci_resources"]
+__all__ = ["OciBundle", "container_id", "give_to", "oci_resources", "sweep_oci"]
 
 _NAMESPACES = ("pid", "network", "ipc", "uts", "mount", "cgroup")
 _MASKED = ("/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
@@ -50,7 +50,7 @@ class OciBundle:
 
     def __init__(self, runtime: str, name: str) -> None:
         self.runtime, self.id = runtime, container_id(name)
-        self.dir = Path(tempfile.mkdtemp(prefix="gyre-oci-"))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"gyre-oci-{os.getpid()}-"))  # by pid: `sweep_oci`
 
     def write(self, *, process_args: Sequence[str], env: Mapping[str, str], cwd: Path, uid: int,
               ro_paths: Sequence[str], etc_files: Sequence[str], rw_paths: Sequence[Path],
@@ -145,3 +145,19 @@ def oci_resources(
         resources["cpu"] = {"quota": int(cpu_cores * 100000), "period": 100000}
         applied["cpu"] = f"oci cpu quota {cpu_cores} cores"
     return resources, applied
+
+
+def sweep_oci(runtime: str, dead: Callable[[str], bool]) -> list[Path]:
+    """The containers (``gyre-PID-...``) and bundles (``gyre-oci-PID-...``) of dead controllers (`dead` says of a
+    ``PID-...`` name) go: the container's state and cgroup with ``delete --force``; returns the bundles removed."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        listed = subprocess.run([runtime, "list", "-q"], capture_output=True, text=True, timeout=30).stdout
+        for cid in listed.split():
+            if cid.startswith("gyre-") and dead(cid.removeprefix("gyre-")):
+                subprocess.run([runtime, "delete", "--force", cid], capture_output=True, timeout=30)
+    gone = [
+        p for p in Path(tempfile.gettempdir()).glob("gyre-oci-*") if dead(p.name.removeprefix("gyre-oci-"))
+    ]
+    for bundle in gone:
+        shutil.rmtree(bundle, ignore_errors=True)
+    return gone

@@ -169,6 +169,8 @@ class Trainer:
             backend.set_flat_grads(total)
         if dump_dir is not None:  # weights are frozen during accumulation: these are the batch's parameters
             params_before, summed_grads = backend.flat_params().clone(), backend.flat_grads().clone()
+        current_lr = getattr(backend, "current_lr", None)  # the torch backend's lr schedule (megatron: none)
+        lr = current_lr() if current_lr is not None else None  # read before the step: the lr this step uses
         grad_norm = backend.optimizer_step(self.cfg.max_grad_norm)
         stats = self.queue.token_stats
         execs = [
@@ -180,13 +182,16 @@ class Trainer:
             e for e in self.packer.executions if e.execution_id not in known
         ]  # no targets (placeholders)
         groups = self.packer.groups
+        metrics = batch_metrics(execs, stats, self.cfg.loss)
+        if lr is not None:
+            metrics["lr"] = lr
         report = StepReport(
             step=self.version, policy_version=self.version + 1, loss=stats.loss, surrogate=stats.surrogate,
             grad_norm=grad_norm, num_groups=len(groups), num_executions=len(self.packer.executions),
             num_target_tokens=stats.num_targets, num_microsteps=sum(self.queue.trained_by_cell.values()),
             microsteps_by_cell=dict(microsteps_by_cell or self.queue.trained_by_cell),
             group_ids=[g.group_id for g in groups], staleness=[self.version - g.policy_version for g in groups],
-            metrics=batch_metrics(execs, stats, self.cfg.loss), seconds=time.perf_counter() - self._opened_at,
+            metrics=metrics, seconds=time.perf_counter() - self._opened_at,
         )  # fmt: skip
         if dump_dir is not None:
             from gyre_train.replay import dump_batch

@@ -45,14 +45,21 @@ class WeightPublisher:
         self._lock = threading.Lock()
         self._write_seq = 0
         self._http: ThreadingHTTPServer | None = None
-        self._engine: Any = open_transfer_engine(self.config)
+        self._engine: Any = None
+        self.peer = self._expose()
+        self._header[MAGIC_SLOT] = MAGIC
+        self.publish(named, version=version)
+
+    def _expose(self) -> str:
+        """Make the buffer readable by peers; the name they reach it by (here: registered with Mooncake).
+        A publisher over another transport (`HttpWeightPublisher`) overrides it."""
+        length = self._buffer.numel()
+        self._engine = open_transfer_engine(self.config)
         rc = self._engine.register_memory(self._buffer.data_ptr(), length)
         if rc != 0:
             self._engine = None
             raise RuntimeError(f"Mooncake register_memory of {length} bytes returned {rc}")
-        self.peer = peer_address(self.config, self._engine)
-        self._header[MAGIC_SLOT] = MAGIC
-        self.publish(named, version=version)
+        return peer_address(self.config, self._engine)
 
     @property
     def version(self) -> int:

@@ -31,17 +31,16 @@ class StaleSnapshotError(SnapshotError):
     """The publisher no longer holds the batch a ref names (it has moved on, or never reached it)."""
 
 
-def make_ref(manifest_url: str, batch: int) -> str:
-    return f"{REF_SCHEME}{manifest_url}#batch={batch}"
+def make_ref(manifest_url: str, batch: int, scheme: str = REF_SCHEME) -> str:
+    return f"{scheme}{manifest_url}#batch={batch}"
 
 
-def parse_ref(ref: str) -> tuple[str, int]:
+def parse_ref(ref: str, scheme: str = REF_SCHEME) -> tuple[str, int]:
     """(manifest URL, batch) of a ref made by `make_ref`; ValueError naming the expected form otherwise."""
-    url, sep, batch = ref.removeprefix(REF_SCHEME).rpartition("#batch=")
-    if not ref.startswith(REF_SCHEME) or not sep or not url or not batch.isdigit():
-        raise ValueError(
-            f"not a Mooncake snapshot ref: {ref!r} (expected 'mooncake+<manifest URL>#batch=<N>')"
-        )
+    url, sep, batch = ref.removeprefix(scheme).rpartition("#batch=")
+    if not ref.startswith(scheme) or not sep or not url or not batch.isdigit():
+        kind = "Mooncake" if scheme == REF_SCHEME else scheme.removesuffix("+").upper()
+        raise ValueError(f"not a {kind} snapshot ref: {ref!r} (expected '{scheme}<manifest URL>#batch=<N>')")
     return url, int(batch)
 
 
@@ -50,7 +49,10 @@ class MooncakeSnapshotChannel:
 
     `mooncake` says how this process opens its transfer engine (TCP on loopback by default; RDMA in production);
     its `local_hostname` is also the address the manifest is served on. `subscriber` tunes the reads.
+    `HttpSnapshotChannel` is this channel over another transport (its own `scheme`, publisher and subscriber).
     """
+
+    scheme = REF_SCHEME
 
     def __init__(
         self,
@@ -80,8 +82,7 @@ class MooncakeSnapshotChannel:
         with self._lock:
             self._check_open()
             if self._publisher is None:
-                self._publisher = WeightPublisher({FLAT: flat}, version=batch, config=self.mooncake)
-                self._url = self._publisher.serve_manifest(host=self.mooncake.local_hostname)
+                self._publisher, self._url = self._new_publisher({FLAT: flat}, batch)
             else:
                 entry = self._publisher.manifest().tensors[0]
                 if list(flat.shape) != entry.shape or dtype_name(flat.dtype) != entry.dtype:
@@ -91,7 +92,16 @@ class MooncakeSnapshotChannel:
                     )
                 self._publisher.publish({FLAT: flat}, version=batch)
             assert self._url is not None
-            return make_ref(self._url, batch)
+            return make_ref(self._url, batch, self.scheme)
+
+    def _new_publisher(self, named: dict[str, torch.Tensor], batch: int) -> tuple[WeightPublisher, str]:
+        """The publisher of the first batch, serving its manifest; and the manifest's URL."""
+        publisher = WeightPublisher(named, version=batch, config=self.mooncake)
+        return publisher, publisher.serve_manifest(host=self.mooncake.local_hostname)
+
+    def _new_subscriber(self, url: str) -> WeightSubscriber:
+        """A subscriber of the publisher whose manifest is at `url`."""
+        return WeightSubscriber(fetch_manifest(url), config=self.subscriber_config, mooncake=self.mooncake)
 
     # ---- satellite -------------------------------------------------------------------------------
     def load(self, ref: str) -> torch.Tensor:
@@ -101,7 +111,7 @@ class MooncakeSnapshotChannel:
         of the former) if no consistent read succeeds within the subscriber's attempts, `TransferError` if the
         publisher is unreachable.
         """
-        url, batch = parse_ref(ref)
+        url, batch = parse_ref(ref, self.scheme)
         with self._lock:
             self._check_open()
             if url == self._url and self._publisher is not None:  # the core reading its own ref: no transfer
@@ -109,10 +119,10 @@ class MooncakeSnapshotChannel:
             else:
                 sub = self._subscribers.get(url)
                 if sub is None:
-                    manifest = fetch_manifest(url)
-                    if [e.name for e in manifest.tensors] != [FLAT]:
+                    sub = self._new_subscriber(url)
+                    if [e.name for e in sub.manifest.tensors] != [FLAT]:
+                        sub.close()
                         raise TransferError(f"{url} does not describe a flat-parameter snapshot")
-                    sub = WeightSubscriber(manifest, config=self.subscriber_config, mooncake=self.mooncake)
                     self._subscribers[url] = sub
                 try:
                     snap = sub.read()

@@ -75,11 +75,16 @@ class WeightSubscriber:
         self._views = tensor_views(self._buffer, manifest.tensors)
         self.lock = threading.Lock()
         """Held by callers that use a snapshot's views after `read` returns (the next read refills them)."""
-        self._engine: Any = open_transfer_engine(mooncake)
-        rc = self._engine.register_memory(self._buffer.data_ptr(), self._buffer.numel())
+        self._engine: Any = self._open(mooncake)
+
+    def _open(self, mooncake: MooncakeConfig | None) -> Any:
+        """What reads the publisher's buffer (here: a Mooncake engine with this buffer registered); None once
+        closed. A subscriber over another transport (`HttpWeightSubscriber`) overrides it and `_attempt`."""
+        engine = open_transfer_engine(mooncake)
+        rc = engine.register_memory(self._buffer.data_ptr(), self._buffer.numel())
         if rc != 0:
-            self._engine = None
             raise TransferError(f"Mooncake register_memory of {self._buffer.numel()} bytes returned {rc}")
+        return engine
 
     # ---- reading -----------------------------------------------------------------------------
     def _read_header(self, dst: torch.Tensor) -> tuple[int, int]:
@@ -117,26 +122,32 @@ class WeightSubscriber:
         t0 = time.perf_counter()
         backoff = self.config.retry_backoff_s
         for attempt in range(1, self.config.max_attempts + 1):
-            seq0, version = self._read_header(self._before)
-            if seq0 % 2 == 0:
-                self._read_data()
-                if after_data is not None:
-                    after_data()
-                seq1, _ = self._read_header(self._after)
-                if seq1 == seq0:
-                    return Snapshot(
-                        version=version,
-                        tensors=self._views,
-                        attempts=attempt,
-                        seconds=time.perf_counter() - t0,
-                        nbytes=self.manifest.data_bytes,
-                    )
+            version = self._attempt(after_data)
+            if version is not None:
+                return Snapshot(
+                    version=version,
+                    tensors=self._views,
+                    attempts=attempt,
+                    seconds=time.perf_counter() - t0,
+                    nbytes=self.manifest.data_bytes,
+                )
             time.sleep(backoff)
             backoff = min(backoff * 2, 0.5)
         raise TornSnapshotError(
             f"no consistent snapshot from {self.manifest.peer} in {self.config.max_attempts} attempts: "
             "the publisher is writing continuously or a write failed midway"
         )
+
+    def _attempt(self, after_data: Callable[[], None] | None) -> int | None:
+        """One seqlock read: the version read, or None when a write was open or overlapped it."""
+        seq0, version = self._read_header(self._before)
+        if seq0 % 2:
+            return None
+        self._read_data()
+        if after_data is not None:
+            after_data()
+        seq1, _ = self._read_header(self._after)
+        return version if seq1 == seq0 else None
 
     def load_into(self, model: torch.nn.Module, snapshot: Snapshot, *, strict: bool = True) -> None:
         """Copy a snapshot into `model`'s parameters and buffers (one copy; views, no staging tensors)."""
