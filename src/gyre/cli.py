@@ -8,7 +8,7 @@
   running anything, each value with where it came from (default, file, --set); `--explain` adds each field's
   description, `--json` prints the config alone as JSON.
 - `gyre report RUN`: rebuild RUN/report.html from the run directory.
-- `gyre --version`: the installed version of the `gyre` distribution.
+- `gyre --version`: the installed version of the `gyre-rl` distribution (the meta-package; `gyre` on the index is another project).
 
 `gyre --help`, `gyre --version` and `gyre config` import no torch (tests/test_cli_door.py): this module and
 gyre.config import only light modules at the top, every command its heavy ones when it runs. `gyre run` and
