@@ -31,7 +31,7 @@ from gyre.monitor import RunMonitor
 from gyre.report import write_report
 from gyre.resume import ResumePoint
 from gyre.tasks import demo_queries, scoring_command
-from gyre_eval.config import ServiceConfig
+from gyre_eval.config import PluginConfig, ServiceConfig
 from gyre_eval.exec_check import ExecCheckConfig
 from gyre_sched.policies import make_policy
 from gyre_sched.runner import ExecutionRunner
@@ -71,6 +71,8 @@ def _assessment_config(
             spec = q.evaluator()
             if spec["kind"] == "judge":
                 evaluators[f"task-{q.query_id}"] = judge_evaluator(q.query_id, spec, judge)
+            elif spec["kind"] == "plugin":  # a Python evaluator (gyre-eval builds it in its own process)
+                evaluators[f"task-{q.query_id}"] = PluginConfig.model_validate(spec)
             else:
                 evaluators[f"task-{q.query_id}"] = ExecCheckConfig.model_validate(spec)
             continue
