@@ -94,6 +94,26 @@ def test_every_relative_link_of_the_readmes_resolves():
     assert not broken, "\n".join(broken)
 
 
+def test_the_run_configs_shown_in_the_readme_and_the_docs_are_valid(tmp_path):
+    """Each TOML block of a run config (not the simulator's, which start from a preset) loads as a run config."""
+    from gyre.config import load_config  # torch-free
+
+    blocks = [
+        (md, block)
+        for md in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+        for block in re.findall(r"```toml\n(.*?)```", md.read_text(), re.DOTALL)
+        if "preset =" not in block
+    ]
+    assert len(blocks) >= 10
+    for i, (md, block) in enumerate(blocks):
+        path = tmp_path / f"{i}.toml"
+        path.write_text(block)
+        try:
+            load_config(path)
+        except ValueError as exc:
+            pytest.fail(f"{md.relative_to(ROOT)}: {exc}\n{block}")
+
+
 def test_a_broken_citation_is_found(site):
     assert _broken(site, "see docs/design/training.md#objective and docs/concepts/cells.md") == []
     assert _broken(site, "docs/design/training.md#no-such-anchor, docs/nowhere.md") == [
