@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from gyre.config import load_config
+from gyre.datasets import load_tasks
 from gyre_eval.testing import JudgeRequest, ScriptedJudge, judgement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,3 +193,12 @@ def test_two_host_ray_config_loads_and_validates():
     lines = proc.stdout.splitlines()
     assert any(line.startswith('kind = "ray"') and line.endswith("# file") for line in lines), lines
     assert any(line.startswith("address = ") and line.endswith("# file") for line in lines)
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir()))
+def test_every_example_has_a_valid_config_and_task_file(example):
+    folder = EXAMPLES / example
+    assert (folder / "README.md").is_file()
+    cfg = load_config(folder / "config.toml")  # ConfigError names the field of anything invalid
+    if cfg.tasks.file is not None:  # relative to the repository root, where the READMEs run it
+        assert load_tasks(ROOT / cfg.tasks.file)
