@@ -12,7 +12,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import httpx
 import pytest
 
 from gyre_tito.proxy import ProxyConfig
@@ -94,7 +93,7 @@ def test_claude_code_session_past_100k_tokens(tmp_path, overflow):
                 assert contexts[-1] + asked <= LIMIT and last["used"]["max_tokens"] == asked
                 assert (
                     'gyre_tito_requests_total{api="anthropic",status="400"}'
-                    in httpx.get(srv.url + "/metrics").text
+                    in srv.admin("GET", "/metrics").text
                 )
             sent = [len(b["input_ids"]) + b["sampling_params"]["max_new_tokens"] for b in eng.requests]
             assert max(sent) <= LIMIT

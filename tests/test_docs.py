@@ -8,6 +8,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,33 @@ def test_every_relative_link_of_the_readmes_resolves():
             if not re.match(r"[a-z]+://", target) and not (readme.parent / target).exists():
                 broken.append(f"{readme.relative_to(ROOT)}: {target}")
     assert not broken, "\n".join(broken)
+
+
+def test_the_configs_shown_in_the_readme_and_the_docs_are_valid(tmp_path):
+    """Each TOML block loads: a run config, or a simulator config where it starts from a preset (its [compare]
+    table is `gyre-sched compare`'s own)."""
+    from gyre.config import load_config  # torch-free
+    from gyre_sched.config import SimConfig
+    from gyre_sched.presets import resolve
+
+    blocks = [
+        (md, block)
+        for md in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+        for block in re.findall(r"```toml\n(.*?)```", md.read_text(), re.DOTALL)
+    ]
+    assert len(blocks) >= 12
+    for i, (md, block) in enumerate(blocks):
+        try:
+            if "preset =" in block:
+                raw = tomllib.loads(block)
+                raw.pop("compare", None)
+                SimConfig.model_validate(resolve(raw))
+            else:
+                path = tmp_path / f"{i}.toml"
+                path.write_text(block)
+                load_config(path)
+        except ValueError as exc:
+            pytest.fail(f"{md.relative_to(ROOT)}: {exc}\n{block}")
 
 
 def test_a_broken_citation_is_found(site):

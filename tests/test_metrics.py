@@ -23,7 +23,7 @@ def row(version: int, **over) -> dict:
     """A steps.jsonl row as the controller writes it (gyre-cell's StepReport + reward, cells, t)."""
     metrics = {"clip_frac_all": 0.25, "clip_frac_d0": 0.0, "clip_frac_pos": 0.5, "clip_frac_neg": 0.125,
                "mean_log_ratio_d0": -0.001, "ratio_dev_mean": 0.01, "ratio_dev_max": 0.03, "capped_frac": 0.0625,
-               "weight_mean": 1.0005, "weight_max": 1.3}  # fmt: skip
+               "weight_mean": 1.0005, "weight_max": 1.3, "lr": 1e-4 * version}  # fmt: skip
     if version > 1:  # from the second step on, groups of staleness 1 exist
         metrics |= {"clip_frac_d1": 0.5, "mean_log_ratio_dpos": -0.005}
     base = {"schema_version": 1, "step": version - 1, "policy_version": version, "loss": -0.3 * version,
@@ -96,6 +96,7 @@ def test_event_files_hold_every_scalar_for_every_step(tmp_path):
         assert [e.step for e in acc.Scalars(tag)] == [1, 2, 3], tag
     assert [e.value for e in acc.Scalars("loss/loss")] == pytest.approx([-0.3, -0.6, -0.9])
     assert [e.value for e in acc.Scalars("optim/grad_norm")] == pytest.approx([1.7, 2.7, 3.7])
+    assert [e.value for e in acc.Scalars("optim/lr")] == pytest.approx([1e-4, 2e-4, 3e-4])
     assert [e.value for e in acc.Scalars("microsteps/cell1")] == [3, 0, 0]
     assert [e.step for e in acc.Scalars("clip/frac_d1")] == [2, 3]
     dpos = [e.value for e in acc.Scalars("is/mean_l_minus_b_dpos")]

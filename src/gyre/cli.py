@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from gyre.config import ConfigError, RunConfig, check_model_path, load_config
+from gyre.config import ConfigError, RunConfig, check_model_path, load_config, resolve_transports
 
 __all__ = ["main"]
 
@@ -133,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
 async def _run_until_signal(cfg: RunConfig, command: str, resume=None) -> int:
     try:  # here, in the process that runs the controller (a placed one on its node), before anything starts
         check_model_path(cfg)
+        if resume is None:  # the weight transport: Mooncake where it loads, else HTTP (one line says so)
+            cfg, note = resolve_transports(cfg)
+            if note is not None:
+                logging.getLogger("gyre").warning(note)
     except ConfigError as exc:
         print(f"gyre {command}: {exc}", file=sys.stderr)
         return 2

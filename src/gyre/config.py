@@ -25,7 +25,7 @@ from gyre_sched.config import PolicyConfig, PolicyParams
 from gyre_train.backends import check_backend
 from gyre_train.loss_config import LossConfig
 
-__all__ = ["ConfigError", "RunConfig", "check_model_path", "load_config"]
+__all__ = ["ConfigError", "RunConfig", "check_model_path", "load_config", "resolve_transports"]
 
 
 class _Section(BaseModel):
@@ -147,10 +147,12 @@ class TrainConfig(_Section):
 
 
 class WeightsConfig(_Section):
-    transport: Literal["mooncake", "disk"] = "mooncake"
-    """Publication: engines pull the core's weights over Mooncake, or load a checkpoint the core writes."""
-    snapshot: Literal["mooncake", "file"] = "mooncake"
-    """How joining satellites pull the core's weight snapshot."""
+    transport: Literal["auto", "mooncake", "http", "disk"] = "auto"
+    """Publication: engines pull the core's weights over Mooncake, or over HTTP from the core (no system library;
+    the run's engine token authenticates), or load a checkpoint the core writes. auto: Mooncake where it loads on
+    the controller's machine, else HTTP (`resolve_transports`; RUN/config.json records the one used)."""
+    snapshot: Literal["auto", "mooncake", "http", "file"] = "auto"
+    """How joining satellites pull the core's weight snapshot (the same choices; file: one machine only)."""
     mooncake: MooncakeConfig = MooncakeConfig()
     """Transfer engine settings: TCP on loopback here; protocol = "rdma" (+ device_name) on GPU clusters."""
 
@@ -528,6 +530,32 @@ def check_model_path(cfg: RunConfig) -> None:
             f"model.path {raw!r}: no {' or '.join(missing)} in this folder; it must be a Hugging Face checkpoint "
             "folder (config.json, tokenizer.json, weights)"
         )
+
+
+def resolve_transports(cfg: RunConfig) -> tuple[RunConfig, str | None]:
+    """`[weights] transport` and `snapshot` as the run uses them, and the one line to say when `auto` fell back.
+
+    auto is Mooncake where `import mooncake.engine` works on this machine (the controller's: the local launcher's
+    cells run here), else HTTP from the core, which needs no system library. Mooncake asked for by name where it
+    cannot load is refused here, in one line naming what to install, before any process starts (the local
+    launcher only: Ray's cells run on other machines). Probes in a child interpreter (~0.1 s) only when needed.
+    """
+    w = cfg.weights
+    local = cfg.launcher.kind == "local"
+    if "auto" not in (w.transport, w.snapshot) and not (local and "mooncake" in (w.transport, w.snapshot)):
+        return cfg, None
+    from gyre_cell.transfer.choice import choose, install_hint, mooncake_problem
+
+    problem = mooncake_problem()
+    if problem is not None and local and "mooncake" in (w.transport, w.snapshot):
+        raise ConfigError(
+            f"weights: Mooncake is asked for but cannot load here ({problem}); install it "
+            f'({install_hint(problem)}) or set [weights] transport and snapshot to "auto" or "http"'
+        )
+    choice = choose(problem)
+    update = {k: choice.transport for k in ("transport", "snapshot") if getattr(w, k) == "auto"}
+    weights = w.model_copy(update=update)
+    return cfg.model_copy(update={"weights": weights}), choice.note if update else None
 
 
 def _leaf_keys(data: dict, prefix: str = "") -> list[str]:

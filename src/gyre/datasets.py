@@ -20,8 +20,10 @@ Fields of a task (unknown fields are refused):
                        ``{"git": REPO, "commit": SHA}`` (a clone checked out at that commit), or ``{"empty": true}``
 ``scoring``            ``{"kind": "exec", "command": [...], "files": PATH, "score_from": "score_file"|"exit_code"}``
                        (gyre-eval's executable check; ``files`` is a folder kept **outside** the workspace, passed
-                       to the check as ``$GYRE_CHECK_FILES`` and substituted for ``{files}`` in ``command``) or
-                       ``{"kind": "judge", "rubric": TEXT}``
+                       to the check as ``$GYRE_CHECK_FILES`` and substituted for ``{files}`` in ``command``),
+                       ``{"kind": "judge", "rubric": TEXT}``, or ``{"kind": "python", "factory": "module:attr",
+                       "options": {...}}`` (a Python evaluator: gyre-eval's plug-in, built in its service as
+                       ``factory(**options)``; the module must be importable there, e.g. by ``PYTHONPATH``)
 ``harness_timeout_s``  number > 0: the task's deadline (the harness is stopped, its work is still assessed)
 ``overall_budget_s``   number >= ``harness_timeout_s``: execution plus evaluation retries
 ``harness``            optional: a harness name (``builtin``, ``command``, ``claude-code``) or
@@ -55,6 +57,7 @@ __all__ = [
     "ExecScoring",
     "GitWorkspace",
     "JudgeScoring",
+    "PythonScoring",
     "TarWorkspace",
     "TaskFileError",
     "TaskQuery",
@@ -105,13 +108,20 @@ class JudgeScoring(_Model):
     rubric: str = Field(min_length=1)
 
 
+class PythonScoring(_Model):
+    kind: Literal["python"]
+    factory: str = Field(min_length=3, pattern=r"^[\w.]+:[\w.]+$")
+    """"package.module:callable" returning a gyre-eval Evaluator (gyre_eval.evaluator), called with `options`."""
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
 class HarnessOverride(_Model):
     model_config = ConfigDict(frozen=True, extra="allow")
     kind: Literal["builtin", "command", "claude-code"]
 
 
 Workspace = DirWorkspace | TarWorkspace | GitWorkspace | EmptyWorkspace
-Scoring = Annotated[ExecScoring | JudgeScoring, Field(discriminator="kind")]
+Scoring = Annotated[ExecScoring | JudgeScoring | PythonScoring, Field(discriminator="kind")]
 
 
 class TaskSpec(_Model):
@@ -325,10 +335,13 @@ def setup_workspace(task: TaskSpec, dest: Path) -> Path:
 
 
 def evaluator_config(task: TaskSpec) -> dict[str, Any]:
-    """The gyre-eval evaluator for the task's scoring rule (an `exec` config; a judge needs the run's endpoint)."""
+    """The gyre-eval evaluator for the task's scoring rule (an `exec` or `plugin` config; a judge needs the run's
+    endpoint)."""
     sc = task.scoring
     if isinstance(sc, JudgeScoring):
         return {"kind": "judge", "rubric": sc.rubric}
+    if isinstance(sc, PythonScoring):
+        return {"kind": "plugin", "factory": sc.factory, "options": dict(sc.options)}
     env = {"GYRE_CHECK_FILES": sc.files} if sc.files else {}
     command = [a.replace("{files}", sc.files) for a in sc.command] if sc.files else list(sc.command)
     return {

@@ -11,6 +11,7 @@ Per step (TensorBoard step = the policy version the step produced, 1, 2, ...):
 | reward/mean, reward/std | rewards of the step's groups (the N counted members of each group) |
 | loss/loss, loss/surrogate | the GSPO objective and its surrogate term |
 | optim/grad_norm | global gradient norm before clipping |
+| optim/lr | learning rate of the step's update (NaN where the backend has no schedule to read: megatron) |
 | clip/frac_all, clip/frac_pos_adv, clip/frac_neg_adv | sequence clip fractions, all and by sign of A |
 | clip/frac_d0, clip/frac_d1, ... | by staleness d of the execution (d0 always; d >= 1 when the step has such groups) |
 | is/capped_frac | fraction of target tokens whose importance weight was capped |
@@ -56,7 +57,7 @@ log = logging.getLogger("gyre")
 NAN = float("nan")
 
 STEP_TAGS = (
-    "reward/mean", "reward/std", "loss/loss", "loss/surrogate", "optim/grad_norm",
+    "reward/mean", "reward/std", "loss/loss", "loss/surrogate", "optim/grad_norm", "optim/lr",
     "clip/frac_all", "clip/frac_pos_adv", "clip/frac_neg_adv", "clip/frac_d0",
     "is/capped_frac", "is/w_mean", "is/w_max", "is/mean_l_minus_b_d0", "is/mean_l_minus_b_dpos",
     "is/ratio_dev_mean", "is/ratio_dev_max", "staleness/mean", "staleness/max", "tokens/targets",
@@ -86,6 +87,7 @@ def step_scalars(row: dict, cells: int) -> dict[str, float]:
         "loss/loss": _num(row.get("loss")),
         "loss/surrogate": _num(row.get("surrogate")),
         "optim/grad_norm": _num(row.get("grad_norm")),
+        "optim/lr": _num(m.get("lr")),
         "clip/frac_all": _num(m.get("clip_frac_all")),
         "clip/frac_pos_adv": _num(m.get("clip_frac_pos")),
         "clip/frac_neg_adv": _num(m.get("clip_frac_neg")),

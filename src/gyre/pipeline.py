@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from gyre import agent
-from gyre.config import AssessmentSection, HarnessConfig, RunConfig
+from gyre.config import AssessmentSection, HarnessConfig, RunConfig, resolve_transports
 from gyre.controller import Controller
 from gyre.datasets import task_queries
 from gyre.demo_model import demo_policy
@@ -31,7 +31,7 @@ from gyre.monitor import RunMonitor
 from gyre.report import write_report
 from gyre.resume import ResumePoint
 from gyre.tasks import demo_queries, scoring_command
-from gyre_eval.config import ServiceConfig
+from gyre_eval.config import PluginConfig, ServiceConfig
 from gyre_eval.exec_check import ExecCheckConfig
 from gyre_sched.policies import make_policy
 from gyre_sched.runner import ExecutionRunner
@@ -71,6 +71,8 @@ def _assessment_config(
             spec = q.evaluator()
             if spec["kind"] == "judge":
                 evaluators[f"task-{q.query_id}"] = judge_evaluator(q.query_id, spec, judge)
+            elif spec["kind"] == "plugin":  # a Python evaluator (gyre-eval builds it in its own process)
+                evaluators[f"task-{q.query_id}"] = PluginConfig.model_validate(spec)
             else:
                 evaluators[f"task-{q.query_id}"] = ExecCheckConfig.model_validate(spec)
             continue
@@ -89,6 +91,9 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
     run_dir = Path(cfg.run_dir).resolve()
     if (run_dir / "trace.jsonl").exists():
         raise RunDirError(f"{run_dir} already holds a run (trace.jsonl); choose another --run-dir")
+    cfg, note = resolve_transports(cfg)  # config.json records the transport actually used
+    if note is not None:
+        log.warning(note)
     # 0700: the run holds credentials (tokens, the dashboard's URL) and every execution's work, which no other
     # local user, nor a check dropped to its own uid, may read (a sibling's answer was one symlink away)
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -202,6 +207,7 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
         "mean_reward_per_step": [s["mean_reward"] for s in steps],
         "microsteps_by_cell": [s["microsteps_by_cell"] for s in steps],
         "final_weights": final.path,
+        "transport": {"weights": cfg.weights.transport, "snapshot": cfg.weights.snapshot},
         "wall_s": round(time.monotonic() - started, 1),
         "report": str(report),
     }

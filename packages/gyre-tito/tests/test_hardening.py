@@ -85,7 +85,7 @@ def test_a_flipped_byte_quarantines_one_execution_not_the_proxy(tok_dir, tmp_pat
         assert srv.admin("POST", "/admin/executions/e1/export", {}).status_code == 409
         q = srv.admin("GET", "/admin/quarantine").json()["quarantined"]
         assert [x["execution_id"] for x in q] == ["e1"] and "damaged record" in q[0]["reason"]
-        assert httpx.get(srv.url + "/health").json()["quarantined"] == 1
+        assert srv.admin("GET", "/health").json()["quarantined"] == 1
         assert srv.admin("POST", "/admin/executions", {"execution_id": "e1"}).status_code == 409
     after = {p.name: p.read_bytes() for p in (tmp_path / "store" / "records").iterdir()}
     assert after["e1.tito.jsonl"] == before["e1.tito.jsonl"]  # left exactly as found, for repair

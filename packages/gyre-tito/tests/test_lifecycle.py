@@ -121,7 +121,7 @@ def test_ended_execution_is_unloaded_and_exports_the_same(tok_dir, tmp_path, eng
         assert (
             _msg(srv.url, c2, [{"role": "user", "content": "task two"}]).status_code == 200
         )  # e2 unaffected
-        metrics = httpx.get(srv.url + "/metrics").text
+        metrics = srv.admin("GET", "/metrics").text
         assert 'gyre_tito_executions{state="ended"} 1' in metrics
         assert 'gyre_tito_executions{state="active"} 1' in metrics
 

@@ -84,7 +84,7 @@ def test_auth_admin_and_basic_endpoints(tok_dir, tmp_path, engines):
         assert r.status_code == 200 and r.json()["input_tokens"] > 50
         assert httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] == "gyre-policy"
         assert httpx.get(srv.url + "/health").json()["status"] == "ok"
-        m = httpx.get(srv.url + "/metrics").text
+        m = srv.admin("GET", "/metrics").text
         assert (
             "gyre_tito_calls_total 1" in m and 'gyre_tito_requests_total{api="anthropic",status="401"} 1' in m
         )

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import ipaddress
 import secrets
+import socket
 import time
 from pathlib import Path
 
@@ -43,6 +44,28 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def openable_host(host: str) -> str:
+    """The address a user can open for a server bound to ``host``: ``host`` itself, unless it is the wildcard
+    (``0.0.0.0``, ``::``), which no browser can open: then this machine's address, the one its host name resolves to
+    or else the one its default route leaves from (a UDP socket's connect sends nothing), loopback as the last
+    resort."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:  # a host name: the user's resolver knows it
+        return host
+    if not ip.is_unspecified:
+        return host
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    with contextlib.suppress(OSError):
+        for *_, address in socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_STREAM):
+            if not ipaddress.ip_address(address[0]).is_loopback:
+                return address[0]
+    with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(("2001:db8::1" if ip.version == 6 else "192.0.2.1", 9))  # documentation addresses
+        return probe.getsockname()[0]
+    return "::1" if ip.version == 6 else "127.0.0.1"
 
 
 def _loopback_host(host_header: str) -> bool:
@@ -175,7 +198,8 @@ class DashboardServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = openable_host(self.host)  # bound to every interface: print one a user can open
+        host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}/" + (f"?token={self.token}" if self.token else "")
 
     async def start(self, timeout_s: float = 30.0) -> str:

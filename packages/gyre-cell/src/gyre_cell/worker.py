@@ -36,22 +36,24 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from gyre_cell.client import RolloutEngine
 from gyre_cell.engine.server import create_app, require_token
+from gyre_cell.engine.weights import WeightError
 from gyre_cell.ports import free_port
 from gyre_cell.roles import CellRoleManager, CellRoleManagerConfig, IllegalRoleTransition, RoleSwitchError
 from gyre_cell.worker_engine import InProcessEngine, RolloutSide, SupervisedSGLang
 from gyre_cell.worker_types import (
     CellEvent,
     CellWorkerConfig,
+    CommandRefused,
     EventBatch,
     LoadResult,
     OpenBatchCommand,
@@ -170,6 +172,15 @@ class CellWorkerProcess:
             )
             return JSONResponse({"error": {"message": f"invalid command: {problems}"}}, status_code=400)
 
+        @self.app.exception_handler(CommandRefused)
+        async def _refused(_: Request, exc: CommandRefused) -> JSONResponse:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=exc.status)
+
+        @self.app.exception_handler(WeightError)
+        async def _not_a_checkpoint(_: Request, exc: WeightError) -> JSONResponse:
+            # a load naming a directory the engine refuses (missing, no safetensors, outside its weight_dirs)
+            return JSONResponse({"error": {"message": f"cannot load weights: {exc}"}}, status_code=400)
+
     # ---- start-up ------------------------------------------------------------------------------------------------
     def _setup(self) -> None:
         try:
@@ -222,9 +233,13 @@ class CellWorkerProcess:
         from gyre_cell.transfer.subscriber import WeightSubscriber, fetch_manifest
 
         if manifest_url not in self._subscribers:
-            self._subscribers[manifest_url] = WeightSubscriber(
-                fetch_manifest(manifest_url), mooncake=self.cfg.mooncake
-            )
+            try:
+                manifest = fetch_manifest(manifest_url)
+            except Exception as exc:  # unreachable, not a URL, not a manifest: the command's ref is wrong
+                raise CommandRefused(
+                    400, f"cannot read the weight manifest at {manifest_url!r}: {exc}"
+                ) from exc
+            self._subscribers[manifest_url] = WeightSubscriber(manifest, mooncake=self.cfg.mooncake)
         return self._subscribers[manifest_url]
 
     async def _load_weights(self, ref: PublishedWeights) -> str:
@@ -239,7 +254,9 @@ class CellWorkerProcess:
                 raise RuntimeError(f"pulled weight version {version}, expected {ref.version}")
             return version
         if ref.path is None:
-            raise ValueError(f"published weights v{ref.version} name no checkpoint path and no manifest")
+            raise CommandRefused(
+                400, f"published weights v{ref.version} name no checkpoint path and no manifest"
+            )
         return await self.rollout.load(ref, None, None)
 
     # ---- HTTP ----------------------------------------------------------------------------------------------------
@@ -268,7 +285,8 @@ class CellWorkerProcess:
             return None
 
         async def body(request: Request, model):
-            return model.model_validate_json(await request.body())
+            # strict: a JSON `true` or `"3"` is no count or version (lax mode took them for 1 and 3)
+            return model.model_validate_json(await request.body(), strict=True)
 
         @r.get("/status")
         async def status() -> WorkerStatus:
@@ -281,7 +299,11 @@ class CellWorkerProcess:
             )  # fmt: skip
 
         @r.get("/events")
-        async def events(after: int = 0, timeout: float = 30.0) -> EventBatch:
+        async def events(
+            after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
+            timeout: Annotated[float, Query(ge=0, le=86400, allow_inf_nan=False)] = 30.0,
+        ) -> EventBatch:
+            # bounded here: a NaN timeout made the long poll wait forever, a negative `after` echoed itself
             return await worker.events.after(after, min(timeout, 60.0))
 
         @r.post("/to_training")
@@ -329,7 +351,10 @@ class CellWorkerProcess:
             from gyre_train.types import ReadyGroupMessage
 
             message = await body(request, ReadyGroupMessage)
-            await asyncio.to_thread(worker.training.add_group, message)
+            try:
+                await asyncio.to_thread(worker.training.add_group, message)
+            except (ValueError, OSError) as exc:  # a file missing, unreadable, of another group: none added
+                raise CommandRefused(400, f"group {message.group_id} refused: {exc}") from exc
             return {"ok": True}
 
         @r.post("/open_batch")

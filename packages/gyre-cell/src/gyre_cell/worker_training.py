@@ -25,7 +25,7 @@ from gyre_cell.roles import TorchTrainingState
 from gyre_cell.step_checkpoint import load_step_checkpoint, write_step_checkpoint
 from gyre_cell.transfer.publisher import WeightPublisher
 from gyre_cell.worker_stages import CellStages, RankSpawner, is_multi_rank
-from gyre_cell.worker_types import CellWorkerConfig, PublishedWeights
+from gyre_cell.worker_types import CellWorkerConfig, CommandRefused, PublishedWeights
 from gyre_train.backends import build_backend
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
@@ -184,9 +184,9 @@ class CellTraining:
 
     def open_batch(self, version: int, final: bool) -> None:
         assert self.core is not None
-        if version != self.trainer.version:
-            raise ValueError(
-                f"batch for version {version}, but the trainer is at version {self.trainer.version}"
+        if version != self.trainer.version:  # the controller's view is stale: refused (409), nothing opened
+            raise CommandRefused(
+                409, f"batch for version {version}, but the trainer is at version {self.trainer.version}"
             )
         # The trainer is at `version`: the previous step's thread has emitted its step_end and is only returning
         # (the controller can ask for the next batch within that window).

@@ -9,9 +9,9 @@ receives them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from gyre_cell.engine.config import EngineConfig
 from gyre_cell.roles import SwitchReport
@@ -24,6 +24,7 @@ __all__ = [
     "CellEvent",
     "CellTrainingConfig",
     "CellWorkerConfig",
+    "CommandRefused",
     "EventBatch",
     "LoadResult",
     "OpenBatchCommand",
@@ -32,13 +33,24 @@ __all__ = [
     "SaveCommand",
     "StopGate",
     "SwitchResult",
+    "Version",
     "WorkerStatus",
 ]
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     schema_version: Literal[1] = 1
+
+
+class CommandRefused(Exception):
+    """A well-formed command the cell cannot carry out in its state or with what it names (a batch for another
+    version, a checkpoint that is not one, a group whose files do not read): answered with `status` (4xx) and the
+    message, never a 500."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class CellTrainingConfig(_Wire):
@@ -145,16 +157,16 @@ class ReformCommand(_Wire):
     """Re-form the gloo world (a new generation) so a restarted cell trains again; sent to every member cell at a
     burst boundary (gyre_train.multicell.reform_cell_world)."""
 
-    generation: int = Field(ge=1)
-    master_port: int = Field(ge=1)
+    generation: int = Field(strict=True, ge=1, le=2**63 - 1)
+    master_port: int = Field(strict=True, ge=1, le=65535)
     """The new generation's rendezvous port on the core's host."""
-    rejoining: list[int] = []
+    rejoining: list[Annotated[int, Field(strict=True, ge=0, le=65535)]] = Field([], max_length=4096)
     """The cells that take their training rank again: restarted ones, and live ones whose world a failed re-form
     left them without (the core's coordinator lets them join batches)."""
     rendezvous_timeout_s: float = Field(120.0, gt=0, le=86400)
     """How long the core waits for all K cells at the new world's rendezvous; past it every waiting cell answers
     503 and has no world until the next re-form (a cell that died or hangs must not hold the others)."""
-    members: list[int] | None = Field(None, max_length=4096)
+    members: list[Annotated[int, Field(strict=True, ge=0, le=65535)]] | None = Field(None, max_length=4096)
     """The cells of the new world (rank = position, the core first); None: all K. A cell gone for good (its
     restarts spent) is left out, so it does not block later re-forms."""
 
@@ -170,35 +182,39 @@ VERSION_MAX = 2**63 - 1
 """The largest policy version: the weight buffer's header and the engines hold it as an int64 (a larger one was a
 500 that left the publish lock held)."""
 
+Version = Annotated[int, Field(strict=True, ge=0, le=VERSION_MAX)]
+"""A policy version on the wire: a JSON integer in int64 (strict: `true` or `"1"` are not versions; lax mode took
+`true` as 1, and a load then checked the engine's "1" against "True" and answered 500)."""
+
 
 class PublishedWeights(_Wire):
     """Where a published policy version can be read (the core's answer to a publish, the input of a load)."""
 
-    version: int = Field(ge=0, le=VERSION_MAX)
-    manifest_url: str | None = None
+    version: Version
+    manifest_url: str | None = Field(None, max_length=4096)
     """Mooncake: the core's weight manifest (engines pull the bytes from its registered buffer)."""
-    path: str | None = None
+    path: str | None = Field(None, max_length=4096)
     """Disk: a Hugging Face checkpoint directory."""
     seconds: float = Field(0.0, ge=0)
     """Time the producing side spent (copy into the buffer, or save)."""
 
 
 class PublishCommand(_Wire):
-    version: int = Field(ge=0, le=VERSION_MAX)
-    save: bool = False
+    version: Version
+    save: StrictBool = False
     """Also write a Hugging Face checkpoint (always done with weights = disk)."""
 
 
 class SaveCommand(_Wire):
     """Write the current policy (HF checkpoint) and the trainer state (weights, Adam, step, buffer)."""
 
-    version: int = Field(ge=0, le=VERSION_MAX)
+    version: Version
 
 
 class OpenBatchCommand(_Wire):
-    version: int = Field(ge=0, le=VERSION_MAX)
+    version: Version
     """Policy version the batch starts from (the step produces version + 1)."""
-    final: bool
+    final: StrictBool
     """Last step of the burst: satellites leave after it (no broadcast)."""
 
 

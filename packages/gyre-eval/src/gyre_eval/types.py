@@ -47,11 +47,12 @@ class Submission(_Wire):
 
     execution_id: str = _ID
     group_id: str = _ID
-    group_size: int = Field(ge=1, le=100_000)
+    # counts and indices are JSON integers (strict): lax mode took `true` for 1
+    group_size: int = Field(strict=True, ge=1, le=100_000)
     """N: valid rewards the group needs before its advantages exist."""
-    group_dispatched: int | None = Field(default=None, ge=1, le=100_000)
+    group_dispatched: int | None = Field(default=None, strict=True, ge=1, le=100_000)
     """N_d = N + k_spare executions dispatched for the group; None means N (no oversampling)."""
-    dispatch_index: int = Field(ge=0)
+    dispatch_index: int = Field(strict=True, ge=0)
     """Position of the execution in its group's dispatch order; spares replace excluded executions in this order."""
     artifact_ref: str | None = Field(default=None, min_length=1, max_length=4096)
     """Path of the preserved workspace; None when the execution left no assessable work (``no_work``)."""
@@ -59,7 +60,7 @@ class Submission(_Wire):
     branch: str = Field(default="main", min_length=1, max_length=256)
     evaluator: str = Field(default="task", min_length=1, max_length=128)
     """Name of a configured evaluator."""
-    designated: bool = True
+    designated: bool = Field(True, strict=True)
     """True for the one task assessment that supplies the execution's reward; False for intermediate ones."""
     launched_at: float = Field(gt=0)
     """Unix time the execution launched: the overall budget is measured from here."""

@@ -28,7 +28,9 @@ from fastapi.responses import JSONResponse
 from gyre_tito.conversation import ProtocolError
 from gyre_tito.execution import Execution
 
-__all__ = ["admin_router", "check_export_dirs", "export_roots", "export_target", "export_trajectories"]
+__all__ = [
+    "admin_router", "check_export_dirs", "export_roots", "export_target", "export_trajectories", "has_admin_token",
+]  # fmt: skip
 
 
 def _err(e: ProtocolError) -> JSONResponse:
@@ -138,16 +140,22 @@ def export_trajectories(proxy, execution_id: str, body: dict[str, Any]) -> list[
     return [orjson.loads(t.model_dump_json()) for t in trajs]
 
 
+def has_admin_token(proxy, req: Request) -> bool:
+    """The request carries the proxy's admin token (``X-Admin-Token`` or ``Authorization: Bearer``); never true when
+    the proxy has none."""
+    token = proxy.config.admin_token
+    given = req.headers.get("x-admin-token") or ""
+    auth = req.headers.get("authorization", "")
+    if not given and auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    return bool(token) and hmac.compare_digest(given.encode(), token.encode())
+
+
 def admin_router(proxy) -> APIRouter:
     r = APIRouter(prefix="/admin")
 
     async def guard(req: Request) -> dict[str, Any]:
-        token = proxy.config.admin_token
-        given = req.headers.get("x-admin-token") or ""
-        auth = req.headers.get("authorization", "")
-        if not given and auth.lower().startswith("bearer "):
-            given = auth[7:].strip()
-        if not token or not hmac.compare_digest(given.encode(), token.encode()):
+        if not has_admin_token(proxy, req):
             raise ProtocolError(401, "authentication_error", "admin token missing or wrong")
         raw = await req.body()
         if not raw:

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import time
 import uuid
+from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -185,15 +187,17 @@ class EnginePool(KVMoves):
         self._pins: dict[str, asyncio.Future[dict[str, Any] | None]] = {}  # attempt rid -> KV export (drain)
         self.reroutes: deque[Reroute] = deque(maxlen=1024)
         # key (execution) -> (engine that served its last call, its full context, its route): for prefix migration
-        self._contexts: OrderedDict[str, tuple[str, list[int], Any]] = OrderedDict()
+        # the token ids as array('i'): 4 bytes a token, where a list held an 8-byte pointer and a 28-byte int each
+        self._contexts: OrderedDict[str, tuple[str, array, Any]] = OrderedDict()
         self.max_contexts = 4096
         self._prefix_moved: dict[
             str, Reroute
         ] = {}  # key -> its installed prefix migration, until its next call
         # key -> its prefix move at a drain, until that move ended (its next call waits for it)
         self._prefix_pending: dict[str, asyncio.Future[None]] = {}
-        self.max_context_tokens = 8_000_000  # bounds the token lists kept (LRU by execution)
-        self._context_tokens = 0
+        # bounds the token arrays kept, by their real size (LRU by execution)
+        self.max_context_bytes = 64 << 20
+        self._context_bytes = 0
         self.kv_stats: dict[str, float] = dict.fromkeys(
             (
                 "reroutes",
@@ -262,21 +266,29 @@ class EnginePool(KVMoves):
     def _remember(self, key: str | None, url: str, tokens: list[int], route: Any) -> None:
         if key is None:
             return
+        try:
+            ids = array("i", tokens)
+        except OverflowError:  # an id past int32 is no token of any vocabulary: nothing to migrate
+            return
         old = self._contexts.pop(key, None)
-        self._context_tokens += len(tokens) - (len(old[1]) if old else 0)
-        self._contexts[key] = (url, tokens, route)
+        self._context_bytes += sys.getsizeof(ids) - (sys.getsizeof(old[1]) if old else 0)
+        self._contexts[key] = (url, ids, route)
         while len(self._contexts) > 1 and (
-            len(self._contexts) > self.max_contexts or self._context_tokens > self.max_context_tokens
+            len(self._contexts) > self.max_contexts or self._context_bytes > self.max_context_bytes
         ):
             _, (_, dropped, _) = self._contexts.popitem(last=False)
-            self._context_tokens -= len(dropped)
+            self._context_bytes -= sys.getsizeof(dropped)
+
+    def context_bytes(self) -> int:
+        """Bytes of the token arrays remembered for prefix migration (bounded by `max_context_bytes`)."""
+        return self._context_bytes
 
     def forget(self, key: str) -> None:
         """Drop what the pool remembers of an execution (it ended)."""
         self._prefix_moved.pop(key, None)
         old = self._contexts.pop(key, None)
         if old is not None:
-            self._context_tokens -= len(old[1])
+            self._context_bytes -= sys.getsizeof(old[1])
 
     def _pick(self, route: list[str] | None, prefer: str | None = None) -> _EngineState | None:
         """The least-loaded available engine of `route`; `prefer` wins when it is one of them (it holds KV)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ class KVMoves:
     _client: httpx.AsyncClient
     _engines: dict[str, _EngineState]
     _pins: dict[str, asyncio.Future[dict[str, Any] | None]]
-    _contexts: OrderedDict[str, tuple[str, list[int], Any]]
+    _contexts: OrderedDict[str, tuple[str, array, Any]]
     _prefix_moved: dict[str, Reroute]
     _prefix_pending: dict[str, asyncio.Future[None]]
     reroutes: deque[Reroute]
@@ -114,7 +115,7 @@ class KVMoves:
             fut.set_result(None)
 
     async def _move_prefix(
-        self, url: str, key: str, tokens: list[int], route: Any, fut: asyncio.Future[None], deadline: float
+        self, url: str, key: str, tokens: array, route: Any, fut: asyncio.Future[None], deadline: float
     ) -> None:
         """Pin the cached prefix of `tokens` at `url` and have an engine of `route` take it over; the claim `fut` is
         released at the end however it ends (not installed: the next call recomputes)."""
@@ -124,7 +125,7 @@ class KVMoves:
                 return
             try:
                 r = await self._client.post(
-                    f"{url}/kv/pin", json={"token_ids": tokens, "abort": False}, timeout=5.0
+                    f"{url}/kv/pin", json={"token_ids": tokens.tolist(), "abort": False}, timeout=5.0
                 )
             except httpx.HTTPError:
                 return  # the engine is gone: the next call recomputes
@@ -155,7 +156,7 @@ class KVMoves:
         src, tokens, _ = ctx
         urls = route() if callable(route) else route
         moved_off = urls is not None and src not in {u.rstrip("/") for u in urls} and src in self._engines
-        if moved_off and input_ids[: len(tokens)] == tokens:
+        if moved_off and len(input_ids) >= len(tokens) and array("i", input_ids[: len(tokens)]) == tokens:
             deadline = time.monotonic() + self.config.kv_prefix_budget_s
             await self._move_prefix(src, key, tokens, route, self._claim(key), deadline)
 

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from gyre_tito import anthropic_api, openai_api
-from gyre_tito.admin import admin_router
+from gyre_tito.admin import admin_router, has_admin_token
 from gyre_tito.conversation import ProtocolError
 from gyre_tito.proxy import Proxy
 
@@ -228,7 +228,11 @@ def create_app(proxy: Proxy) -> FastAPI:
         )
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health(req: Request) -> dict[str, Any]:
+        # Liveness for anyone (launchers and probes hold no token): it says only what an open port says. The
+        # engines, counts and quarantine are the operator's, as is /metrics: agents reach this port too.
+        if not has_admin_token(proxy, req):
+            return {"status": "ok"}
         return {
             "status": "ok",
             "engines": proxy.pool.engines(),
@@ -237,7 +241,11 @@ def create_app(proxy: Proxy) -> FastAPI:
         }
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(req: Request) -> Response:
+        if not has_admin_token(proxy, req):
+            return _anthropic_error(
+                ProtocolError(401, "authentication_error", "/metrics needs the admin token")
+            )
         s = proxy.stats
         lines = [
             "# TYPE gyre_tito_calls_total counter",

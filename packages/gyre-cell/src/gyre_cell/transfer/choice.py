@@ -10,6 +10,7 @@ Torch-free: the run's controller and `gyre config` import it.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from typing import Literal, NamedTuple
@@ -25,9 +26,11 @@ PROBE_TIMEOUT_S = 120.0
 """An import takes well under a second; a machine under heavy load may need much longer."""
 
 
+@functools.cache
 def mooncake_problem(python: str | None = None) -> str | None:
     """None when `import mooncake.engine` succeeds in a child interpreter (`python`, default this one), else its
-    error's last line (e.g. `ImportError: libibverbs.so.1: cannot open shared object file: ...`)."""
+    error's last line (e.g. `ImportError: libibverbs.so.1: cannot open shared object file: ...`). Once per
+    process: the machine's libraries do not change during a run."""
     try:
         proc = subprocess.run(
             [python or sys.executable, "-c", PROBE],
