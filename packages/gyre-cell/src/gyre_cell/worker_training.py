@@ -51,10 +51,14 @@ _TOKENIZER_FILES = (
 Emit = Callable[..., None]
 
 
-def _snapshot_channel(cfg: CellWorkerConfig):
+def _snapshot_channel(cfg: CellWorkerConfig, secret: str | None):
     assert cfg.training is not None
     if cfg.training.snapshot == "file":
         return FileSnapshotChannel(Path(cfg.run_dir) / "snapshots")
+    if cfg.training.snapshot == "http":  # Mooncake cannot load here (gyre.config.resolve_transports)
+        from gyre_cell.transfer.http_snapshot_channel import HttpSnapshotChannel
+
+        return HttpSnapshotChannel(cfg.host, secret=secret or "")
     from gyre_cell.transfer.snapshot_channel import MooncakeSnapshotChannel
 
     return MooncakeSnapshotChannel(cfg.mooncake)
@@ -70,10 +74,13 @@ class CellTraining:
         rendezvous_timeout_s: float | None = None,
         members: list[int] | None = None,
         rank_spawner: RankSpawner | None = None,
+        run_secret: str | None = None,
     ) -> None:
         """``rendezvous_timeout_s``: this (restarted) cell joins a re-formed world generation, whose rendezvous is
         bounded (`reform_cell_world`), of the cells ``members`` (None: all K); None: the run's first world.
-        ``rank_spawner``: how a multi-rank cell starts its other ranks (None: children on this machine)."""
+        ``rank_spawner``: how a multi-rank cell starts its other ranks (None: children on this machine).
+        ``run_secret``: the run's engine token, which every cell holds (the HTTP weight transport's requests carry
+        it)."""
         if cfg.training is None:
             raise ValueError("a cell without a [training] section has no training side")
         self.cfg, self.emit = cfg, emit
@@ -114,17 +121,25 @@ class CellTraining:
             self.worker, self.state = self.stages.worker, self.stages.state
         self.publisher: WeightPublisher | None = None
         self.published = PublishedWeights(version=self.version, path=cfg.engine.model_path)
-        if self.is_core and cfg.weights == "mooncake":
+        # weights = "http": Mooncake cannot load here (gyre.config.resolve_transports); the core serves its buffer
+        if self.is_core and cfg.weights == "http":
+            from gyre_cell.transfer.http_publisher import HttpWeightPublisher
+
+            self.publisher = HttpWeightPublisher(
+                self.backend.hf_state_dict(), version=self.version, secret=run_secret or ""
+            )
+        elif self.is_core and cfg.weights == "mooncake":
             # Layout fixed now, from the initial model; refreshed in place at each publication.
             self.publisher = WeightPublisher(
                 self.backend.hf_state_dict(), version=self.version, config=cfg.mooncake
             )
+        if self.publisher is not None:
             url = self.publisher.serve_manifest(cfg.host)
             self.published = PublishedWeights(
                 version=self.version, manifest_url=url, path=cfg.engine.model_path
             )
         self.state.offload_blocking()  # every cell starts in rollout: the engine has the memory
-        self.snapshots = _snapshot_channel(cfg)
+        self.snapshots = _snapshot_channel(cfg, run_secret)
         self.abort = threading.Event()
         self.leave = threading.Event()
         self._burst_lock = threading.Lock()
