@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from gyre_cell.binds import confine_gloo
 from gyre_cell.roles import TorchTrainingState
 from gyre_cell.step_checkpoint import load_step_checkpoint, write_step_checkpoint
 from gyre_cell.transfer.publisher import WeightPublisher
@@ -30,7 +31,13 @@ from gyre_train.backends import build_backend
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
 from gyre_train.checkpoint import save_checkpoint
-from gyre_train.multicell import CoreRunner, MultiCellConfig, init_cell_process, reform_cell_world
+from gyre_train.multicell import (
+    CoreRunner,
+    MultiCellConfig,
+    coordinator_key,
+    init_cell_process,
+    reform_cell_world,
+)
 from gyre_train.packing import PackingConfig
 from gyre_train.satellite import SatelliteRunner
 from gyre_train.snapshot import FileSnapshotChannel
@@ -79,10 +86,13 @@ class CellTraining:
         """``rendezvous_timeout_s``: this (restarted) cell joins a re-formed world generation, whose rendezvous is
         bounded (`reform_cell_world`), of the cells ``members`` (None: all K); None: the run's first world.
         ``rank_spawner``: how a multi-rank cell starts its other ranks (None: children on this machine).
-        ``run_secret``: the run's engine token, which every cell holds (the HTTP weight transport's requests carry
-        it)."""
+        ``run_secret``: the run's engine token, which every cell holds: the HTTP weight transport's requests carry
+        it, and the coordinator's key is derived from it, so only the run's cells can act as one. A lone cell (K = 1)
+        may go without: its coordinator gets a random key."""
         if cfg.training is None:
             raise ValueError("a cell without a [training] section has no training side")
+        if run_secret is None and cfg.num_cells > 1:
+            raise ValueError("a multi-cell run needs the run's secret (--api-key-fd or --api-key-file)")
         self.cfg, self.emit = cfg, emit
         t = cfg.training
         self.is_core = cfg.cell == 0
@@ -91,7 +101,9 @@ class CellTraining:
             snapshot_dir=str(Path(cfg.run_dir) / "snapshots"), steps_per_burst=t.steps_per_burst,
             host=t.master_host or cfg.host, claim_timeout_s=t.claim_timeout_s, starve_timeout_s=float("inf"),
             collective_timeout_s=t.collective_timeout_s,
+            **({"authkey": coordinator_key(run_secret)} if run_secret is not None else {}),
         )  # fmt: skip
+        confine_gloo(cfg.host)  # before the first gloo pair: they listen on this cell's interface only
         # gloo rendezvous of all K cells, prefix groups built once; before the backend, because a megatron
         # backend builds its groups over this world (collectively, every cell at this point).
         # A multi-rank cell (megatron, TP or PP > 1): this process is its rank 0; its children, started now, the
