@@ -8,6 +8,7 @@ gyre-eval's `ServiceConfig`) with its type, its default and its description: the
 docstring written under it in the class body (the project's convention). The defaults are those of an instance of
 the top-level model, so a section whose default is a preset (the run's `[scheduler]`) shows the preset's values.
 CLI page: every command of every console script with its options, as its argparse parser prints them.
+Wire page: every field of the typed messages between processes (records, trajectories, assessments, trace lines).
 """
 
 from __future__ import annotations
@@ -191,6 +192,58 @@ def config_pages() -> dict[str, str]:
     }
 
 
+# ---- wire formats -------------------------------------------------------------------------------------------
+
+# The typed messages between processes, each defined by the package that produces it.
+WIRE = [
+    ("gyre-tito: records and trajectories", "gyre_tito.types",
+     ["CallRecord", "OutputSegment", "Timings", "Trajectory", "WeightSpan"]),
+    ("gyre-eval: the reward service's HTTP API", "gyre_eval.types",
+     ["Submission", "Assessment", "Provenance", "AttemptRecord", "ExecutionReport", "GroupStatus", "MemberReward",
+      "ErrorBody"]),
+    ("gyre-sched: executions, cells, routes, the trace", "gyre_sched.types",
+     ["ExecutionSpec", "ExecutionEvent", "CellTransition", "Route", "TraceLine"]),
+]  # fmt: skip
+
+
+def _default(cls: type, name: str) -> str:
+    if issubclass(cls, BaseModel):
+        field = cls.model_fields[name]
+        if field.is_required():
+            return "required"
+        return _value(field.get_default(call_default_factory=True))
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default is not dataclasses.MISSING:
+        return _value(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        return _value(f.default_factory())
+    return "required"
+
+
+def wire_page() -> str:
+    out = [
+        "# Wire formats\n\n",
+        HEADER,
+        "The typed, versioned messages between Gyre's processes, each defined by the package that produces it: "
+        "every field with its type, its default (`required` where it has none) and its description. The HTTP "
+        "endpoints that carry them are in each package's reference.\n",
+    ]
+    for title, module, names in WIRE:
+        out.append(f"\n## {title}\n")
+        mod = importlib.import_module(module)
+        for name in names:
+            cls = getattr(mod, name)
+            out.append(f"\n### `{name}`\n\n")
+            doc = inspect.getdoc(cls) if cls.__doc__ else ""
+            out.append(f"{_cell(doc)} (`{module}.{name}`)\n\n" if doc else f"`{module}.{name}`\n\n")
+            out.append("| field | type | default | description |\n|---|---|---|---|\n")
+            for fname, tp, fdoc in _fields(cls):
+                out.append(
+                    f"| `{fname}` | {_cell(_type_name(tp))} | {_cell(_default(cls, fname))} | {_cell(fdoc)} |\n"
+                )
+    return "".join(out)
+
+
 # ---- command lines -------------------------------------------------------------------------------------------
 
 
@@ -246,7 +299,7 @@ def cli_page() -> str:
 
 
 def pages() -> dict[str, str]:
-    return {**config_pages(), "cli.md": cli_page()}
+    return {**config_pages(), "cli.md": cli_page(), "wire.md": wire_page()}
 
 
 def stale_pages(pages: dict[str, str], directory: Path) -> list[str]:

@@ -56,6 +56,8 @@ class RunMonitor:
                                 wandb_project=m.wandb_project, wandb_entity=m.wandb_entity,
                                 config=cfg.model_dump(mode="json"))  # fmt: skip
         self.progress = progress_mod.current()
+        # A resumed run's steps so far: its bar counts the whole run's.
+        self._steps_before = controller.steps_done
         self.dashboard = None
         self.url: str | None = None
         self._task: asyncio.Task | None = None
@@ -95,7 +97,7 @@ class RunMonitor:
         if self.progress is not None:
             c = self.controller
             total = c.target_steps or self.cfg.train.steps
-            self.progress.update(len(c.step_reports), total, c.now(), self._last_reward)
+            self.progress.update(self._steps_before + len(c.step_reports), total, c.now(), self._last_reward)
 
     async def _loop(self) -> None:
         interval = self.cfg.metrics.interval_s
@@ -145,7 +147,13 @@ class RunMonitor:
         """Keep the dashboard up `[dashboard] linger_s` after the run (its final state, report written)."""
         if self.dashboard is not None and self.cfg.dashboard.linger_s > 0:
             log.info("dashboard stays up %.0f s at %s", self.cfg.dashboard.linger_s, self.url)
-            await asyncio.sleep(self.cfg.dashboard.linger_s)
+            try:
+                await asyncio.sleep(self.cfg.dashboard.linger_s)
+            except asyncio.CancelledError:
+                # SIGINT or SIGTERM: the run is done, so only the wait ends; the summary is printed next.
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
 
     async def close(self) -> None:
         if self._closed:

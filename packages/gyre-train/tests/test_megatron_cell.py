@@ -21,8 +21,8 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 import pytest
 import torch
 
-from gyre_train.localrun import free_ports
 from gyre_train.loss import LossConfig
+from gyre_train.ports import free_ports
 from gyre_train.replay import load_dump, replay_batch
 
 pytestmark = [
@@ -52,7 +52,8 @@ RANK = (
     cell, stage, out = int(cell), int(stage), Path(out)
     torch.set_num_threads(1)
     mc = MultiCellConfig(num_cells=%(K)d, master_port=int(master), control_port=int(control),
-                         snapshot_dir=str(out / "snapshots"), steps_per_burst=%(STEPS)d)
+                         snapshot_dir=str(out / "snapshots"), steps_per_burst=%(STEPS)d,
+                         authkey="megatron-cell-test-" * 2)  # every rank: the same key
     groups = init_pipelined_cell(mc, cell, stage, %(PP)d)
     backend = build_backend("megatron", model_path=model_path, lr=1e-3, optimizer=cell == 0,
                             pipeline_parallel=%(PP)d)

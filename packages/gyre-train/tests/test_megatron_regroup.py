@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from gyre_train.localrun import free_ports
+from gyre_train.ports import free_ports
 
 pytestmark = pytest.mark.slow
 

@@ -67,9 +67,9 @@ def _coordinator(tiny_model, tmp_path, batch_groups: int):
     from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
     from gyre_train.buffer import TrajectoryBuffer
     from gyre_train.cell import CellWorker
-    from gyre_train.localrun import free_port
     from gyre_train.multicell import Coordinator, MultiCellConfig
     from gyre_train.packing import PackingConfig
+    from gyre_train.ports import free_port
     from gyre_train.trainer import Trainer, TrainerConfig
 
     buffer = TrajectoryBuffer(2)

@@ -128,9 +128,9 @@ def test_coordinator_drops_an_expired_lease_and_a_closed_connection(tiny_model, 
 
     from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
     from gyre_train.cell import CellWorker
-    from gyre_train.localrun import free_port
     from gyre_train.loss import LossConfig
     from gyre_train.multicell import Coordinator, MultiCellConfig
+    from gyre_train.ports import free_port
     from gyre_train.trainer import Trainer, TrainerConfig
     from gyre_train.types import CellRequest
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from gyre_train.localrun import free_ports
+from gyre_train.ports import free_ports
 
 RANK = textwrap.dedent(
     """

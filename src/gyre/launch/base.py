@@ -51,12 +51,12 @@ class ServiceError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now, outside the kernel's ephemeral range (`gyre_cell.ports`)."""
+    """A port free on `host` now, outside the kernel's ephemeral range (`gyre_train.ports`)."""
     return ports.free_port(host)
 
 
 def free_ports(n: int, host: str = "127.0.0.1", exclude: Collection[int] = ()) -> list[int]:
-    """`n` distinct free ports, none of `exclude`: several chosen before any is bound (`gyre_cell.ports`)."""
+    """`n` distinct free ports, none of `exclude`: several chosen before any is bound (`gyre_train.ports`)."""
     return ports.free_ports(n, host, exclude)
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gyre_train.world import bound_store
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -56,7 +58,7 @@ def join_group(spec: GroupSpec, rank: int) -> dist.ProcessGroup:
     if not 0 <= rank < spec.world_size:
         raise ValueError(f"rank {rank} outside world_size {spec.world_size}")
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore(
+    store = bound_store(  # the trainer's server listens on master_address only, not on every interface
         spec.master_address,
         spec.master_port,
         spec.world_size,

@@ -197,7 +197,9 @@ class CellWorkerProcess:
             if self.cfg.kind == "elastic" and not self.cfg.restarted:
                 from gyre_cell.worker_training import CellTraining
 
-                self.training = CellTraining(self.cfg, self.events.emit, rank_spawner=self.rank_spawner)
+                self.training = CellTraining(
+                    self.cfg, self.events.emit, rank_spawner=self.rank_spawner, run_secret=self.api_key
+                )
             starting.join()
             if failed:
                 raise failed[0]
@@ -230,16 +232,24 @@ class CellWorkerProcess:
 
     # ---- weights -------------------------------------------------------------------------------------------------
     def _subscriber(self, manifest_url: str):
+        from gyre_cell.transfer.http_subscriber import HttpWeightSubscriber, fetch_http_manifest
         from gyre_cell.transfer.subscriber import WeightSubscriber, fetch_manifest
 
         if manifest_url not in self._subscribers:
+            # weights = "http": Mooncake cannot load here, the core serves its buffer over HTTP
+            http = self.cfg.weights == "http"
+            secret = self.api_key or ""
             try:
-                manifest = fetch_manifest(manifest_url)
+                manifest = fetch_http_manifest(manifest_url, secret) if http else fetch_manifest(manifest_url)
             except Exception as exc:  # unreachable, not a URL, not a manifest: the command's ref is wrong
                 raise CommandRefused(
                     400, f"cannot read the weight manifest at {manifest_url!r}: {exc}"
                 ) from exc
-            self._subscribers[manifest_url] = WeightSubscriber(manifest, mooncake=self.cfg.mooncake)
+            self._subscribers[manifest_url] = (
+                HttpWeightSubscriber(manifest, secret=secret)
+                if http
+                else WeightSubscriber(manifest, mooncake=self.cfg.mooncake)
+            )
         return self._subscribers[manifest_url]
 
     async def _load_weights(self, ref: PublishedWeights) -> str:
@@ -247,7 +257,7 @@ class CellWorkerProcess:
         own = self.training.published_tensors() if self.training is not None else None
         if own is not None and ref.manifest_url == self.training.published.manifest_url:
             return await self.rollout.load(ref, own, None)  # the core: its own buffer
-        if ref.manifest_url is not None and self.cfg.weights == "mooncake":
+        if ref.manifest_url is not None and self.cfg.weights in ("mooncake", "http"):
             subscriber = await asyncio.to_thread(self._subscriber, ref.manifest_url)
             version = await self.rollout.load(ref, None, subscriber)
             if version != str(ref.version):
@@ -416,7 +426,7 @@ class CellWorkerProcess:
                     cfg = worker.cfg.model_copy(update={"training": training})
                     worker.training = await asyncio.to_thread(
                         CellTraining, cfg, worker.events.emit, cmd.rendezvous_timeout_s, cmd.members,
-                        worker.rank_spawner,
+                        worker.rank_spawner, worker.api_key,
                     )  # fmt: skip
                     worker.roles = (
                         None  # a role manager built without a training side: rebuilt on the next switch

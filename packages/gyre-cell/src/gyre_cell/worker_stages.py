@@ -29,6 +29,7 @@ from typing import Protocol
 
 import torch
 
+from gyre_cell.binds import confine_gloo
 from gyre_cell.roles import TorchTrainingState
 from gyre_cell.worker_types import CellWorkerConfig
 from gyre_train.multicell import MultiCellConfig, PrefixGroups
@@ -260,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     from gyre_train.megatron.cell import StageFollower, cell_position, init_pipelined_cell, open_channel
 
     tp, stage = cell_position(args.rank, t.tensor_parallel)
+    confine_gloo(cfg.host)  # no-op where the worker or the rank host named the interface already
     init_pipelined_cell(_multicell(cfg), cfg.cell, stage, t.pipeline_parallel, tp, t.tensor_parallel)
     backend = build_backend(
         "megatron", model_path=cfg.engine.model_path, dtype=t.dtype, lr=t.lr, optimizer=cfg.cell == 0,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from gyre_cell.binds import confine_gloo
 from gyre_cell.roles import TorchTrainingState
 from gyre_cell.step_checkpoint import load_step_checkpoint, write_step_checkpoint
 from gyre_cell.transfer.publisher import WeightPublisher
@@ -30,7 +31,13 @@ from gyre_train.backends import build_backend
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
 from gyre_train.checkpoint import save_checkpoint
-from gyre_train.multicell import CoreRunner, MultiCellConfig, init_cell_process, reform_cell_world
+from gyre_train.multicell import (
+    CoreRunner,
+    MultiCellConfig,
+    coordinator_key,
+    init_cell_process,
+    reform_cell_world,
+)
 from gyre_train.packing import PackingConfig
 from gyre_train.satellite import SatelliteRunner
 from gyre_train.snapshot import FileSnapshotChannel
@@ -51,10 +58,14 @@ _TOKENIZER_FILES = (
 Emit = Callable[..., None]
 
 
-def _snapshot_channel(cfg: CellWorkerConfig):
+def _snapshot_channel(cfg: CellWorkerConfig, secret: str | None):
     assert cfg.training is not None
     if cfg.training.snapshot == "file":
         return FileSnapshotChannel(Path(cfg.run_dir) / "snapshots")
+    if cfg.training.snapshot == "http":  # Mooncake cannot load here (gyre.config.resolve_transports)
+        from gyre_cell.transfer.http_snapshot_channel import HttpSnapshotChannel
+
+        return HttpSnapshotChannel(cfg.host, secret=secret or "")
     from gyre_cell.transfer.snapshot_channel import MooncakeSnapshotChannel
 
     return MooncakeSnapshotChannel(cfg.mooncake)
@@ -70,12 +81,18 @@ class CellTraining:
         rendezvous_timeout_s: float | None = None,
         members: list[int] | None = None,
         rank_spawner: RankSpawner | None = None,
+        run_secret: str | None = None,
     ) -> None:
         """``rendezvous_timeout_s``: this (restarted) cell joins a re-formed world generation, whose rendezvous is
         bounded (`reform_cell_world`), of the cells ``members`` (None: all K); None: the run's first world.
-        ``rank_spawner``: how a multi-rank cell starts its other ranks (None: children on this machine)."""
+        ``rank_spawner``: how a multi-rank cell starts its other ranks (None: children on this machine).
+        ``run_secret``: the run's engine token, which every cell holds: the HTTP weight transport's requests carry
+        it, and the coordinator's key is derived from it, so only the run's cells can act as one. A lone cell (K = 1)
+        may go without: its coordinator gets a random key."""
         if cfg.training is None:
             raise ValueError("a cell without a [training] section has no training side")
+        if run_secret is None and cfg.num_cells > 1:
+            raise ValueError("a multi-cell run needs the run's secret (--api-key-fd or --api-key-file)")
         self.cfg, self.emit = cfg, emit
         t = cfg.training
         self.is_core = cfg.cell == 0
@@ -84,7 +101,9 @@ class CellTraining:
             snapshot_dir=str(Path(cfg.run_dir) / "snapshots"), steps_per_burst=t.steps_per_burst,
             host=t.master_host or cfg.host, claim_timeout_s=t.claim_timeout_s, starve_timeout_s=float("inf"),
             collective_timeout_s=t.collective_timeout_s,
+            **({"authkey": coordinator_key(run_secret)} if run_secret is not None else {}),
         )  # fmt: skip
+        confine_gloo(cfg.host)  # before the first gloo pair: they listen on this cell's interface only
         # gloo rendezvous of all K cells, prefix groups built once; before the backend, because a megatron
         # backend builds its groups over this world (collectively, every cell at this point).
         # A multi-rank cell (megatron, TP or PP > 1): this process is its rank 0; its children, started now, the
@@ -114,17 +133,25 @@ class CellTraining:
             self.worker, self.state = self.stages.worker, self.stages.state
         self.publisher: WeightPublisher | None = None
         self.published = PublishedWeights(version=self.version, path=cfg.engine.model_path)
-        if self.is_core and cfg.weights == "mooncake":
+        # weights = "http": Mooncake cannot load here (gyre.config.resolve_transports); the core serves its buffer
+        if self.is_core and cfg.weights == "http":
+            from gyre_cell.transfer.http_publisher import HttpWeightPublisher
+
+            self.publisher = HttpWeightPublisher(
+                self.backend.hf_state_dict(), version=self.version, secret=run_secret or ""
+            )
+        elif self.is_core and cfg.weights == "mooncake":
             # Layout fixed now, from the initial model; refreshed in place at each publication.
             self.publisher = WeightPublisher(
                 self.backend.hf_state_dict(), version=self.version, config=cfg.mooncake
             )
+        if self.publisher is not None:
             url = self.publisher.serve_manifest(cfg.host)
             self.published = PublishedWeights(
                 version=self.version, manifest_url=url, path=cfg.engine.model_path
             )
         self.state.offload_blocking()  # every cell starts in rollout: the engine has the memory
-        self.snapshots = _snapshot_channel(cfg)
+        self.snapshots = _snapshot_channel(cfg, run_secret)
         self.abort = threading.Event()
         self.leave = threading.Event()
         self._burst_lock = threading.Lock()

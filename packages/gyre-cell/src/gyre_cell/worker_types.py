@@ -89,8 +89,9 @@ class CellTrainingConfig(_Wire):
     """Claim lease: a satellite holding one micro-step longer than this is dropped and its work requeued."""
     collective_timeout_s: float = Field(300.0, gt=0)
     """Timeout of the end-of-batch reduce and broadcast between cells (`MultiCellConfig.collective_timeout_s`)."""
-    snapshot: Literal["mooncake", "file"] = "mooncake"
-    """How joining satellites pull the core's weight snapshot."""
+    snapshot: Literal["mooncake", "http", "file"] = "mooncake"
+    """How joining satellites pull the core's weight snapshot: Mooncake, HTTP from the core (no system library;
+    authenticated with the run's engine token), or a file in the run directory (one machine)."""
     dump_batches: list[int] = []
     """Batches whose micro-steps, weights before and summed gradients the core dumps (exactness checks)."""
     hold_core_for_join: int | None = None
@@ -139,8 +140,9 @@ class CellWorkerConfig(_Wire):
     weights are pushed to it over HTTP. Its log: RUN/logs/<cell>.sglang.log."""
     training: CellTrainingConfig | None = None
     """None for standalone workers."""
-    weights: Literal["mooncake", "disk"] = "mooncake"
-    """How published weights reach rollout engines: pulled over Mooncake, or through a checkpoint on disk."""
+    weights: Literal["mooncake", "http", "disk"] = "mooncake"
+    """How published weights reach rollout engines: pulled over Mooncake, pulled over HTTP from the core (no system
+    library; authenticated with the run's engine token), or through a checkpoint on disk."""
     mooncake: MooncakeConfig = MooncakeConfig()
     """Transfer engine settings (TCP on loopback here, RDMA in production)."""
     cpu_threads: int = Field(1, ge=1)
@@ -192,7 +194,7 @@ class PublishedWeights(_Wire):
 
     version: Version
     manifest_url: str | None = Field(None, max_length=4096)
-    """Mooncake: the core's weight manifest (engines pull the bytes from its registered buffer)."""
+    """Mooncake or HTTP: the core's weight manifest (engines pull the bytes from its published buffer)."""
     path: str | None = Field(None, max_length=4096)
     """Disk: a Hugging Face checkpoint directory."""
     seconds: float = Field(0.0, ge=0)

@@ -21,7 +21,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from gyre_train.cell import CellWorker
 from gyre_train.loss import LossConfig
 from gyre_train.multicell import CoreRunner, MultiCellConfig, init_cell_process
 from gyre_train.packing import PackingConfig
+from gyre_train.ports import free_ports
 from gyre_train.satellite import SatelliteRunner
 from gyre_train.synthetic import make_groups
 from gyre_train.trainer import Trainer, TrainerConfig
@@ -97,24 +97,6 @@ class LocalRunSpec:
             (self.num_cells, self.steps) != (2, 2) or self.wait_join_at is None
         ):
             raise ValueError("the leave_rejoin scenario runs 2 cells for 2 steps and needs wait_join_at")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports: every socket is held until all are chosen, so no two draws return the same one."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 _SIGNAL_S = 120.0  # how long a scenario waits for the other process before failing

@@ -44,12 +44,15 @@ next burst boundary.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
@@ -71,11 +74,23 @@ __all__ = [
     "PrefixGroups",
     "RendezvousTimeout",
     "StepAborted",
+    "coordinator_key",
     "init_cell_process",
     "reform_cell_world",
 ]
 
 log = logging.getLogger(__name__)
+
+MIN_KEY_CHARS = 32
+"""A control key shorter than this is refused (the library's old default, ``gyre-train``, among them)."""
+
+
+def coordinator_key(run_secret: str) -> str:
+    """The coordinator's key derived from a run's secret (every cell of the run holds it, no agent does): a key of
+    its own for this one purpose, so no other use of the secret can give the coordinator's key away."""
+    if not run_secret:
+        raise ValueError("a run secret is required to derive the coordinator's key")
+    return hmac.new(run_secret.encode(), b"gyre-train coordinator", hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,8 +105,10 @@ class MultiCellConfig:
     """TCP port of the core's coordinator."""
     snapshot_dir: str
     """Directory of the default snapshot channel (``FileSnapshotChannel``): one weight file per batch."""
-    authkey: str = "gyre-train"
-    """Shared secret of the control connection."""
+    authkey: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    """Shared secret of the control connection: every satellite must prove it holds it. No usable default: a config
+    built without one gets a fresh random key, which only the processes handed this config know (a run passes
+    :func:`coordinator_key` of its secret to every cell)."""
     steps_per_burst: int = 1
     """mu: after the last step of a burst satellites leave training (no broadcast); ``CoreRunner.step(final=...)``
     overrides it per step (the scheduler decides)."""
@@ -111,6 +128,10 @@ class MultiCellConfig:
     optimizer update before the broadcast, which this must exceed."""
 
     def __post_init__(self) -> None:
+        if len(self.authkey) < MIN_KEY_CHARS:
+            raise ValueError(
+                f"authkey: at least {MIN_KEY_CHARS} characters (use coordinator_key(run secret))"
+            )
         if self.num_cells < 1 or self.steps_per_burst < 1:
             raise ValueError("num_cells and steps_per_burst must be >= 1")
         if self.claim_timeout_s <= 0:

@@ -12,6 +12,7 @@ ranks.
 
 from __future__ import annotations
 
+import socket
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -22,7 +23,46 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from gyre_train.multicell import MultiCellConfig
 
-__all__ = ["PrefixGroups", "RendezvousTimeout", "init_cell_process", "on_host", "reform_cell_world"]
+__all__ = [
+    "PrefixGroups", "RendezvousTimeout", "bound_store", "init_cell_process", "on_host", "reform_cell_world",
+]  # fmt: skip
+
+
+def bound_store(
+    host: str,
+    port: int,
+    world_size: int | None = None,
+    *,
+    is_master: bool,
+    timeout: timedelta,
+    wait_for_workers: bool = True,
+) -> dist.TCPStore:
+    """A ``TCPStore`` whose server (``is_master``) listens on ``host`` only, the address its clients use.
+
+    torch's TCPStore has no bind address: its server listens on every interface (``::`` or ``0.0.0.0``), and the
+    store answers anyone with no credential. It does take a socket already listening (``master_listen_fd``), so the
+    server's socket is bound here, to ``host`` (loopback on one machine, the node's cluster address on many).
+    ``port`` 0 takes a free one (the store's ``port`` tells which)."""
+    if not is_master:
+        return dist.TCPStore(
+            host, port, world_size, is_master=False, timeout=timeout, wait_for_workers=wait_for_workers
+        )
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's own server does
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    # The store owns the socket from here (its server closes it, also when the constructor fails waiting for
+    # workers): closing it again on an error could close an unrelated fd that took the number meanwhile.
+    return dist.TCPStore(
+        host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=wait_for_workers,
+        master_listen_fd=sock.detach(),
+    )  # fmt: skip
 
 
 def on_host(flat: torch.Tensor) -> torch.Tensor:
@@ -33,9 +73,10 @@ def on_host(flat: torch.Tensor) -> torch.Tensor:
 
 def init_cell_process(cfg: MultiCellConfig, cell: int) -> PrefixGroups:
     """Join the gloo world as rank ``cell`` and build the prefix groups (every process, same order)."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://{cfg.host}:{cfg.master_port}", rank=cell, world_size=cfg.num_cells
+    store = bound_store(
+        cfg.host, cfg.master_port, cfg.num_cells, is_master=cell == 0, timeout=dist.default_pg_timeout
     )
+    dist.init_process_group("gloo", store=store, rank=cell, world_size=cfg.num_cells)
     return PrefixGroups(cfg.num_cells, timeout=cfg.collective_timeout())
 
 
@@ -69,7 +110,7 @@ def reform_cell_world(
         dist.destroy_process_group()
     timeout = timedelta(seconds=rendezvous_timeout_s)
     try:
-        store = dist.TCPStore(cfg.host, master_port, size, is_master=cell == 0, timeout=timeout)
+        store = bound_store(cfg.host, master_port, size, is_master=cell == 0, timeout=timeout)
         # Every rank checks in, so a non-core rank too stops waiting once the timeout passed (it may have reached
         # the store while another rank never did).
         store.add("arrived", 1)

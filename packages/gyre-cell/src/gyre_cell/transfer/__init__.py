@@ -3,6 +3,8 @@
 `WeightPublisher` keeps a registered flat buffer of the model's tensors (HF names) and refreshes it in place under
 a seqlock; `WeightSubscriber` reads the whole buffer with batched Mooncake reads and never returns a torn
 snapshot; `WeightManifest` is the handshake (peer, address, length, version, layout), sent directly or over HTTP.
+Where Mooncake cannot load (no libibverbs), `HttpWeightPublisher`, `HttpWeightSubscriber` and `HttpSnapshotChannel`
+are the same classes over plain HTTP from the publisher (`choice` says which one a run can use).
 
 The names below load on first use (PEP 562): the publisher and the subscriber import torch, while
 `gyre_cell.transfer.mooncake` (whose `MooncakeConfig` a run config embeds) must import without it.
@@ -16,6 +18,9 @@ from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .engine_loader import mooncake_engine_loader, published_weights_loader, pull_into_engine
+    from .http_publisher import HttpWeightPublisher
+    from .http_snapshot_channel import HttpSnapshotChannel
+    from .http_subscriber import HttpWeightSubscriber, fetch_http_manifest
     from .manifest import TensorEntry, WeightManifest
     from .mooncake import (
         MooncakeConfig,
@@ -35,6 +40,9 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "HttpSnapshotChannel",
+    "HttpWeightPublisher",
+    "HttpWeightSubscriber",
     "MooncakeConfig",
     "MooncakeSnapshotChannel",
     "MooncakeUnavailableError",
@@ -47,6 +55,7 @@ __all__ = [
     "WeightManifest",
     "WeightPublisher",
     "WeightSubscriber",
+    "fetch_http_manifest",
     "fetch_manifest",
     "import_transfer_engine",
     "mooncake_engine_loader",
@@ -56,6 +65,10 @@ __all__ = [
 ]
 
 _SOURCES = {
+    "HttpWeightPublisher": ".http_publisher",
+    "HttpSnapshotChannel": ".http_snapshot_channel",
+    "HttpWeightSubscriber": ".http_subscriber",
+    "fetch_http_manifest": ".http_subscriber",
     "mooncake_engine_loader": ".engine_loader",
     "published_weights_loader": ".engine_loader",
     "pull_into_engine": ".engine_loader",

@@ -8,9 +8,14 @@ The `mooncake` module comes from one of two wheels (`mooncake-transfer-engine-no
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+from gyre_cell.binds import confine_listeners, interface_of, listening_sockets
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "install the system library with `apt-get install libibverbs1` and the Python wheel: "
@@ -53,6 +58,7 @@ def open_transfer_engine(config: MooncakeConfig | None = None) -> Any:
     """An initialized TransferEngine; raises MooncakeUnavailableError if it cannot start."""
     cfg = config or MooncakeConfig()
     engine = import_transfer_engine()()
+    before = {sock.inode for sock in listening_sockets()}
     rc = engine.initialize(cfg.local_hostname, cfg.metadata_server, cfg.protocol, cfg.device_name)
     if rc != 0:
         raise MooncakeUnavailableError(
@@ -60,7 +66,22 @@ def open_transfer_engine(config: MooncakeConfig | None = None) -> Any:
             f"{cfg.protocol!r}) returned {rc}; check the address is local and, for RDMA, that the HCAs are up; "
             f"if the library is broken, {INSTALL_HINT}"
         )
+    _confine(cfg.local_hostname, before)
     return engine
+
+
+def _confine(local_hostname: str, before: set[int]) -> None:
+    """Mooncake listens on every interface, with no option to choose (`gyre_cell.binds`): restrict its new
+    listeners to the interface of the address its peers use. Its handshake answers anyone who reaches it, so this is
+    what keeps other machines (on one host: everything but loopback) away."""
+    try:
+        interface = interface_of(local_hostname)
+    except ValueError:  # a host name: the interface is unknown
+        interface = None
+    if interface is None:
+        log.warning("Mooncake listens on every interface: %r is no address of this machine", local_hostname)
+        return
+    confine_listeners(interface, before)
 
 
 def peer_address(config: MooncakeConfig, engine: Any) -> str:

@@ -48,6 +48,7 @@ from gyre_train.megatron.pipeline import StreamingPipeline, combine_results
 from gyre_train.megatron.weights import write_hf_checkpoint
 from gyre_train.multicell import MultiCellConfig, PrefixGroups
 from gyre_train.types import PrepassResult, TrainResult, WorkItem
+from gyre_train.world import bound_store
 
 from megatron.core import parallel_state  # isort: skip  (after gyre_train.megatron.model applied compat)
 
@@ -79,12 +80,11 @@ def init_pipelined_cell(
     """Join the gloo world of K * T * P ranks and build the leaders' prefix groups (every rank, same order; the
     leaders are ranks 0, T, 2T, ...). Build the megatron backend next (its group creation is collective too),
     then :func:`open_channel`."""
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{cfg.host}:{cfg.master_port}",
-        rank=cell_rank(cell, stage, cfg.num_cells, tp, tensor_parallel),
-        world_size=cfg.num_cells * tensor_parallel * pipeline_parallel,
-    )
+    rank = cell_rank(cell, stage, cfg.num_cells, tp, tensor_parallel)
+    size = cfg.num_cells * tensor_parallel * pipeline_parallel
+    # the store listens on the core's address only (torch's own would listen on every interface)
+    store = bound_store(cfg.host, cfg.master_port, size, is_master=rank == 0, timeout=dist.default_pg_timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     return PrefixGroups(cfg.num_cells, timeout=cfg.collective_timeout(), stride=tensor_parallel)
 
 

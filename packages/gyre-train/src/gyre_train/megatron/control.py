@@ -15,6 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from gyre_train.world import bound_store
+
 __all__ = ["ControlChannel"]
 
 
@@ -39,7 +41,8 @@ class ControlChannel:
         self._acked: list[tuple[int, int]] = []  # leader: (first seq, drain seq) of batches to delete
 
     def _store(self, *, is_master: bool) -> Any:
-        return dist.TCPStore(
+        # the leader's server listens on its own address only (torch's would listen on every interface)
+        return bound_store(
             self.host, self.port, is_master=is_master, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=self.timeout_s),
         )  # fmt: skip

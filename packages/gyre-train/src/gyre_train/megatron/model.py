@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -30,6 +29,7 @@ from gyre_train.megatron.weights import (
     merge_tp,
     shard_tp,
 )
+from gyre_train.ports import free_port
 
 try:
     compat.apply()  # must precede megatron's attention import on CPU (flash_mla, see compat)
@@ -70,12 +70,6 @@ class ParallelConfig:
         return "te" if has_te and torch.cuda.is_available() else "local"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_model_parallel(par: ParallelConfig, seed: int = 0) -> tuple[bool, bool]:
     """Initialize torch.distributed and megatron's model-parallel groups where not yet done.
 
@@ -93,7 +87,7 @@ def init_model_parallel(par: ParallelConfig, seed: int = 0) -> tuple[bool, bool]
         else:
             if world != 1:
                 raise RuntimeError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT")
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            init_method = f"tcp://127.0.0.1:{free_port()}"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)

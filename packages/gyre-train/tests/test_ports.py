@@ -1,11 +1,11 @@
-"""`gyre_cell.ports.free_port`: a port below the kernel's ephemeral range (where outgoing connections take theirs),
+"""`gyre_train.ports.free_port`: a port below the kernel's ephemeral range (where outgoing connections take theirs),
 free when chosen; the OS's own choice when there is no room below the range; `free_ports`: several, distinct."""
 
 from __future__ import annotations
 
 import socket
 
-from gyre_cell import ports
+from gyre_train import ports
 
 
 def test_ports_are_free_and_below_the_ephemeral_range():
