@@ -1,4 +1,4 @@
-"""A harness timeout inside a real `gyre run` (DESIGN §6): the runner's outcome reaches gyre-eval in the runner's own
+"""A harness timeout inside a real `gyre run` (docs/design/assessments.md): the runner's outcome reaches gyre-eval in the runner's own
 vocabulary and the execution's preserved workspace is assessed. gyre-eval once had its own list of outcomes, without
 `harness_timeout`: the first harness timeout of a run was a 422 that ended it (no run had ever reached one).
 

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["gyre-tito", "gyre-sched", "gyre-eval", "gyre-train", "gyre-cell"]
-# DESIGN §3.1: who may depend on whom (direct edges among Gyre packages).
+# docs/design/architecture.md#packages: who may depend on whom (direct edges among Gyre packages).
 ALLOWED_EDGES = {
     "gyre-tito": set(),
     "gyre-eval": {"gyre-sched"},  # the execution outcome type only: the runner produces it

@@ -90,7 +90,7 @@ class TrainConfig(_Section):
     tokens_per_shard: int = Field(256, ge=8)
     """Token budget of one micro-step: a batch spans several micro-steps, which cells claim."""
     j_max: int = Field(5, ge=1)
-    """Trajectories admitted per execution (DESIGN §4.3)."""
+    """Trajectories admitted per execution (docs/design/tito.md#provenance-mask-and-selection)."""
     advantage: Literal["grpo", "mean"] = "grpo"
     """Group-relative advantage: (r - mean) / (std + 1e-6) with the population std, or r - mean."""
     seed: int = 0

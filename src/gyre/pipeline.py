@@ -5,7 +5,7 @@ policy (`gyre.demo_model`: a small Qwen3 model built offline on first use, then 
 process per cell (rollout engine + training side, `gyre-cell worker`), the standalone engines and the TITO proxy,
 then lets the scheduler policy drive executions of the built-in agent through the proxy, assessments by gyre-eval,
 streamed GSPO steps claimed by the training cells and weight publications, until `train.steps` optimizer steps are
-done. It then publishes and saves the final weights. The run directory ends up with the layout of DESIGN §3.4.
+done. It then publishes and saves the final weights. The run directory ends up with the layout of docs/design/architecture.md#run-directory-and-trace.
 """
 
 from __future__ import annotations

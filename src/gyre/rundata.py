@@ -1,6 +1,6 @@
 """A run directory read as it grows: the one data source of the live dashboard, the metrics sink and report.html.
 
-`RunView(run_dir)` tails the append-only files of a run (DESIGN §3.4) and keeps what it has read: trace.jsonl,
+`RunView(run_dir)` tails the append-only files of a run (docs/design/architecture.md#run-directory-and-trace) and keeps what it has read: trace.jsonl,
 metrics/steps.jsonl, switches.jsonl, publish.jsonl and the proxy's per-execution call logs under records/. Each
 `refresh()` reads only what was appended since the last one. A torn last line (an interrupted run, or a line being
 written) is left for the next refresh, so a run that was killed mid-write still reads up to its last whole line.

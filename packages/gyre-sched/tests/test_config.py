@@ -33,7 +33,11 @@ def test_standalone_pool_capacity():
 def test_compare_matches_eq2_per_policy():
     _, cfgs = compare_configs({"preset": "nl2repo", "compare": {"staleness": 1.5}})
     got = {k: (c.policy.phi, c.policy.mu) for k, c in cfgs.items()}
-    assert got == {"elastic": (0.5, 3), "async": (1.5, 1), "colocate": (0.0, 4)}  # DESIGN §9 settings
+    assert got == {
+        "elastic": (0.5, 3),
+        "async": (1.5, 1),
+        "colocate": (0.0, 4),
+    }  # docs/design/reference-numbers.md settings
     assert (
         len({c.workload.model_dump_json() + str(c.seed) for c in cfgs.values()}) == 1
     )  # same workload, seed

@@ -1,4 +1,4 @@
-"""Each equation and rule of DESIGN §5.1 at its boundary, driving the policy core by hand."""
+"""Each equation and rule of docs/design/scheduling.md#equations at its boundary, driving the policy core by hand."""
 
 from __future__ import annotations
 

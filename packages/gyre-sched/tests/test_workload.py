@@ -1,4 +1,4 @@
-"""The workload model: every DESIGN §9 statistic at once (hangs counted), the exclusion model (per execution or per
+"""The workload model: every docs/design/reference-numbers.md statistic at once (hangs counted), the exclusion model (per execution or per
 query, known at the budget or at a stall), the simulator's executions following the same model, and the fit."""
 
 from __future__ import annotations

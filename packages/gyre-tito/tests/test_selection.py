@@ -1,4 +1,4 @@
-"""J_max admission (DESIGN §4.3): priority, proportional draws, fixed targets, whole-path masking, reproducibility."""
+"""J_max admission (docs/design/tito.md#provenance-mask-and-selection): priority, proportional draws, fixed targets, whole-path masking, reproducibility."""
 
 from __future__ import annotations
 

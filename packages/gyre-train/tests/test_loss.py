@@ -1,4 +1,4 @@
-"""The GSPO loss on hand-computed values, and the clip / cap edge cases of DESIGN §7.2."""
+"""The GSPO loss on hand-computed values, and the clip / cap edge cases of docs/design/training.md#objective."""
 
 from __future__ import annotations
 

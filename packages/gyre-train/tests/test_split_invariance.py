@@ -1,4 +1,4 @@
-"""Loss and gradients of the streaming path equal the literal float64 reference of DESIGN §7.2, whatever the split:
+"""Loss and gradients of the streaming path equal the literal float64 reference of docs/design/training.md#objective, whatever the split:
 one micro-step, many micro-steps, two data-parallel shards, two cells with the second joining mid-batch."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Role switching of one cell (DESIGN §8): ROLLOUT -> TO_TRAINING -> TRAINING -> TO_ROLLOUT -> ROLLOUT.
+"""Role switching of one cell (docs/design/cells.md): ROLLOUT -> TO_TRAINING -> TRAINING -> TO_ROLLOUT -> ROLLOUT.
 
 The engine process and the training process both stay alive; a switch only moves memory and weights:
 - to training: the caller has already rerouted the cell's traffic; abort what is still running (the proxy retries

@@ -7,7 +7,7 @@ here) and the controller's commands under ``/cell`` (types in ``gyre_cell.worker
 |---|---|---|
 | `GET /cell/status` | all | ready, role, served weight version, the core's latest published weights |
 | `GET /cell/events?after=N&timeout=S` | all | long poll of what happened (claims, group assignments, steps) |
-| `POST /cell/to_training` | elastic | pause, flush, release engine memory, restore training state (DESIGN §8) |
+| `POST /cell/to_training` | elastic | pause, flush, release engine memory, restore training state (docs/design/cells.md) |
 | `POST /cell/to_rollout` | elastic | leave the burst, offload training state, resume the engine with the given weights |
 | `POST /cell/join` | satellite | join the open batch: pull the core's snapshot, claim micro-steps until the burst ends |
 | `POST /cell/groups` | core | a ready group (advantages given, trajectories as files) for the trajectory buffer |

@@ -1,7 +1,7 @@
 """Wire types of the cell worker process: its config, the controller's commands and the events it reports.
 
 A cell worker (``gyre_cell.worker``) is one long-lived process per cell. It holds the cell's rollout engine and its
-training backend, switches between them in place (DESIGN §8) and keeps its process and communication groups alive
+training backend, switches between them in place (docs/design/cells.md) and keeps its process and communication groups alive
 across role changes. The controller drives it with the commands below over HTTP (``/cell/...`` next to the engine's
 SGLang endpoints on the same port) and reads its events with a long poll. gyre-cell owns these types; the controller
 receives them.

@@ -1,4 +1,4 @@
-"""Group accounting: when a rollout group is ready, when it is dropped, and its advantages (DESIGN §5.1, §6, §7.2).
+"""Group accounting: when a rollout group is ready, when it is dropped, and its advantages (docs/design/scheduling.md#equations, docs/design/assessments.md, docs/design/training.md#objective).
 
 Selection is by dispatch index, never by completion order: walking the group's executions in dispatch order and skipping
 excluded ones, the first N form the group. The group is ready once all of those have valid rewards (``no_work``

@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_predict)
     p = sub.add_parser(
         "workload",
-        help="the workload's statistics beside the paper's targets (DESIGN §9); --fit refits the preset's parameters",
+        help="the workload's statistics beside the paper's targets (docs/design/reference-numbers.md); --fit refits the preset's parameters",
     )
     p.add_argument(
         "config", nargs="?", default="-", help="TOML or JSON config file ('-' or none: --preset/--set)"

@@ -1,4 +1,4 @@
-"""The event-driven policy core (DESIGN §5) and its three policies: Elastic, Async, Colocate.
+"""The event-driven policy core (docs/design/scheduling.md) and its three policies: Elastic, Async, Colocate.
 
 ``decisions = policy.handle(event, now)``: no I/O, no clock reads. The base class owns what every policy shares:
 dispatch accounting (``Ledger``), cell roles, capacity (eq. 3), launches (eq. 4) and engine routes, batches and steps,

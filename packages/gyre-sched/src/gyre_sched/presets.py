@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gyre_sched.config import PolicyKind, SimConfig
 
-# DESIGN §9, NL2RepoBench on Qwen 3.6 122B: 32 nodes = 8 cells x 4 nodes, 144 executions per cell, N=16, B=32,
+# docs/design/reference-numbers.md, NL2RepoBench on Qwen 3.6 122B: 32 nodes = 8 cells x 4 nodes, 144 executions per cell, N=16, B=32,
 # Gyre mu=3 phi=0.5 at E[d]=1.5. The workload was fitted (gyre_sched.workfit, `gyre-sched workload --preset nl2repo`)
 # to every §9 statistic at once, counting hangs in the query statistics: mean 1.93 h per execution, 2.96 h per query,
 # 9.51% of queries >= 4 h, 6.25% harness timeouts, 0.87% overall timeouts. Independent hangs cannot meet these (0.87%
@@ -44,7 +44,7 @@ NL2REPO: dict[str, Any] = {
     },
 }  # fmt: skip
 
-# DESIGN §9, the 2.4T setting: 4 cells x 48 nodes, 384 concurrent executions in all, 61.1% of queries >= 4 h, and in
+# docs/design/reference-numbers.md, the 2.4T setting: 4 cells x 48 nodes, 384 concurrent executions in all, 61.1% of queries >= 4 h, and in
 # 38.2% of those the longest execution hits the overall timeout. Fitted (two parameters, two targets) on the 122B
 # workload's shape: executions 1.4x slower (median 8530 s) and independent hangs of 1.66% per execution (a hang in
 # 23% of queries; per_query broken tasks would need 23% of all queries broken). Assumed (not in the paper): B = 8

@@ -1,4 +1,4 @@
-"""trace.jsonl (DESIGN §3.4): the public writer both the real controller and the simulator use, a reader, and the
+"""trace.jsonl (docs/design/architecture.md#run-directory-and-trace): the public writer both the real controller and the simulator use, a reader, and the
 recomputation of counters, staleness, roles, waterlevel and capacity from the trace alone."""
 
 from __future__ import annotations

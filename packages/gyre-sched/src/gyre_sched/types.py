@@ -1,7 +1,7 @@
 """Wire types of gyre-sched: what the controller sends to runners, cells and the proxy, and what they report back.
 
 Every model is frozen, rejects unknown fields and carries ``schema_version``. ``TraceLine`` is the line model of
-``trace.jsonl`` (DESIGN §3.4): a real run and the simulator write the same lines through ``gyre_sched.trace.TraceWriter``.
+``trace.jsonl`` (docs/design/architecture.md#run-directory-and-trace): a real run and the simulator write the same lines through ``gyre_sched.trace.TraceWriter``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _ID = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]*$")
 
-# How an execution ended (DESIGN §2, §6). harness_timeout: the task's own deadline (work is assessed and trained on);
+# How an execution ended (docs/design/index.md#vocabulary, docs/design/assessments.md). harness_timeout: the task's own deadline (work is assessed and trained on);
 # overall_timeout: the overall budget ran out (excluded); stalled: the run's stall watchdog ended an execution that
 # made no model call for its detection window (excluded, like an overall timeout, only known earlier); cancelled:
 # surplus spare or a member of a dropped group.
@@ -24,7 +24,7 @@ AssessedStatus = Literal["valid", "no_work", "excluded"]
 
 
 class CellRole(StrEnum):
-    """Role of a cell (DESIGN §8): ROLLOUT -> TO_TRAINING -> TRAINING -> TO_ROLLOUT -> ROLLOUT."""
+    """Role of a cell (docs/design/cells.md): ROLLOUT -> TO_TRAINING -> TRAINING -> TO_ROLLOUT -> ROLLOUT."""
 
     ROLLOUT = "rollout"
     TO_TRAINING = "to_training"

@@ -1,4 +1,4 @@
-"""Workload statistics and their fit to the paper's reference numbers (DESIGN §9).
+"""Workload statistics and their fit to the paper's reference numbers (docs/design/reference-numbers.md).
 
 ``workload_stats(cfg)`` samples many queries of the workload model (``gyre_sched.workload.terminations``, the function
 the simulator's executions come from) and measures what the paper reports, counting every termination: harness
@@ -38,7 +38,7 @@ STATS = (
 )
 HOURS = ("exec_mean_h", "query_mean_h")
 
-# DESIGN §9. NL2RepoBench on the 122B model; the 2.4T setting reports only its long-query statistics.
+# docs/design/reference-numbers.md. NL2RepoBench on the 122B model; the 2.4T setting reports only its long-query statistics.
 TARGETS_122B: dict[str, float] = {
     "exec_mean_h": 1.93,
     "query_mean_h": 2.96,

@@ -5,7 +5,7 @@
 - A call that fails because its engine was drained, aborted (`finish_reason.type == "abort"`), unreachable or
   killed mid-stream is continued on another engine from `input + tokens produced so far`; the result merges the
   pieces and keeps one `Segment` (engine, weight version, span) per piece, so the caller sees one answer.
-- KV-cache migration on reroute (DESIGN §8): `drain` asks each in-flight request's engine to pin its KV blocks
+- KV-cache migration on reroute (docs/design/cells.md): `drain` asks each in-flight request's engine to pin its KV blocks
   (`POST /kv/pin`, which also ends the request) instead of a plain abort; the retry first asks the destination to
   take the blocks over (`POST /kv/takeover`: it reads them over Mooncake, checks layout and identity, installs them
   and acknowledges to the source) and then sends the request there as usual, so the destination skips the prefill.

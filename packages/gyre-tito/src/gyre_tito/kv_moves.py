@@ -1,4 +1,4 @@
-"""KV-cache migration in the engine pool (DESIGN §8): the moves `EnginePool` makes when an engine drains or an
+"""KV-cache migration in the engine pool (docs/design/cells.md): the moves `EnginePool` makes when an engine drains or an
 execution leaves the engine holding its context, and one `Reroute` record per move.
 
 - In-flight calls: `drain` pins each call's KV at the source (`POST /kv/pin`, which ends the request) instead of a

@@ -1,4 +1,4 @@
-"""Materialize admitted paths into ``Trajectory`` objects (DESIGN §4.3, §7.1).
+"""Materialize admitted paths into ``Trajectory`` objects (docs/design/tito.md#provenance-mask-and-selection, docs/design/training.md#buffers).
 
 API summary
 -----------

@@ -147,8 +147,10 @@ class ProxyConfig(BaseModel):
         "and what was used are recorded in CallRecord.metadata['sampling']",
     )
     temperature: float = Field(1.0, gt=0, description="the run's sampling temperature (the trainer's)")
-    top_p: float = Field(1.0, gt=0, le=1, description="the run's top_p (DESIGN 7.2: 1)")
-    top_k: int = Field(-1, description="the run's top_k (DESIGN 7.2: -1 = off)")
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="the run's top_p (docs/design/training.md#objective: 1)"
+    )
+    top_k: int = Field(-1, description="the run's top_k (docs/design/training.md#objective: -1 = off)")
     engine: EnginePoolConfig = Field(default_factory=EnginePoolConfig, description="engine pool settings")
 
 

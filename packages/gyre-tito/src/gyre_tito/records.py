@@ -1,4 +1,4 @@
-"""Durable per-execution call-record logs (DESIGN §4.1-4.2).
+"""Durable per-execution call-record logs (docs/design/tito.md#proxy, docs/design/tito.md#record-and-tree).
 
 API summary
 -----------

@@ -1,4 +1,4 @@
-"""Role classification of model calls (DESIGN §4.3): which agent made a call and for what purpose.
+"""Role classification of model calls (docs/design/tito.md#provenance-mask-and-selection): which agent made a call and for what purpose.
 
 API summary
 -----------

@@ -1,4 +1,4 @@
-"""Provenance mask and J_max trajectory admission (DESIGN §4.3, paper Equation 7).
+"""Provenance mask and J_max trajectory admission (docs/design/tito.md#provenance-mask-and-selection, paper Equation 7).
 
 API summary
 -----------
@@ -8,7 +8,7 @@ API summary
   ``target_calls`` = the calls on the path whose output tokens are this trajectory's targets.
 - ``trainable_count(node)``: a node's trainable tokens (its recorded output tokens).
 
-Rules (exactly DESIGN §4.3):
+Rules (exactly docs/design/tito.md#provenance-mask-and-selection):
 
 - Trainable tokens are the tokens our engines sampled: each node's recorded output tokens (they carry behaviour
   log-probs). Input tokens are context only, including input tokens whose provenance is ``policy`` (recorded outputs the

@@ -1,4 +1,4 @@
-"""Per-execution trajectory tree (DESIGN §4.2): one node per call record, matched by token prefix.
+"""Per-execution trajectory tree (docs/design/tito.md#record-and-tree): one node per call record, matched by token prefix.
 
 API summary
 -----------

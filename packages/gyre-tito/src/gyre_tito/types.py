@@ -5,7 +5,7 @@ API summary
 - ``Provenance``: ``"policy"`` (our engine sampled the token) or ``"external"`` (anything else: system/user prompts, tool
   results, assistant text the harness injected, evaluator critiques).
 - ``RoleClass``: ``"main/task" | "main/summary" | "sub/task" | "sub/summary" | "other"``; ``ROLE_PRIORITY`` is the
-  admission order of DESIGN §4.3 (``other`` is excluded by default).
+  admission order of docs/design/tito.md#provenance-mask-and-selection (``other`` is excluded by default).
 - ``ProvenanceRun``: ``(source, length)``; ``CallRecord.input_provenance`` is a run-length list covering ``input_ids``.
   ``runs_from_mask`` / ``mask_from_runs`` convert to and from a per-token ``policy`` flag list.
 - ``OutputSegment``: ``{engine_id, weight_version, start, end}``: which engine and weight version produced output tokens

@@ -1,4 +1,4 @@
-"""Group-relative advantages from the N rewards of a rollout group (DESIGN §6).
+"""Group-relative advantages from the N rewards of a rollout group (docs/design/assessments.md).
 
 GRPO (default): ``A_i = (r_i - mean(r)) / (std(r) + eps)`` with the **population** std over the group (ddof = 0).
 Mean-only: ``A_i = r_i - mean(r)``. A group whose rewards are all equal gets all-zero advantages (its executions still

@@ -1,6 +1,6 @@
 """Checkpoint and resume of the core's trainer state between steps: weights, optimizer, step, buffer positions.
 
-Layout (DESIGN §3.4, ``RUN/checkpoints/``)::
+Layout (docs/design/architecture.md#run-directory-and-trace, ``RUN/checkpoints/``)::
 
     step-<version>/trainer.pt     model + optimizer state (torch.save), policy version
     step-<version>/buffer.json    trajectory buffer content: ready and pending groups, hand-out counter, consumed ids

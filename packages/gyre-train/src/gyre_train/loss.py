@@ -1,4 +1,4 @@
-"""GSPO with token-level importance weights and execution-level clipping (DESIGN §7.2), split-invariant.
+"""GSPO with token-level importance weights and execution-level clipping (docs/design/training.md#objective), split-invariant.
 
 The batch loss is
 

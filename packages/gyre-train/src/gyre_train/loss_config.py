@@ -11,7 +11,7 @@ __all__ = ["LossConfig"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LossConfig:
-    """Settings of the GSPO objective (DESIGN §7.2 defaults)."""
+    """Settings of the GSPO objective (docs/design/training.md#objective defaults)."""
 
     eps_low: float = 0.005
     """Lower clip bound 1 - eps_low on s_i for A_i < 0."""

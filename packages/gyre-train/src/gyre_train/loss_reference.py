@@ -1,4 +1,4 @@
-"""Float64 reference of DESIGN §7.2, written literally, execution by execution, with no packing and no splitting.
+"""Float64 reference of docs/design/training.md#objective, written literally, execution by execution, with no packing and no splitting.
 
 Tests compare the streaming path (packing -> micro-steps -> pre-pass -> per-token coefficients -> summed grads)
 against this. ``trajectory_target_logprobs`` runs one unpacked trajectory through an HF model to get its targets'

@@ -1,4 +1,4 @@
-"""Batch metrics of DESIGN §7.2: clip fractions (by sign of A and by staleness d), capped-token fraction, weight stats,
+"""Batch metrics of docs/design/training.md#objective: clip fractions (by sign of A and by staleness d), capped-token fraction, weight stats,
 mean(l - b) for d = 0 (pure engine mismatch) and d > 0, and |s - 1|. Computed once per batch by the core from the
 pre-pass tallies (execution level) and the summed TokenStats (token level)."""
 

@@ -5,7 +5,7 @@ partial counts of an execution reach its |T_i| (known from packing), its log_rat
 ``train`` item is released once every execution it touches is final, carrying those sums in its ExecutionInfo.
 Weights are frozen during accumulation, so pre-pass values equal the values the train pass recomputes.
 With ``ratio_reference = "proximal"`` no pre-pass is needed: micro-steps enter directly as train items. Single-pass
-path (DESIGN §7.2, ``single_pass=True``): a micro-step in which every execution has all its targets inside one shard
+path (docs/design/training.md#objective, ``single_pass=True``): a micro-step in which every execution has all its targets inside one shard
 also skips the pre-pass; the train forward computes those s_i itself (``gyre_train.loss.ShardLoss``).
 
 ``claim`` prefers released train items (oldest first), then pre-pass items. The batch is finished when the stream is

@@ -4,7 +4,7 @@ The core dumps batch k when asked (``CoreRunner.step(..., dump_dir=...)`` or ``T
 which call :func:`dump_batch` from ``Trainer.finish``). :func:`replay_batch` then loads ``params_before`` into a fresh
 one-process torch backend and recomputes the whole batch as a single-cell reference: every micro-step is pre-passed
 (``s_i`` recomputed from scratch, the dumped sums are dropped) and trained on that one cell. Because the objective is
-a plain sum over any split (DESIGN §7.2), the replayed loss and gradient equal what the cells computed together, up
+a plain sum over any split (docs/design/training.md#objective), the replayed loss and gradient equal what the cells computed together, up
 to float rounding (1e-6 and better in float64).
 
 Layout of a dump directory::

@@ -1,4 +1,4 @@
-"""The core's per-batch weight snapshot for joining satellites (DESIGN §7.3): a pluggable channel.
+"""The core's per-batch weight snapshot for joining satellites (docs/design/training.md#multi-cell-training): a pluggable channel.
 
 At batch open the core ``publish``es its flat parameters (fixed during accumulation) and hands the returned reference
 to every satellite that joins the batch (``CoordinatorReply.snapshot``); the satellite ``load``s the parameters the

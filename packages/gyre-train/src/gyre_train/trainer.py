@@ -10,7 +10,7 @@ join after the core has processed ``join_after`` items (they load the core's wei
 multi-process version (``gyre_train.multicell``) uses the same open/pump/claim/finish pieces with satellites in
 other processes.
 
-Trace events (``on_event(ev, fields)``, DESIGN §3.4), each emitted at the moment it happens:
+Trace events (``on_event(ev, fields)``, docs/design/architecture.md#run-directory-and-trace), each emitted at the moment it happens:
 
 - ``batch_open`` (batch);
 - ``group_assigned`` (group_id, batch): the packing buffer pulled the group into the open batch (lazily, oldest v_d
@@ -76,7 +76,7 @@ class Trainer:
         self.in_batch = False
         """True from open_batch until finish (checkpoints are only taken outside)."""
         self.on_event: Callable[[str, dict], None] | None = None
-        """Optional sink for trace events (DESIGN §3.4): batch_open, group_assigned, microstep_claim, step_end."""
+        """Optional sink for trace events (docs/design/architecture.md#run-directory-and-trace): batch_open, group_assigned, microstep_claim, step_end."""
         self._pump_lock = threading.Lock()  # the core's main thread and the coordinator's threads both pump
         self.packer.on_group = lambda group, batch: self._emit("group_assigned", group_id=group.group_id,
                                                                batch=batch)  # fmt: skip

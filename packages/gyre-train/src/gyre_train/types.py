@@ -16,7 +16,7 @@ Token alignment inside a shard (T tokens, R rows packed back to back, no padding
   call's recorded one; the run's at context positions): l_p = log_softmax(logits_p / temperatures[p])[labels[p]]. When
   absent every position uses the micro-step's ``temperature``.
 
-Every execution-level quantity of DESIGN §7.2 that must be exact across any split is carried in
+Every execution-level quantity of docs/design/training.md#objective that must be exact across any split is carried in
 :class:`ExecutionInfo`: ``num_targets`` = |T_i| over the whole batch and, once the forward-only pre-pass is done,
 ``log_ratio_sum`` = sum over T_i of (sg(l_t) - b_t), reduced over every row, rank, micro-step and cell.
 """
@@ -108,7 +108,7 @@ class MicroStep(_Wire):
     index: int = Field(ge=0)
     """Sequence number of the micro-step inside its batch."""
     norm: int = Field(gt=0)
-    """N * B: the fixed number of executions of the batch (the 1/(N*B) of DESIGN §7.2)."""
+    """N * B: the fixed number of executions of the batch (the 1/(N*B) of docs/design/training.md#objective)."""
     temperature: float = Field(gt=0)
     """Rollout sampling temperature T (l_t = log_softmax(logits / T)[y_t])."""
     executions: list[ExecutionInfo]

@@ -1,4 +1,4 @@
-"""KV-cache migration between torch engines (paper §4.3, DESIGN §8): pin, transfer, acknowledge, release.
+"""KV-cache migration between torch engines (paper §4.3, docs/design/cells.md): pin, transfer, acknowledge, release.
 
 When a request moves off an engine (its cell leaves rollout), the destination would normally prefill the whole
 context again. Instead:

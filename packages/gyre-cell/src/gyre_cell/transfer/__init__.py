@@ -1,4 +1,4 @@
-"""Weight transfer over the Mooncake transfer engine (DESIGN §8): the core publishes, satellites and engines pull.
+"""Weight transfer over the Mooncake transfer engine (docs/design/cells.md): the core publishes, satellites and engines pull.
 
 `WeightPublisher` keeps a registered flat buffer of the model's tensors (HF names) and refreshes it in place under
 a seqlock; `WeightSubscriber` reads the whole buffer with batched Mooncake reads and never returns a torn

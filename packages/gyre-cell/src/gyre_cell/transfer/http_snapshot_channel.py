@@ -1,4 +1,4 @@
-"""The core's per-batch weight snapshot for satellites over HTTP, where Mooncake cannot load (DESIGN §7.3, §8).
+"""The core's per-batch weight snapshot for satellites over HTTP, where Mooncake cannot load (docs/design/training.md#multi-cell-training, docs/design/cells.md).
 
 `HttpSnapshotChannel` is `MooncakeSnapshotChannel` (gyre-train's `SnapshotChannel` protocol: batch = version, stale
 and torn refs refused, one cached subscriber per core) with the HTTP transport underneath: the core publishes into

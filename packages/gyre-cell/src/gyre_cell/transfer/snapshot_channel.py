@@ -1,4 +1,4 @@
-"""The core's per-batch weight snapshot for satellites, over Mooncake (DESIGN §7.3, §8).
+"""The core's per-batch weight snapshot for satellites, over Mooncake (docs/design/training.md#multi-cell-training, docs/design/cells.md).
 
 `MooncakeSnapshotChannel` implements gyre-train's `SnapshotChannel` protocol (structurally):
 

@@ -8,7 +8,7 @@ Per micro-step the trainer calls, for the shard of this rank (:class:`PackedTens
 
 1. ``logprobs(batch, temperature)`` -- forward only, no grad: ``l_t = log_softmax(logits / T)[labels_t]`` as a [T]
    tensor in at least fp32 (fp64 if the model is fp64); entries at positions with ``labels == -100`` are 0. Used by
-   the pre-pass that makes the execution ratios s_i exact (DESIGN §7.2).
+   the pre-pass that makes the execution ratios s_i exact (docs/design/training.md#objective).
 2. ``forward_backward(batch, temperature, loss_fn)`` -- the same l_t with grad, then ``loss, stats = loss_fn(l_T)``
    (built by ``gyre_train.loss.make_loss_fn``) and ``loss.backward()``. The loss is already pre-scaled by the
    per-token coefficients, so gradients ACCUMULATE across calls as a plain sum into fp32 buffers (no division by

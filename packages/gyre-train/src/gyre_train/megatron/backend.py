@@ -21,7 +21,7 @@ fp32 main-grad buffers (``grad_reduce_in_fp32``; every backward adds the bf16 ``
 ``.main_grad``), and the optimizer is megatron's (``get_megatron_optimizer``: fp32 main parameters, Adam, and with
 ``distributed_optimizer`` the optimizer state sharded over the cell's data-parallel ranks). Because the model
 config has ``calculate_per_token_loss=True`` the data-parallel reduction is a plain SUM (DDP's gradient scaling
-factor is 1): the per-token coefficients stay exact (DESIGN §7.2). Partial gradients (QK-layernorm under TP, tied
+factor is 1): the per-token coefficients stay exact (docs/design/training.md#objective). Partial gradients (QK-layernorm under TP, tied
 embeddings under PP) and the data-parallel reduce-scatter are finalized once, by ``finalize_model_grads`` in the
 core's ``optimizer_step``; ``flat_grads`` / ``set_flat_grads`` move this rank's raw fp32 main grads (sums are linear,
 so satellites' raw gradients added before the finalization give the same total).
@@ -130,7 +130,7 @@ class MegatronBackend:
             grad_reduce_in_fp32=True,  # fp32 main grads: micro-step gradients sum in fp32
             overlap_grad_reduce=False,  # one reduction per batch, at the core's optimizer step
             use_distributed_optimizer=self.cfg.distributed_optimizer,
-            average_in_collective=False,  # plain SUM over data-parallel ranks (DESIGN §7.3)
+            average_in_collective=False,  # plain SUM over data-parallel ranks (docs/design/training.md#multi-cell-training)
         )
         # DDP re-homes parameter data into its contiguous buffers (copying the loaded values).
         return DistributedDataParallel(self.model.config, ddp_cfg, self.model)
@@ -452,7 +452,9 @@ class MegatronBackend:
             )
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads([self.ddp], num_tokens=None)  # None: never divide by token counts (DESIGN §7.2)
+        finalize_model_grads(
+            [self.ddp], num_tokens=None
+        )  # None: never divide by token counts (docs/design/training.md#objective)
 
     def optimizer_step(self, max_grad_norm: float) -> float:
         if self.optimizer is None:

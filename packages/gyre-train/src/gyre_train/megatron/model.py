@@ -204,7 +204,7 @@ def build_gpt_model(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
-        # Micro-steps have varying token counts, and their losses are pre-scaled per token (DESIGN §7.2): the
+        # Micro-steps have varying token counts, and their losses are pre-scaled per token (docs/design/training.md#objective): the
         # schedule must not divide by num_microbatches or token counts.
         variable_seq_lengths=True,
         calculate_per_token_loss=True,

@@ -1,4 +1,4 @@
-"""One continuous 1F1B pipeline per cell over the micro-steps it claims (DESIGN §7.1, paper §4.4).
+"""One continuous 1F1B pipeline per cell over the micro-steps it claims (docs/design/training.md#buffers, paper §4.4).
 
 A cell with PP stages (x TP x DP ranks) trains the micro-steps it claims as they arrive, without knowing how many a
 batch holds: stage s keeps ``PP - 1 - s`` forwards in flight (the 1F1B warm-up depth) and, once that deep, runs one
