@@ -11,7 +11,7 @@ Per step (TensorBoard step = the policy version the step produced, 1, 2, ...):
 | reward/mean, reward/std | rewards of the step's groups (the N counted members of each group) |
 | loss/loss, loss/surrogate | the GSPO objective and its surrogate term |
 | optim/grad_norm | global gradient norm before clipping |
-| optim/lr | learning rate of the step's update (NaN where the backend has no schedule to read: megatron) |
+| optim/lr | learning rate of the step's update (NaN where the backend reports none) |
 | clip/frac_all, clip/frac_pos_adv, clip/frac_neg_adv | sequence clip fractions, all and by sign of A |
 | clip/frac_d0, clip/frac_d1, ... | by staleness d of the execution (d0 always; d >= 1 when the step has such groups) |
 | is/capped_frac | fraction of target tokens whose importance weight was capped |

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from gyre.config import ConfigError, RunConfig
+from gyre.config import ConfigError, RunConfig, resolve_transports
 from gyre.launch.health import HealthWatch
 from gyre.launch.tokens import RunTokens, TokenPipes
 from gyre_cell import ports
@@ -131,6 +131,9 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
     A launcher that places workers on other hosts rewrites the addresses (`host`, `port`, `mooncake`, the training
     rendezvous) once it knows each worker's node; everything else is the same for every launcher.
     """
+    # A worker takes a transport, never "auto": `gyre run` resolved it at start (and said so); direct callers here.
+    if "auto" in (cfg.weights.transport, cfg.weights.snapshot):
+        cfg, _ = resolve_transports(cfg)
     c, s, t = cfg.cluster, cfg.scheduler, cfg.train
     workers = c.cells + c.standalone_engines
     sglang = cfg.rollout.engine == "sglang"

@@ -169,7 +169,7 @@ class Trainer:
             backend.set_flat_grads(total)
         if dump_dir is not None:  # weights are frozen during accumulation: these are the batch's parameters
             params_before, summed_grads = backend.flat_params().clone(), backend.flat_grads().clone()
-        current_lr = getattr(backend, "current_lr", None)  # the torch backend's lr schedule (megatron: none)
+        current_lr = getattr(backend, "current_lr", None)  # torch: its warm-up schedule; megatron: constant
         lr = current_lr() if current_lr is not None else None  # read before the step: the lr this step uses
         grad_norm = backend.optimizer_step(self.cfg.max_grad_norm)
         stats = self.queue.token_stats

@@ -456,6 +456,11 @@ class MegatronBackend:
             [self.ddp], num_tokens=None
         )  # None: never divide by token counts (docs/design/training.md#objective)
 
+    def current_lr(self) -> float:
+        """The learning rate of the next optimizer step: constant (its scheduler runs at min_lr = lr; a megatron run
+        refuses a warm-up), read by the trainer for the step's report as the torch backend's schedule is."""
+        return self.cfg.lr
+
     def optimizer_step(self, max_grad_norm: float) -> float:
         if self.optimizer is None:
             raise RuntimeError("this backend has no optimizer (only the core updates weights)")
