@@ -165,7 +165,10 @@ class CellLosses:
         """Load the published weights into the restored cell. The core refreshes its weight buffer in place while
         it publishes: a pull then finds a newer version than the one asked for and the load fails (a clean-clone
         CI run here: "pulled weight version 4, expected 2", and the cell stayed lost). So the load waits out a
-        publication under way, and one that began or ended during it makes it load again."""
+        publication under way, and a failed load is tried again (at most `attempts` in all): the core's buffer can
+        hold the next version before the controller hears of its publication (a clean-clone CI run: the cell pulled
+        version 4 where it asked for 2 while the controller still published 2, and it stayed lost), so a retry
+        first waits out the publication that moved on, or a short back-off when none is seen yet."""
         client = self.c.cells[cell]
         for attempt in range(attempts):
             while self.c.policy.publishing:  # the policy's publication ends with PublishDone
@@ -175,11 +178,13 @@ class CellLosses:
                 await client.load_weights(ref)
                 break
             except CellCommandError as exc:
-                moved = self.c.policy.publishing or self.c.published.version != ref.version
-                if attempt == attempts - 1 or not moved:
+                if attempt == attempts - 1:
                     raise
-                log.info("cell %d: a publication moved on while it loaded version %d (%s): it loads again",
-                         cell, ref.version, exc)  # fmt: skip
+                moved = self.c.policy.publishing or self.c.published.version != ref.version
+                log.info("cell %d: loading version %d failed (%s; a publication %s): it loads again",
+                         cell, ref.version, exc, "moved on" if moved else "may be starting")  # fmt: skip
+                if not moved:
+                    await asyncio.sleep(1.0 * (attempt + 1))
         served = (await client.status()).weight_version
         if served != str(ref.version):
             raise RuntimeError(

@@ -260,8 +260,8 @@ class CellWorkerProcess:
         if ref.manifest_url is not None and self.cfg.weights in ("mooncake", "http"):
             subscriber = await asyncio.to_thread(self._subscriber, ref.manifest_url)
             version = await self.rollout.load(ref, None, subscriber)
-            if version != str(ref.version):
-                raise RuntimeError(f"pulled weight version {version}, expected {ref.version}")
+            if version != str(ref.version):  # the publisher moved on meanwhile: the caller asks again (409)
+                raise CommandRefused(409, f"pulled weight version {version}, expected {ref.version}")
             return version
         if ref.path is None:
             raise CommandRefused(
