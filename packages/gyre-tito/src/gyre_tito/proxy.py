@@ -14,8 +14,6 @@ One call (`Proxy.complete`):
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import functools
 import logging
 import secrets
 import time
@@ -28,6 +26,7 @@ from urllib.parse import quote
 import orjson
 from pydantic import BaseModel, Field
 
+from gyre_tito._memory import return_freed_memory
 from gyre_tito.conversation import (
     DEFAULT_VOLATILE_PATTERNS,
     Conversation,
@@ -56,30 +55,6 @@ from gyre_tito.types import CallRecord, OutputSegment, Timings, runs_from_mask
 __all__ = ["Execution", "PreparedCall", "Proxy", "ProxyConfig", "check_execution_id"]  # re-exports too
 
 log = logging.getLogger("gyre_tito.proxy")
-
-_TRIM_EVERY_S = 1.0
-_trimmed_at = [0.0]
-
-
-def _return_freed_memory() -> None:
-    """Hand what an ended execution freed back to the system (glibc only; at most once a second).
-
-    Its 120 KB texts and token arrays are freed into malloc's arenas, which keep them for reuse: after 30 such
-    executions had ended the proxy kept 39.5 MB where its caches counted 20.2 MB, and 28.0 MB with the trim
-    (bench/tito_cache_memory.py)."""
-    now = time.monotonic()
-    if now - _trimmed_at[0] < _TRIM_EVERY_S:
-        return
-    _trimmed_at[0] = now
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim():
-    return getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols; None off glibc
-
 
 MAX_ID_CHARS = 128
 
@@ -256,7 +231,7 @@ class Proxy:
         self.ended[ex.id] = summary
         del self.executions[ex.id]
         self.records.release(ex.id)
-        _return_freed_memory()
+        return_freed_memory()
 
     def loaded_executions(self) -> list[str]:
         """Ids of the executions whose tree is held in memory (running ones, and ended ones with a call in flight)."""
