@@ -14,7 +14,6 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from gyre_train.backends.base import PackedTensors, TrainBackend
 from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
@@ -86,6 +85,8 @@ def _microstep(backend: TrainBackend) -> MicroStep:
 
 def _hf_reference_logprobs(model_path: str, shard: Shard) -> torch.Tensor:
     """Per-row (unpacked) HF forward: the ground truth that packing must reproduce."""
+    from transformers import AutoModelForCausalLM  # slow to import: not at collection
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
@@ -217,6 +218,8 @@ def test_optimizer_step_matches_the_torch_backend(mg, tb) -> None:
 
 def _groups(model_path: str, num_groups: int, group_size: int) -> list:
     """Synthetic groups whose behaviour log-probs are the model's own plus small noise (so gates rarely fire)."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     rng = random.Random(0)
     groups = []
@@ -298,6 +301,8 @@ def test_resume_from_state_dict_gives_an_identical_next_step(mg, tb, tmp_path) -
 
 
 def test_export_is_exact_and_loads_in_transformers(mg, tiny_model, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
     exported = mg.export_hf_weights()
     assert set(exported) == set(ref)
@@ -310,6 +315,8 @@ def test_export_is_exact_and_loads_in_transformers(mg, tiny_model, tmp_path) -> 
 
 
 def test_tied_embeddings(mg, tmp_path) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     from gyre_train.megatron import MegatronBackend, MegatronBackendConfig
 
     torch.manual_seed(3)

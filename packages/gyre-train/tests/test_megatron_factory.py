@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
 
 from gyre_train.backends import BACKENDS, build_backend, check_backend
 from gyre_train.backends.torch_backend import TorchBackend
@@ -46,6 +45,8 @@ def test_check_backend_refuses_naming_the_fields(kwargs, names) -> None:
 
 
 def test_build_torch_backend(tiny_model) -> None:
+    from transformers import AutoModelForCausalLM  # slow to import: not at collection
+
     b = build_backend("torch", model_path=tiny_model, lr=1e-3, optimizer=False)
     assert isinstance(b, TorchBackend) and b.optimizer is None
     ref = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
@@ -57,6 +58,8 @@ def test_build_torch_backend(tiny_model) -> None:
 
 @pytest.mark.slow  # imports megatron-core (~20 s here)
 def test_build_megatron_backend_publishes_hf_names(tiny_model, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
     from gyre_train.megatron import MegatronBackend
 
     assert not dist.is_initialized()

@@ -13,11 +13,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from gyre_train.megatron.weights import (
     Qwen3Shape,
@@ -29,11 +29,16 @@ from gyre_train.megatron.weights import (
     shard_tp,
 )
 
+if TYPE_CHECKING:  # transformers' modeling takes seconds to import: inside the functions, not at collection
+    from transformers import Qwen3MoeConfig
+
 TEMPERATURE = 0.7
 EXPERTS = 4
 
 
 def _config(norm_topk: bool = True) -> Qwen3MoeConfig:
+    from transformers import Qwen3MoeConfig
+
     return Qwen3MoeConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=2,
@@ -42,6 +47,8 @@ def _config(norm_topk: bool = True) -> Qwen3MoeConfig:
 
 
 def build_tiny_moe(path, seed: int = 0, norm_topk: bool = True) -> str:
+    from transformers import Qwen3MoeForCausalLM
+
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(_config(norm_topk))
     with torch.no_grad():
@@ -147,6 +154,8 @@ WORKER = textwrap.dedent(
 
 def _hf_reference(model_path: str, r: dict):
     """Per-row HF log-probs and the gradient of sum(weight_T * l_T) for one rank's tokens."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     rows, total = [], 0.0
     for a, b in zip(r["cu"][:-1].tolist(), r["cu"][1:].tolist(), strict=True):

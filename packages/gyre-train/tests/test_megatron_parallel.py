@@ -17,7 +17,6 @@ import textwrap
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 pytestmark = [
     pytest.mark.slow,  # two processes each import megatron-core (~1.5 min on a shared 2-core box)
@@ -65,6 +64,8 @@ WORKER = textwrap.dedent(
 
 
 def build_tiny_model(path, seed: int, tied: bool) -> str:
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # slow to import: not at collection
+
     torch.manual_seed(seed)
     cfg = Qwen3Config(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -75,6 +76,8 @@ def build_tiny_model(path, seed: int, tied: bool) -> str:
 
 
 def _reference(model_path: str, r: dict):
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     rows, total = [], 0.0
     for a, b in zip(r["cu"][:-1].tolist(), r["cu"][1:].tolist(), strict=True):

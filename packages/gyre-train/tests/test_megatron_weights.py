@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from gyre_train.megatron.weights import (
     Qwen3Shape,
@@ -19,6 +18,8 @@ from gyre_train.megatron.weights import (
 
 
 def _hf(tied: bool, heads: int = 4, kv_heads: int = 2, head_dim: int = 16):
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # slow to import: not at collection
+
     torch.manual_seed(0)
     cfg = Qwen3Config(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,

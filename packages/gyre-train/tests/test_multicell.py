@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from gyre_train.advantages import group_advantages
 from gyre_train.localrun import LocalRunSpec, launch
@@ -17,6 +16,8 @@ from gyre_train.synthetic import make_groups
 
 
 def _reference_grads(model_path: str, spec: LocalRunSpec) -> tuple[float, torch.Tensor]:
+    from transformers import AutoModelForCausalLM  # slow to import: not at collection
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
     model.eval()
     execs = []

@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from gyre_train.advantages import group_advantages
 from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
@@ -53,6 +52,8 @@ def build_batch(model, seed: int = 0):
 
 
 def reference(model_path: str, groups, cfg: LossConfig):
+    from transformers import AutoModelForCausalLM  # slow to import: not at collection
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
     model.eval()
     execs = []
@@ -99,6 +100,8 @@ def streaming(
 
 @pytest.fixture(scope="module")
 def batch(tiny_model):
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
     model.eval()
     return build_batch(model)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from gyre_train.backends.base import LossFn, PackedTensors
 from gyre_train.types import IGNORE_LABEL, TokenStats
@@ -59,6 +58,10 @@ class TorchBackend:
     """One process = one cell (data-parallel size 1); implements ``gyre_train.backends.base.TrainBackend``."""
 
     def __init__(self, cfg: TorchBackendConfig) -> None:
+        # transformers' modeling takes seconds to import: paid by the process that loads a model, not by every
+        # importer of this module (the launcher, the tests' collection).
+        from transformers import AutoModelForCausalLM
+
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.model = AutoModelForCausalLM.from_pretrained(
