@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.gpu
 
 
 def test_cuda_logprobs_and_memory_release(tiny_model, serve_engine):
+    from transformers import AutoModelForCausalLM  # slow to import: not at collection
+
     # Selected only with `-m gpu`: a GPU run without a CUDA device is a broken machine, not a pass.
     assert torch.cuda.is_available(), "pytest -m gpu ran on a machine without CUDA"
     with serve_engine(tiny_model, device="cuda", max_total_tokens=1 << 20) as s:

@@ -5,7 +5,6 @@ import threading
 import orjson
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = [
     [1, 2, 3, 4, 5],
@@ -41,6 +40,8 @@ def _concurrent(http, prompts, **sp):
 
 
 def test_response_shape_and_logprobs_match_teacher_forcing(shared, tiny_model):
+    from transformers import AutoModelForCausalLM  # slow to import: not at collection
+
     outs = _concurrent(shared.http, PROMPTS, temperature=0.7, top_p=0.9, top_k=50, sampling_seed=3)
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, outs, strict=True):
@@ -81,6 +82,8 @@ def test_stop_token_ids_and_eos(shared):
 
 
 def test_stop_string_trims_text(shared, tiny_model):
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model)
     full = _gen(shared.http, [1, 2, 3], temperature=0.0, max_new_tokens=24)
     text = full["text"]

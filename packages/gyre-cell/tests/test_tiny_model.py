@@ -1,8 +1,6 @@
 import hashlib
 import json
 
-from transformers import AutoConfig, AutoTokenizer
-
 from gyre_cell.cli import main
 from gyre_cell.tiny_model import build_tiny_model
 
@@ -12,6 +10,8 @@ def _digest(p):
 
 
 def test_tiny_model_is_deterministic_and_has_tokenizer(tmp_path, tiny_model):
+    from transformers import AutoConfig, AutoTokenizer  # slow to import: not at collection
+
     assert main(["tiny-model", str(tmp_path / "again")]) == 0
     assert _digest(tmp_path / "again") == _digest(tiny_model)
     other = build_tiny_model(
