@@ -75,6 +75,9 @@ def test_invariants_under_random_event_orders(kind, streaming, k_spare, continuo
                 assert d.execution_id in running
             elif isinstance(d, BeginTransition):
                 switching.add(d.cell)
+                # a full batch's step may be running on the core: it stays in training until the step is reported
+                full = pol.batch is not None and len(pol.batch) == p.B
+                assert not (d.cell == 0 and d.from_role is CellRole.TRAINING and full), "core left"
             elif isinstance(d, Publish):
                 publishing.append(d.version)
             elif isinstance(d, OpenBatch):
@@ -150,8 +153,9 @@ def test_a_step_reported_while_the_core_switches_is_refused():
     """The counterexample test_invariants found once (Colocate, streaming, mu = 1, phi = 0, C_s = 0, k_spare = 0):
     the generator reported a step while every cell, the core included, was still switching to training. The policy
     took it, published with the core mid-switch and then began the core's switch a second time ("transition of cell
-    0 done while training"). A step can only come from a training core: the generator now says so, and the policy
-    refuses such a report at once with its cause."""
+    0 done while training"). The real system cannot report that step: g2 joined the batch while the pool was still
+    switching, and its micro-steps are claimed only by training cells, after which the core takes the step. The
+    generator reports a step only from a training core, and the policy refuses such a report at once with its cause."""
     p = params("colocate", streaming=True, k_spare=0, continuous=False, c_s=0, phi2=0, mu=1)
     pol = make_policy(p, deep_checks=True)
     pol.start(0.0)
@@ -178,3 +182,32 @@ def test_a_step_reported_while_the_core_switches_is_refused():
     assert pol.roles[0] is CellRole.TO_TRAINING
     with pytest.raises(InvariantError, match="step 1 done while the core is to_training"):
         pol.handle(StepDone(1), 0.0)
+
+
+def test_a_drop_beside_a_full_batch_keeps_the_pool_training_until_its_step():
+    """The same failure's other cause (Colocate, streaming, mu = 2, C_s = 0): with the batch full, a group outside it
+    dropped and its refill had no capacity, so the policy sent the whole pool back to rollout "starved" while the
+    full batch's step ran on the core; the core's step then arrived mid-switch (refused since the check above, and
+    before it, the core's switch was begun twice, as above). A full batch waits for no group: the pool stays, the
+    step is taken, and the next batch, which lacks the refill, sends the pool back."""
+    p = params("colocate", streaming=True, k_spare=0, continuous=False, c_s=0, phi2=0, mu=2)
+    pol = make_policy(p, deep_checks=True)
+    pol.start(0.0)  # g0..g3, capacity 9 for their 8 executions
+    for eid in [f"g{g}.e{e}" for g in range(4) for e in range(2)]:
+        pol.handle(Terminated(eid, "completed"), 0.0)
+    pol.handle(Assessed("g0.e0", "valid"), 0.0)
+    out = pol.handle(Assessed("g0.e1", "valid"), 0.0)
+    assert [d.cell for d in out if isinstance(d, BeginTransition)] == [0, 1, 2]
+    for cell in (0, 1, 2):
+        pol.handle(TransitionDone(cell), 0.0)
+    pol.handle(GroupAssigned("g0"), 0.0)
+    pol.handle(Assessed("g1.e0", "valid"), 0.0)
+    pol.handle(Assessed("g1.e1", "valid"), 0.0)
+    pol.handle(GroupAssigned("g1"), 0.0)  # the batch is full: the core trains it to its step
+    # g2 dropped, its refill queued with no capacity left
+    out = pol.handle(Assessed("g2.e0", "excluded"), 0.0)
+    assert not [d for d in out if isinstance(d, BeginTransition)]
+    assert pol.roles == [CellRole.TRAINING] * 3
+    out = pol.handle(StepDone(1), 0.0)
+    assert [d.cell for d in out if isinstance(d, BeginTransition)] == [0, 1, 2]  # batch 1 lacks the refill
+    assert pol.version == 1 and pol.batch == [] and pol.roles == [CellRole.TO_ROLLOUT] * 3

@@ -138,11 +138,13 @@ class ColocatePolicy(PolicyCore):
         self._begin(live, out)
 
     def _starved(self) -> bool:
-        """Training waits for a group whose executions cannot launch: nothing ready, work queued, no capacity."""
+        """Training waits for a group whose executions cannot launch: the open batch still lacks a group, nothing is
+        ready, work is queued, no capacity. A full batch waits for nothing: its step may already be running on the
+        core, which must stay in training until it reports it (a drop then waits for the next batch's check)."""
         led = self.ledger
-        return (
-            self.batch is not None and not led.ready and led.queued > 0 and self.capacity() - led.running <= 0
-        )
+        if self.batch is None or len(self.batch) >= self.params.B:
+            return False
+        return not led.ready and led.queued > 0 and self.capacity() - led.running <= 0
 
     def _pool_switching(self) -> bool:
         pool = self.trainable()
