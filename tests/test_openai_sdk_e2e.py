@@ -2,9 +2,9 @@
 and a harness that reformats tool-call arguments (key order, whitespace) still matches its recorded prefix."""
 
 import json
+from typing import TYPE_CHECKING
 
 import httpx
-import openai
 import pytest
 
 from gyre_tito import openai_api
@@ -13,6 +13,9 @@ from gyre_tito.scripted_engine import ScriptedEngine, ScriptedEngineConfig, Scri
 from gyre_tito.testing import ProxyServer
 from gyre_tito.tiny_tokenizer import build_tiny_tokenizer, load_tiny_tokenizer
 from gyre_tito.types import mask_from_runs
+
+if TYPE_CHECKING:  # the SDK takes a second or more to import: inside the tests, not at collection
+    import openai
 
 TOOLS = [
     {
@@ -49,7 +52,7 @@ def _weather(args: dict) -> str:
     return json.dumps({"city": args["city"], "sky": "sunny", "temp": 21})
 
 
-def _agent_loop(client: openai.OpenAI, stream: bool) -> tuple[list[dict], str]:
+def _agent_loop(client: "openai.OpenAI", stream: bool) -> tuple[list[dict], str]:
     messages: list[dict] = [
         {"role": "system", "content": "You are a weather bot."},
         {"role": "user", "content": "Weather in Paris?"},
@@ -105,6 +108,8 @@ def _agent_loop(client: openai.OpenAI, stream: bool) -> tuple[list[dict], str]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_openai_sdk_agent_loop(stack, stream):
+    import openai
+
     srv, eng, tok = stack
     eid, cred = srv.register()
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key=cred)
@@ -144,6 +149,8 @@ def _anthropic_turn(url: str, cred: str, messages: list, tools: list) -> dict:
 
 def test_reformatted_tool_arguments_still_match_prefix(stack):
     """Acceptance 3: the harness re-serialises the tool call (key order, whitespace) before sending it back."""
+    import openai
+
     srv, _, _ = stack
     # Anthropic shape: input dict with keys reordered
     eid, cred = srv.register()
@@ -200,6 +207,8 @@ def test_reformatted_tool_arguments_still_match_prefix(stack):
 
 
 def test_openai_errors_have_openai_shape(stack):
+    import openai
+
     srv, _, _ = stack
     _, cred = srv.register()
     bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="nope")

@@ -7,7 +7,6 @@ import sys
 import threading
 import time
 
-import anthropic
 import httpx
 import pytest
 
@@ -61,6 +60,8 @@ def _spawn_engine(
 
 @pytest.mark.slow
 def test_engine_killed_mid_request_completes_elsewhere(tmp_path):
+    import anthropic  # slow to import: not at collection
+
     tok_dir = build_tiny_tokenizer(tmp_path / "tok")
     tok = load_tiny_tokenizer(tok_dir)
     script = tmp_path / "script.json"

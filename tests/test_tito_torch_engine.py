@@ -6,7 +6,6 @@ import math
 import threading
 import time
 
-import openai
 import pytest
 import uvicorn
 
@@ -16,6 +15,8 @@ from gyre_tito.testing import ProxyServer
 
 @pytest.mark.slow
 def test_openai_agent_on_torch_engine_records_exact_tokens(tmp_path):
+    import openai  # slow to import: not at collection
+
     from gyre_cell.engine import EngineConfig, TorchEngine
     from gyre_cell.engine.server import create_app
     from gyre_cell.tiny_model import build_tiny_model

@@ -4,7 +4,6 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 
 from gyre_tito.proxy import Proxy, ProxyConfig
@@ -288,6 +287,8 @@ def _frames(resp: httpx.Response) -> list[tuple[str, dict]]:
 
 
 def test_stream_starts_at_once_pings_while_generating_and_reports_late_errors(tok_dir, tmp_path):
+    import openai  # slow to import: not at collection
+
     eng = ScriptedEngine(
         ScriptedEngineConfig(tokenizer=str(tok_dir), default_reply="slow " * 6, hold_after=2)
     )
