@@ -17,6 +17,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CLAUDE = ROOT / "node_modules" / ".bin" / "claude"
 NEEDS_CLI = ("test_claude_code_", "test_harness_contract")
+# What the interpreter had imported once collection was done (every xdist worker collects the whole suite, so an
+# import at collection is paid once per worker): tests/test_collection_imports.py checks it holds no slow library.
+COLLECTED_MODULES = pytest.StashKey[frozenset[str]]()
+
+
+def pytest_collection_finish(session):
+    session.config.stash[COLLECTED_MODULES] = frozenset(sys.modules)
+
+
+@pytest.fixture
+def collected_modules(request) -> frozenset[str]:
+    """The names in sys.modules when collection ended, before any test ran."""
+    return request.config.stash[COLLECTED_MODULES]
 
 
 def pytest_collection_modifyitems(session, config, items):
