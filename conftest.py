@@ -1,13 +1,13 @@
 """Settings every test directory shares.
 
-Property tests keep every counterexample they ever found: hypothesis saves a failing example in a committed example
-database (`tests/hypothesis-examples`, commit what a failure adds there) and replays it first on every run, and it
-prints the reproduction blob of any failure, so a failure found once is checked on every run after it.
+Property tests draw the same examples on every run and machine and print what reproduces a failure; every
+counterexample one ever found is kept in the test's source (see the hypothesis profile below).
 
 The system packages the selected tests need are installed here when missing (as root), or the run stops at once with
 one line naming them; the Claude Code CLI is installed by tests/conftest.py."""
 
 import ctypes
+import json
 import os
 import shutil
 import subprocess
@@ -15,13 +15,15 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
-from hypothesis.database import DirectoryBasedExampleDatabase
 
-settings.register_profile(
-    "gyre",
-    database=DirectoryBasedExampleDatabase(Path(__file__).parent / "tests" / "hypothesis-examples"),
-    print_blob=True,
-)
+# Hypothesis: derandomized, so CI draws the same examples on every run and a failure there reproduces anywhere (it
+# no longer meets a case by chance), and print_blob, so a failure prints its @reproduce_failure line. No example
+# database: one keys its entries by the test's source and hypothesis's encoding (an edit or an upgrade drops them
+# silently) and rewrites itself as examples pass (CI would write into the tree). A counterexample found is kept as an
+# @example on the property, or, for a test drawing from st.data(), as a named test replaying it. To search for new
+# ones: `pytest --hypothesis-profile=gyre-explore` (fresh random draws; its database is the ignored .hypothesis/).
+settings.register_profile("gyre", derandomize=True, database=None, print_blob=True)
+settings.register_profile("gyre-explore", derandomize=False, print_blob=True)
 settings.load_profile("gyre")
 
 
@@ -107,3 +109,23 @@ def pytest_configure(config):
     raise pytest.UsageError(
         f"the tests need Debian's {names} ({why}): run `apt-get install -y {names}` as root"
     )
+
+
+# The order test files are handed to the xdist workers (`--dist loadfile --no-loadscope-reorder`): dearest first,
+# by the seconds each file took in a measured CI run (.ci/test-costs.json, refreshed by .ci/test_costs.py). xdist's
+# own order (most tests first) left the few-test end-to-end files, the longest ones, for the end, where one worker
+# ran a 10-minute file while the other idled. A file not measured yet counts as dear when it has a slow test.
+UNMEASURED_SLOW_S, UNMEASURED_S = 60, 1
+
+
+def pytest_collection_modifyitems(config, items):
+    costs_file = config.rootpath / ".ci" / "test-costs.json"
+    costs = json.loads(costs_file.read_text()) if costs_file.is_file() else {}
+    by_file: dict[str, float] = {}
+    for item in items:
+        path = item.path.relative_to(config.rootpath).as_posix()
+        slow = item.get_closest_marker("slow") is not None
+        default = UNMEASURED_SLOW_S if slow else UNMEASURED_S
+        by_file[path] = max(by_file.get(path, 0), costs.get(path, default))
+    # A stable sort on the file's cost keeps each file's tests together and in their own order.
+    items.sort(key=lambda item: -by_file[item.path.relative_to(config.rootpath).as_posix()])

@@ -4,7 +4,7 @@
 One elastic core worker (a gloo world of one, weights through disk so no Mooncake library is needed) runs as a real
 process on loopback, as the controller starts it. Bodies: a valid command with one field replaced by NaN, an
 infinity, 2**63, 10**30, `true`, a string, a list, an object or null; non-object JSON, truncated JSON, bytes that are
-no JSON; each sent as JSON and as text/plain. Hypothesis draws them (its examples are kept in the committed database).
+no JSON; each sent as JSON and as text/plain. Hypothesis draws them, the same ones on every run (derandomized).
 """
 
 from __future__ import annotations
