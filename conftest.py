@@ -7,7 +7,6 @@ The system packages the selected tests need are installed here when missing (as 
 one line naming them; the Claude Code CLI is installed by tests/conftest.py."""
 
 import ctypes
-import json
 import os
 import shutil
 import subprocess
@@ -109,23 +108,3 @@ def pytest_configure(config):
     raise pytest.UsageError(
         f"the tests need Debian's {names} ({why}): run `apt-get install -y {names}` as root"
     )
-
-
-# The order test files are handed to the xdist workers (`--dist loadfile --no-loadscope-reorder`): dearest first,
-# by the seconds each file took in a measured CI run (.ci/test-costs.json, refreshed by .ci/test_costs.py). xdist's
-# own order (most tests first) left the few-test end-to-end files, the longest ones, for the end, where one worker
-# ran a 10-minute file while the other idled. A file not measured yet counts as dear when it has a slow test.
-UNMEASURED_SLOW_S, UNMEASURED_S = 60, 1
-
-
-def pytest_collection_modifyitems(config, items):
-    costs_file = config.rootpath / ".ci" / "test-costs.json"
-    costs = json.loads(costs_file.read_text()) if costs_file.is_file() else {}
-    by_file: dict[str, float] = {}
-    for item in items:
-        path = item.path.relative_to(config.rootpath).as_posix()
-        slow = item.get_closest_marker("slow") is not None
-        default = UNMEASURED_SLOW_S if slow else UNMEASURED_S
-        by_file[path] = max(by_file.get(path, 0), costs.get(path, default))
-    # A stable sort on the file's cost keeps each file's tests together and in their own order.
-    items.sort(key=lambda item: -by_file[item.path.relative_to(config.rootpath).as_posix()])
