@@ -5,6 +5,7 @@ if the install fails, those tests fail with one line saying how to install it.""
 import fcntl
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,51 @@ COLLECTED_MODULES = pytest.StashKey[frozenset[str]]()
 
 def pytest_collection_finish(session):
     session.config.stash[COLLECTED_MODULES] = frozenset(sys.modules)
+
+
+# A hang guard, not a bound on speed: a test waiting on an event fails after this, never sooner.
+HANG_GUARD_S = 300.0
+
+
+def processes_gone(pids, what: str = "processes") -> None:
+    """Block until every process in `pids` has exited. A pidfd becomes readable when its process exits (a zombie
+    counts as exited), so this waits on the exit events themselves: no sleep, no polling of /proc, no race with a
+    process that exits between two looks. Fails, naming what is left, only after HANG_GUARD_S."""
+    poller, fds = select.poll(), {}
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue  # gone already
+        fds[fd] = pid
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + HANG_GUARD_S
+    try:
+        while fds and (left_s := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(left_s * 1000):
+                poller.unregister(fd)
+                os.close(fd)
+                del fds[fd]
+        left = sorted(fds.values())
+        assert not left, f"{what} still running after {HANG_GUARD_S:.0f} s: " + ", ".join(
+            f"{pid} {_cmdline(pid)}" for pid in left
+        )
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:160].decode(errors="replace")
+    except OSError:
+        return "(gone)"
+
+
+@pytest.fixture
+def wait_gone():
+    """`wait_gone(pids, what)`: the gate on processes exiting (see processes_gone)."""
+    return processes_gone
 
 
 @pytest.fixture

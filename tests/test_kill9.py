@@ -1,5 +1,7 @@
 """`kill -9` against a real `gyre run`: each service, killed at a gated point, either lets the run recover or ends it
-in under 15 s with one line naming that service and its log; a killed controller leaves no process behind.
+with one line naming that service, how it ended and its log; a killed controller leaves no process behind.
+A run that fails learns of the death from the process itself (its exit status in the line), not from a timeout
+running out: that is what "fails at once" means here, asserted without a clock (how fast goes to the log, -s).
 gyre-eval recovers (restarted by the launcher); a satellite cell recovers once dead-cell recovery is in (issue 14);
 the proxy and a standalone engine end the run.
 
@@ -29,7 +31,6 @@ from gyre_sched.trace import iter_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
-FAIL_WITHIN_S = 15.0
 SMALL = ("cluster.cells=1", "scheduler.mu=1")  # colocate-standalone.toml: 1 cell + 1 standalone engine, B=2
 
 pytestmark = pytest.mark.slow
@@ -96,24 +97,33 @@ class Run:
 
         return self.wait_for("services", ready)
 
-    def assert_fails_naming(self, service: str, killed_at: float, named: str | None = None) -> None:
-        """Exit within FAIL_WITHIN_S of the kill; the last stderr line (the only failure line) names the service
-        (`named`, default its log's name) and its log."""
+    def assert_fails_naming(
+        self,
+        service: str,
+        killed_at: float,
+        named: str | None = None,
+        how: str = "exited (killed by SIGKILL)",
+    ) -> None:
+        """The run fails; the last stderr line (the only failure line) names the service (`named`, default its log's
+        name), how it ended (`how`, default its exit by the SIGKILL: the death itself was seen, no timeout ran out)
+        and its log."""
         try:
-            self.proc.wait(timeout=FAIL_WITHIN_S + 30)
+            self.proc.wait(
+                timeout=300
+            )  # a hang guard: a run that waited out a timeout instead fails on `how`
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
         took = time.monotonic() - killed_at
         err = self.stderr
         assert self.proc.returncode == 1, err[-3000:]
-        assert took < FAIL_WITHIN_S, f"the run took {took:.1f} s to fail: {err[-2000:]}"
         assert "Traceback" not in err, err[-3000:]
         failures = [line for line in err.splitlines() if "run failed" in line]
         assert len(failures) == 1 and err.strip().splitlines()[-1] == failures[0], err[-3000:]
         log = self.run_dir / "logs" / f"{service}.log"
         assert failures[0].startswith("gyre run: run failed: ") and str(log) in failures[0], failures[0]
         assert (named or service) in failures[0].split("; see ")[0], failures[0]
+        assert how in failures[0] and "Timeout" not in failures[0], failures[0]
         print(f"{service}: failed {took:.1f} s after the kill: {failures[0]}")  # shown with -s
 
 
@@ -148,14 +158,6 @@ def _descendants(root: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def _agent_pid(run: Run) -> int | None:
@@ -283,10 +285,10 @@ def test_kill_satellite_cell_while_it_trains(tmp_path):
         rows = (run.run_dir / "metrics" / "steps.jsonl").read_text().splitlines()
         assert [json.loads(r)["policy_version"] for r in rows] == [1, 2]
         return
-    run.assert_fails_naming("cell-1", killed_at, named="cell 1")
+    run.assert_fails_naming("cell-1", killed_at, named="cell 1", how="stopped answering")
 
 
-def test_kill_controller_leaves_no_process(tmp_path):
+def test_kill_controller_leaves_no_process(tmp_path, wait_gone):
     run = Run(tmp_path / "run", "colocate-standalone.toml", *SMALL)
     info = run.wait_services("cell-0", "standalone-0", "proxy", "gyre-eval")
     run.wait_for("a running agent", lambda: _agent_pid(run))
@@ -294,11 +296,7 @@ def test_kill_controller_leaves_no_process(tmp_path):
     assert set(info["pids"].values()) <= children
     assert any("agent.py" in " ".join(_proc_strings(p)) for p in children)  # a harness among them
     os.kill(run.proc.pid, signal.SIGKILL)
-    run.proc.wait(timeout=10)
-    deadline = time.monotonic() + FAIL_WITHIN_S
-    while (left := [p for p in children if _alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in left if _alive(p)]
-    print(
-        f"controller: {len(children)} processes gone {time.monotonic() - deadline + FAIL_WITHIN_S:.1f} s after"
-    )
+    killed_at = time.monotonic()
+    run.proc.wait(timeout=300)  # a hang guard
+    wait_gone(children, "the killed controller's processes")
+    print(f"controller: {len(children)} processes gone {time.monotonic() - killed_at:.1f} s after")

@@ -122,7 +122,7 @@ def test_local_ray_run_matches_the_reference_step_for_step(tmp_path):
 
 
 @pytest.mark.parametrize("placed", [False, True], ids=["driver", "placed-controller"])
-def test_sigterm_stops_the_ray_run_with_one_line(tmp_path, placed):
+def test_sigterm_stops_the_ray_run_with_one_line(tmp_path, placed, wait_gone):
     """Ray's driver would exit on SIGTERM at once: gyre's handler stays, every actor and the instance stop. With
     the controller placed on a node (`controller_resources`), the `gyre run` that placed it passes the signal on:
     the controller stops everything and says so, and its line is the last one."""
@@ -147,10 +147,7 @@ def test_sigterm_stops_the_ray_run_with_one_line(tmp_path, placed):
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "Traceback" not in err
     assert "interrupted by SIGTERM" in err.strip().splitlines()[-1]
-    stop = time.monotonic() + 30
-    while any(Path(f"/proc/{p['pid']}").exists() for p in placement) and time.monotonic() < stop:
-        time.sleep(0.1)
-    assert not any(Path(f"/proc/{p['pid']}").exists() for p in placement)
+    wait_gone([p["pid"] for p in placement], "the placed processes after the SIGTERM")
 
 
 def test_a_controller_no_node_can_take_is_one_line(tmp_path):
@@ -168,7 +165,7 @@ def test_a_controller_no_node_can_take_is_one_line(tmp_path):
     assert not (run_dir / "trace.jsonl").exists()
 
 
-def test_a_placed_controller_whose_node_is_lost_is_resumed_on_a_node(tmp_path):
+def test_a_placed_controller_whose_node_is_lost_is_resumed_on_a_node(tmp_path, wait_gone):
     """The controller runs on a node by the config; its actor is SIGKILLed after the first step (as a node loss
     would end it). The `gyre run` that placed it ends in one line naming the node and the resume command, and nothing
     of the run is left running. `gyre run --resume RUN` places a controller again and finishes the run: contiguous
@@ -190,11 +187,8 @@ def test_a_placed_controller_whose_node_is_lost_is_resumed_on_a_node(tmp_path):
     last = err.strip().splitlines()[-1]
     assert f"controller on node {controller['ip']} ended: killed by SIGKILL" in last, last
     assert f"gyre run --resume {run_dir}" in last
-    stop = time.monotonic() + 60  # the controller died with its actor, the cells and services with it
-    pids = [controller["pid"], *(p["pid"] for p in placement)]
-    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < stop:
-        time.sleep(0.1)
-    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    # the controller died with its actor, the cells and services with it
+    wait_gone([controller["pid"], *(p["pid"] for p in placement)], "the lost controller's processes")
     done = len(_steps(run_dir))
 
     resumed = subprocess.run([sys.executable, "-m", "gyre.cli", "run", "--resume", str(run_dir), "--quiet"],

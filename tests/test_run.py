@@ -148,7 +148,7 @@ def _descendants_alive(marker: str) -> list[int]:
     return alive
 
 
-def test_sigterm_stops_every_process_with_one_line(tmp_path):
+def test_sigterm_stops_every_process_with_one_line(tmp_path, wait_gone):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--steps", "50"],
@@ -167,9 +167,7 @@ def test_sigterm_stops_every_process_with_one_line(tmp_path):
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert "interrupted by SIGTERM" in last
-    stop = time.monotonic() + 10
-    while _descendants_alive(str(run_dir)) and time.monotonic() < stop:
-        time.sleep(0.1)
+    wait_gone(children, "the run's processes after its SIGTERM")  # the gate: their exits
     assert _descendants_alive(str(run_dir)) == [], [
         os.readlink(f"/proc/{p}/exe") for p in _descendants_alive(str(run_dir))
     ]

@@ -106,7 +106,12 @@ def test_streaming_frames_are_cumulative_then_done(shared):
         frames = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
     assert frames[-1] == "[DONE]"
     outs = [orjson.loads(f) for f in frames[:-1]]
-    assert [len(o["output_ids"]) for o in outs] == [1, 2, 3, 4, 5]
+    # Cumulative frames: each extends the one before it. How many frames is the reader's speed, not the contract: a
+    # frame per token when the reader keeps up, fewer when tokens queue up meanwhile (only the newest is sent, as
+    # SGLang does; a CI run under load read [1, 3, 4, 5]).
+    lengths = [len(o["output_ids"]) for o in outs]
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 5, lengths
+    assert all(o["output_ids"] == outs[-1]["output_ids"][: len(o["output_ids"])] for o in outs)
     assert outs[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert all(o["meta_info"]["finish_reason"] is None for o in outs[:-1])
     assert (
