@@ -251,6 +251,42 @@ def test_a_placed_gyre_eval_dies_and_is_restarted_through_its_actor(tmp_path, mo
     assert not Path(f"/proc/{pid}").exists() or b"gyre-eval" not in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
+# ---- the rank host of a cell spread over nodes (gyre.launch.ray_ranks), on a local Ray instance ---------------------
+# (was tests/test_ray_ranks.py: in this file so that every Ray test runs on one xdist worker, in turn)
+# (before the two-host tests, whose cluster stays up until the module's last test)
+# A `RankHost` reports its ranks' exit statuses; once the host itself is gone (its node lost, its owner dead) the
+# worker's handle reads a rank killed by SIGKILL, and the rank does not outlive it (parent-death signal).
+
+
+def test_a_rank_host_reports_its_ranks_ends_and_takes_them_down_with_it(tmp_path):
+    ray = connect(LauncherConfig(kind="ray", num_cpus=2))
+    try:
+        host = ray.remote(max_concurrency=4)(RankHost).remote()
+        node = ray.get(host.node.remote(), timeout=120)
+        assert node["ip"] and node["python"] == sys.executable
+        log = str(tmp_path / "rank.log")
+        ends = _RemoteRank(
+            host, ray.get(host.spawn.remote([sys.executable, "-c", "raise SystemExit(3)"], {}, log))
+        )
+        assert ends.wait(60) == 3
+
+        argv = [sys.executable, "-c", "import threading; print('up', flush=True); threading.Event().wait()"]
+        rank = _RemoteRank(host, ray.get(host.spawn.remote(argv, {"GYRE_PROBE": "1"}, log)))
+        with pytest.raises(subprocess.TimeoutExpired):
+            rank.wait(0.2)  # still running: the handle says so rather than an exit status
+        with open(f"/proc/{rank.pid}/environ", "rb") as f:
+            assert b"GYRE_PROBE=1" in f.read().split(b"\0")
+        pidfd = os.pidfd_open(rank.pid)
+        try:
+            ray.kill(host)
+            assert rank.wait() == -signal.SIGKILL  # the host is gone
+            assert select.select([pidfd], [], [], 60)[0] == [pidfd], "the rank outlived its host"
+        finally:
+            os.close(pidfd)
+    finally:
+        ray.shutdown()
+
+
 # ---- two hosts in network namespaces -----------------------------------------------------------------------------
 
 NS = ("gyre-host-a", "gyre-host-b")
@@ -269,9 +305,10 @@ def _netns_available() -> str | None:
     return None
 
 
-@pytest.fixture
-def two_hosts():
-    """Two namespaces with loopback and one veth pair 10.77.0.1 <-> 10.77.0.2; nothing routes outside them."""
+@pytest.fixture(scope="module")
+def _two_node_cluster(tmp_path_factory):
+    """Two namespaces with loopback and one veth pair 10.77.0.1 <-> 10.77.0.2 (nothing routes outside them), a Ray
+    head in the first and a Ray worker in the second: started once for the two-host tests, which share them."""
     if (why := _netns_available()) is not None:
         pytest.skip(why)
     for ns in NS:
@@ -302,9 +339,24 @@ def two_hosts():
         for ns in NS:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         pytest.skip(f"ip netns unavailable here: {exc.stderr.decode().strip()}")
-    yield
-    for ns in NS:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    logs = tmp_path_factory.mktemp("ray-nodes")
+    nodes = [_ray_node(NS[0], IPS[0], logs, True, "host_a")]
+    try:
+        _wait_nodes(1)  # the worker's `ray start` gives up if the head's GCS is not up yet (slow under load)
+        nodes.append(_ray_node(NS[1], IPS[1], logs, False, "host_b"))
+        yield
+    finally:
+        _stop_nodes(nodes)
+        for ns in NS:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture
+def two_hosts(_two_node_cluster):
+    """The two-node cluster, idle: each test starts as if on a cluster of its own. Asserted (not cleaned up): both
+    nodes alive, every CPU and host resource free and no placement group left, i.e. the previous test's run
+    released everything it held when its driver (`gyre run`) exited, a SIGKILLed actor's run included."""
+    _wait_nodes(2, idle=True)
 
 
 def _ray_node(ns: str, ip: str, tmp: Path, head: bool, resource: str) -> subprocess.Popen:
@@ -321,8 +373,10 @@ def _ray_node(ns: str, ip: str, tmp: Path, head: bool, resource: str) -> subproc
                             env={**os.environ, **RAY_ENV})  # fmt: skip
 
 
-def _wait_nodes(n: int, timeout: float = 300) -> None:
-    """Until the head's GCS lists `n` alive nodes (asked from inside host A; the head may still be starting)."""
+def _wait_nodes(n: int, timeout: float = 300, idle: bool = False) -> None:
+    """Until the head's GCS lists `n` alive nodes (asked from inside host A; the head may still be starting), and
+    with `idle`, until every resource is free and every placement group removed (a finished driver's actors and
+    placement groups are released by the GCS shortly after it exits)."""
     code = (
         "import ray, time\n"
         f"d = time.time() + {timeout}\n"
@@ -337,6 +391,17 @@ def _wait_nodes(n: int, timeout: float = 300) -> None:
         "    assert time.time() < d, ray.nodes()\n"
         "    time.sleep(0.5)\n"
     )
+    if idle:
+        code += (
+            "keys = ('CPU', 'host_a', 'host_b')\n"
+            "def held():\n"
+            "    total, free = ray.cluster_resources(), ray.available_resources()\n"
+            "    pgs = [p for p in ray.util.placement_group_table().values() if p['state'] != 'REMOVED']\n"
+            "    return {k: total.get(k, 0) - free.get(k, 0) for k in keys if total.get(k, 0) != free.get(k, 0)}, pgs\n"
+            "while held() != ({}, []):\n"
+            "    assert time.time() < d, f'held by a previous run: {held()}'\n"
+            "    time.sleep(0.5)\n"
+        )
     proc = subprocess.run(["ip", "netns", "exec", NS[0], sys.executable, "-c", code], timeout=timeout + 60,
                           env={**os.environ, **RAY_ENV}, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -373,40 +438,33 @@ def test_two_hosts_remote_cell_killed_restarts_on_its_host_and_trains_again(two_
     requeued, Ray starts a new actor in the cell's placement group (host B again), the cell serves rollouts, then
     re-forms the gloo world across hosts at a burst boundary (the core picks the port on host A) and trains again."""
     steps = 5
-    nodes = [_ray_node(NS[0], IPS[0], tmp_path, True, "host_a")]
+    run_dir = tmp_path / "run"
+    argv = ["ip", "netns", "exec", NS[0], sys.executable, "-m", "gyre.cli", "run",
+            str(ROOT / "configs" / "demo.toml"), "--run-dir", str(run_dir), "--quiet",
+            "--ray", f"{IPS[0]}:6379", "--steps", str(steps),
+            "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
+            "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false",
+            "--set", "scheduler.mu=1", "--set", "scheduler.B=2"]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, **RAY_ENV})  # fmt: skip
+    deadline = time.monotonic() + 600
     try:
-        _wait_nodes(1)  # the worker's `ray start` gives up if the head's GCS is not up yet (slow under load)
-        nodes.append(_ray_node(NS[1], IPS[1], tmp_path, False, "host_b"))
-        _wait_nodes(2)
-        run_dir = tmp_path / "run"
-        argv = ["ip", "netns", "exec", NS[0], sys.executable, "-m", "gyre.cli", "run",
-                str(ROOT / "configs" / "demo.toml"), "--run-dir", str(run_dir), "--quiet",
-                "--ray", f"{IPS[0]}:6379", "--steps", str(steps),
-                "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
-                "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false",
-                "--set", "scheduler.mu=1", "--set", "scheduler.B=2"]  # fmt: skip
-        proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env={**os.environ, **RAY_ENV})  # fmt: skip
-        deadline = time.monotonic() + 600
-        try:
-            while not any(x["ev"] == "microstep_claim" and x["cell"] == 1 for x in _trace_so_far(run_dir)):
-                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-                assert time.monotonic() < deadline, "cell 1 never claimed a micro-step"
-                time.sleep(0.05)  # polls the run's trace (the gate), orders nothing
-            placement = json.loads((run_dir / "logs" / "placement.json").read_text())
-            (remote,) = [p for p in placement if p["worker"] == "cell-1"]
-            assert remote["ip"] == IPS[1]
-            os.kill(remote["pid"], signal.SIGKILL)  # one PID namespace: the netns split only the network
-            out, err = proc.communicate(timeout=900)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-        (tmp_path / "controller.log").write_bytes(err)
-        assert proc.returncode == 0, err.decode()[-4000:]
-        assert json.loads(out.decode().splitlines()[-1])["steps"] == steps
+        while not any(x["ev"] == "microstep_claim" and x["cell"] == 1 for x in _trace_so_far(run_dir)):
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "cell 1 never claimed a micro-step"
+            time.sleep(0.05)  # polls the run's trace (the gate), orders nothing
+        placement = json.loads((run_dir / "logs" / "placement.json").read_text())
+        (remote,) = [p for p in placement if p["worker"] == "cell-1"]
+        assert remote["ip"] == IPS[1]
+        os.kill(remote["pid"], signal.SIGKILL)  # one PID namespace: the netns split only the network
+        out, err = proc.communicate(timeout=900)
     finally:
-        _stop_nodes(nodes)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    (tmp_path / "controller.log").write_bytes(err)
+    assert proc.returncode == 0, err.decode()[-4000:]
+    assert json.loads(out.decode().splitlines()[-1])["steps"] == steps
 
     lines = list(iter_trace(run_dir / "trace.jsonl"))
     (lost,) = [x for x in lines if x["ev"] == "cell_lost"]
@@ -433,48 +491,39 @@ def test_two_hosts_remote_cell_killed_restarts_on_its_host_and_trains_again(two_
 
 
 def test_two_hosts_elastic_run_crosses_hosts(two_hosts, tmp_path):
-    nodes = [_ray_node(NS[0], IPS[0], tmp_path, True, "host_a")]
-    try:
-        _wait_nodes(1)  # the worker's `ray start` gives up if the head's GCS is not up yet (slow under load)
-        nodes.append(_ray_node(NS[1], IPS[1], tmp_path, False, "host_b"))
-        _wait_nodes(2)
-        run_dir = tmp_path / "run"
-        summary = _gyre(run_dir, "--ray", f"{IPS[0]}:6379", "--steps", "2",
-                        "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
-                        "--set", 'launcher.proxy_resources={"host_a":0.5}',
-                        "--set", 'launcher.eval_resources={"host_a":0.5}',
-                        "--set", 'launcher.controller_resources={"host_b":0.5}',
-                        "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
-                        "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false",
-                        "--set", "scheduler.mu=1", "--set", "scheduler.B=2",
-                        prefix=["ip", "netns", "exec", NS[0]])  # fmt: skip
-        assert summary["steps"] == 2
-        placement = _check(run_dir, 2)
-        # One cell per host, each bound to its host's address (never loopback).
-        assert [(p["worker"], p["ip"]) for p in placement] == [("cell-0", IPS[0]), ("cell-1", IPS[1])]
-        cell1 = json.loads((run_dir / "cells" / "cell-1.json").read_text())
-        assert (cell1["host"], cell1["mooncake"]["local_hostname"]) == (IPS[1], IPS[1])
-        assert cell1["training"]["master_host"] == IPS[0]
-        # `gyre run` ran on host A and placed the controller on host B by the config; the controller placed the
-        # proxy and gyre-eval on host A: the agents (beside the controller on host B) called the model through host
-        # A, and the assessments of host B's workspaces were made there.
-        controller = json.loads((run_dir / "logs" / "controller.json").read_text())
-        assert controller["ip"] == IPS[1] and controller["pid"] != controller["actor_pid"]
-        services = _services_placed(run_dir)
-        assert services["proxy"]["ip"] == services["gyre-eval"]["ip"] == IPS[0]
-        assert json.loads((run_dir / "services.json").read_text())["proxy"].startswith(f"http://{IPS[0]}:")
-        # Gradients crossed hosts over gloo: a step with micro-steps of both cells (the remote one joined).
-        rows = _steps(run_dir)
-        assert any(
-            r["microsteps_by_cell"].get("1", 0) > 0 and r["microsteps_by_cell"].get("0", 0) > 0 for r in rows
-        )
-        # Weights crossed hosts over Mooncake TCP: the remote cell went back to rollout with a published version.
-        ends = [
-            e for e in iter_trace(run_dir / "trace.jsonl") if e["ev"] == "transition_end" and e["cell"] == 1
-        ]
-        assert any(e.get("to") == "rollout" for e in ends), ends
-    finally:
-        _stop_nodes(nodes)
+    run_dir = tmp_path / "run"
+    summary = _gyre(run_dir, "--ray", f"{IPS[0]}:6379", "--steps", "2",
+                    "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
+                    "--set", 'launcher.proxy_resources={"host_a":0.5}',
+                    "--set", 'launcher.eval_resources={"host_a":0.5}',
+                    "--set", 'launcher.controller_resources={"host_b":0.5}',
+                    "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
+                    "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false",
+                    "--set", "scheduler.mu=1", "--set", "scheduler.B=2",
+                    prefix=["ip", "netns", "exec", NS[0]])  # fmt: skip
+    assert summary["steps"] == 2
+    placement = _check(run_dir, 2)
+    # One cell per host, each bound to its host's address (never loopback).
+    assert [(p["worker"], p["ip"]) for p in placement] == [("cell-0", IPS[0]), ("cell-1", IPS[1])]
+    cell1 = json.loads((run_dir / "cells" / "cell-1.json").read_text())
+    assert (cell1["host"], cell1["mooncake"]["local_hostname"]) == (IPS[1], IPS[1])
+    assert cell1["training"]["master_host"] == IPS[0]
+    # `gyre run` ran on host A and placed the controller on host B by the config; the controller placed the
+    # proxy and gyre-eval on host A: the agents (beside the controller on host B) called the model through host
+    # A, and the assessments of host B's workspaces were made there.
+    controller = json.loads((run_dir / "logs" / "controller.json").read_text())
+    assert controller["ip"] == IPS[1] and controller["pid"] != controller["actor_pid"]
+    services = _services_placed(run_dir)
+    assert services["proxy"]["ip"] == services["gyre-eval"]["ip"] == IPS[0]
+    assert json.loads((run_dir / "services.json").read_text())["proxy"].startswith(f"http://{IPS[0]}:")
+    # Gradients crossed hosts over gloo: a step with micro-steps of both cells (the remote one joined).
+    rows = _steps(run_dir)
+    assert any(
+        r["microsteps_by_cell"].get("1", 0) > 0 and r["microsteps_by_cell"].get("0", 0) > 0 for r in rows
+    )
+    # Weights crossed hosts over Mooncake TCP: the remote cell went back to rollout with a published version.
+    ends = [e for e in iter_trace(run_dir / "trace.jsonl") if e["ev"] == "transition_end" and e["cell"] == 1]
+    assert any(e.get("to") == "rollout" for e in ends), ends
 
 
 def test_two_hosts_a_pipelined_cell_spans_both_hosts(two_hosts, tmp_path):
@@ -482,36 +531,29 @@ def test_two_hosts_a_pipelined_cell_spans_both_hosts(two_hosts, tmp_path):
     (stage 0) where `cell_resources` pins it and its stage 1 on the other host, started there by the cell's rank
     host actor. Activations and gradients cross hosts inside each cell (megatron's p2p over gloo), the cells'
     summed gradients across them; every step equals the one-process float64 reference."""
-    nodes = [_ray_node(NS[0], IPS[0], tmp_path, True, "host_a")]
-    try:
-        _wait_nodes(1)
-        nodes.append(_ray_node(NS[1], IPS[1], tmp_path, False, "host_b"))
-        _wait_nodes(2)
-        run_dir = tmp_path / "run"
-        summary = _gyre(run_dir, "--ray", f"{IPS[0]}:6379", "--steps", "2",
-                        "--set", "train.backend=megatron", "--set", "train.pipeline_parallel=2",
-                        "--set", "train.lr_warmup_steps=0", "--set", "launcher.bundles_per_cell=2",
-                        "--set", "launcher.cell_strategy=STRICT_SPREAD",
-                        "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
-                        "--set", "train.dump_batches=[0,1]", "--set", "train.hold_core_for_join=1",
-                        "--set", "dashboard.enabled=false", "--set", "scheduler.mu=1", "--set", "scheduler.B=2",
-                        prefix=["ip", "netns", "exec", NS[0]], timeout=900)  # fmt: skip
-        assert summary["steps"] == 2
-        placement = _check(run_dir, 2)
-        # Every rank process ends with its run, the remote ones too, before the nodes are stopped (one PID
-        # namespace: the netns split only the network; a pidfd is readable once its process has exited).
-        for cell in range(2):
-            for row in (run_dir / "logs" / f"cell-{cell}-ranks.jsonl").read_text().splitlines():
-                try:
-                    pidfd = os.pidfd_open(json.loads(row)["pid"])
-                except ProcessLookupError:
-                    continue  # already gone
-                try:
-                    assert select.select([pidfd], [], [], 60)[0] == [pidfd], f"rank {row} outlived its run"
-                finally:
-                    os.close(pidfd)
-    finally:
-        _stop_nodes(nodes)
+    run_dir = tmp_path / "run"
+    summary = _gyre(run_dir, "--ray", f"{IPS[0]}:6379", "--steps", "2",
+                    "--set", "train.backend=megatron", "--set", "train.pipeline_parallel=2",
+                    "--set", "train.lr_warmup_steps=0", "--set", "launcher.bundles_per_cell=2",
+                    "--set", "launcher.cell_strategy=STRICT_SPREAD",
+                    "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
+                    "--set", "train.dump_batches=[0,1]", "--set", "train.hold_core_for_join=1",
+                    "--set", "dashboard.enabled=false", "--set", "scheduler.mu=1", "--set", "scheduler.B=2",
+                    prefix=["ip", "netns", "exec", NS[0]], timeout=900)  # fmt: skip
+    assert summary["steps"] == 2
+    placement = _check(run_dir, 2)
+    # Every rank process ends with its run, the remote ones too, on nodes that stay up (one PID
+    # namespace: the netns split only the network; a pidfd is readable once its process has exited).
+    for cell in range(2):
+        for row in (run_dir / "logs" / f"cell-{cell}-ranks.jsonl").read_text().splitlines():
+            try:
+                pidfd = os.pidfd_open(json.loads(row)["pid"])
+            except ProcessLookupError:
+                continue  # already gone
+            try:
+                assert select.select([pidfd], [], [], 60)[0] == [pidfd], f"rank {row} outlived its run"
+            finally:
+                os.close(pidfd)
     assert [(p["worker"], p["ip"]) for p in placement] == [("cell-0", IPS[0]), ("cell-1", IPS[1])]
     assert all(len(p["bundles"]) == 2 for p in placement)
     for cell, (here, there) in enumerate([IPS, IPS[::-1]]):
@@ -527,38 +569,3 @@ def test_two_hosts_a_pipelined_cell_spans_both_hosts(two_hosts, tmp_path):
         trained = [r for r in _steps(run_dir) if r["microsteps_by_cell"].get(str(cell), 0) > 0]
         assert [r["microsteps"] for r in stage1] == [r["microsteps_by_cell"][str(cell)] for r in trained]
     assert any(r["microsteps_by_cell"].get("1", 0) > 0 for r in _steps(run_dir))
-
-
-# ---- the rank host of a cell spread over nodes (gyre.launch.ray_ranks), on a local Ray instance ---------------------
-# (was tests/test_ray_ranks.py: in this file so that every Ray test runs on one xdist worker, in turn)
-# A `RankHost` reports its ranks' exit statuses; once the host itself is gone (its node lost, its owner dead) the
-# worker's handle reads a rank killed by SIGKILL, and the rank does not outlive it (parent-death signal).
-
-
-def test_a_rank_host_reports_its_ranks_ends_and_takes_them_down_with_it(tmp_path):
-    ray = connect(LauncherConfig(kind="ray", num_cpus=2))
-    try:
-        host = ray.remote(max_concurrency=4)(RankHost).remote()
-        node = ray.get(host.node.remote(), timeout=120)
-        assert node["ip"] and node["python"] == sys.executable
-        log = str(tmp_path / "rank.log")
-        ends = _RemoteRank(
-            host, ray.get(host.spawn.remote([sys.executable, "-c", "raise SystemExit(3)"], {}, log))
-        )
-        assert ends.wait(60) == 3
-
-        argv = [sys.executable, "-c", "import threading; print('up', flush=True); threading.Event().wait()"]
-        rank = _RemoteRank(host, ray.get(host.spawn.remote(argv, {"GYRE_PROBE": "1"}, log)))
-        with pytest.raises(subprocess.TimeoutExpired):
-            rank.wait(0.2)  # still running: the handle says so rather than an exit status
-        with open(f"/proc/{rank.pid}/environ", "rb") as f:
-            assert b"GYRE_PROBE=1" in f.read().split(b"\0")
-        pidfd = os.pidfd_open(rank.pid)
-        try:
-            ray.kill(host)
-            assert rank.wait() == -signal.SIGKILL  # the host is gone
-            assert select.select([pidfd], [], [], 60)[0] == [pidfd], "the rank outlived its host"
-        finally:
-            os.close(pidfd)
-    finally:
-        ray.shutdown()
