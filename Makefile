@@ -13,7 +13,7 @@ format:
 	uv run --group dev ruff check --fix .
 
 test:
-	uv run --group dev pytest -q -n 3
+	uv run --group dev pytest -q -n 2
 
 test-fast:
 	uv run --group dev pytest -q -n 2 -m "not slow and not gpu"

@@ -3,7 +3,7 @@ takes seconds (transformers' modeling drags in sympy and torchvision; the model 
 paid once per worker in every run. Tests that need one import it inside the test or fixture; src modules that only
 some callers need it for import it where it is used (gyre_train.backends.torch_backend loads transformers in
 TorchBackend). What a collection imported is recorded by tests/conftest.py; this checks the session's own
-collection, so it guards the whole suite where the whole suite is collected (CI, `pytest -n 3`).
+collection, so it guards the whole suite where the whole suite is collected (CI, `pytest -n 2`).
 
 To find who imports one: `python -X importtime -m pytest --collect-only -q -s` prints each import under the one
 that caused it (-s, or pytest captures the report)."""

@@ -104,7 +104,7 @@ def test_light_package_does_not_import_torch(module):
 
 # The README's test command: the `dev` group brings what the tests import (SGLang, Megatron-core, Ray, playwright...),
 # which the default environment, the one `uv run gyre demo` syncs, leaves out.
-TEST_COMMAND = "uv run --group dev pytest -q -n 3"
+TEST_COMMAND = "uv run --group dev pytest -q -n 2"
 
 
 def test_ci_runs_exactly_the_readme_test_command():

@@ -85,19 +85,21 @@ def test_flaky_evaluator_fails_twice_then_succeeds(tmp_path, workspace):
 def test_crashing_check_stays_unresolved_until_the_budget_expires_never_zero(tmp_path, workspace):
     service = _service(tmp_path, {"task": _exec(["bash", "-c", "kill -SEGV $$"])})
     started = time.time()
-    (a,) = run(_assess(service, submission(workspace, launched_at=started, budget_s=1.0)))
+    # The budget leaves room for two attempts on a loaded machine (a 1 s budget fit only one at load 10; the wall
+    # clock still decides here: making it a paused clock is open work of issue 34).
+    (a,) = run(_assess(service, submission(workspace, launched_at=started, budget_s=3.0)))
     assert (a.status, a.score, a.final) == ("unresolved", None, True)
     assert a.excluded and a.attempts >= 2
     assert a.provenance.last_error.startswith("budget expired; last failure: ")
     errors = [t.error for t in service.store.attempts(a.id)]
     assert len(errors) == a.attempts and "signal 11" in errors[0] and all(errors)
     # Retried until the next attempt could only start after the deadline (launch + budget; max backoff 0.2 s).
-    assert a.deadline == pytest.approx(started + 1.0) and a.resolved_at >= a.deadline - 0.25
+    assert a.deadline == pytest.approx(started + 3.0) and a.resolved_at >= a.deadline - 0.25
 
 
 def test_hanging_check_is_killed_and_stays_unresolved(tmp_path, workspace):
     service = _service(tmp_path, {"task": _exec(["sleep", "60"], timeout_s=0.3)})
-    (a,) = run(_assess(service, submission(workspace, budget_s=1.2)))
+    (a,) = run(_assess(service, submission(workspace, budget_s=3.0)))  # room for two attempts under load
     assert (a.status, a.score, a.excluded) == ("unresolved", None, True)
     errors = [t.error for t in service.store.attempts(a.id)]
     assert a.attempts >= 2 and "timed out after" in errors[0]  # the sandbox killed the hanging check
