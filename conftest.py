@@ -25,6 +25,13 @@ settings.register_profile("gyre", derandomize=True, database=None, print_blob=Tr
 settings.register_profile("gyre-explore", derandomize=False, print_blob=True)
 settings.load_profile("gyre")
 
+# One intra-op thread for torch in every test process and what it starts (torch reads OMP_NUM_THREADS when it is first
+# imported: this file is loaded before any test module). The suite runs on two xdist workers on two cores and its
+# models are tiny: a second thread per process only spins against the other worker. Measured on 2 cores: 32 episodes
+# of the demo policy took 2.8 s of CPU on one thread and 9-17 s on two; gyre-train's tests ran ~10x faster. A cell
+# worker sets its own (`cpu_threads`); a test that wants more threads sets them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 # What the tests need from the system (Debian's package names), by the test paths that need it: the README's test
 # command installs what is missing with apt-get when it runs as root, else stops at once with one line naming it.

@@ -36,7 +36,6 @@ from pathlib import Path
 import orjson
 
 from gyre.config import ConfigError, RunConfig, load_config
-from gyre_cell.step_checkpoint import latest_step_checkpoint
 from gyre_cell.worker_types import CellWorkerConfig
 from gyre_eval.store import AssessmentStore
 from gyre_sched.ledger import CarriedGroup
@@ -159,6 +158,9 @@ def find_resume_point(run_dir: Path, steps: int | None = None) -> ResumePoint:
         cfg = load_config(run_dir / "config.json", overrides)
     except ConfigError as exc:
         raise ResumeError(f"{run_dir}/config.json: {exc}") from None
+    # imported here: it imports torch, which a plain run's controller starts without
+    from gyre_cell.step_checkpoint import latest_step_checkpoint
+
     checkpoint = latest_step_checkpoint(run_dir / "checkpoints" / "trainer")
     if checkpoint is None:
         raise ResumeError(

@@ -33,7 +33,7 @@ from gyre.launch.health import HealthWatch
 from gyre.launch.tokens import RunTokens, TokenPipes
 from gyre_cell import ports
 from gyre_cell.engine.config import EngineConfig
-from gyre_cell.sglang_adapter import SGLangLaunchConfig
+from gyre_cell.sglang_launch import SGLangLaunchConfig
 from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellTrainingConfig, CellWorkerConfig
 from gyre_eval.client import EvalClient

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from gyre_sched.types import CellRole, next_role
 
 from .client import RolloutEngine
 from .spill import SpillFile
+from .switch_report import PhaseTiming, SwitchReport
 
 WeightLoader = Callable[[RolloutEngine], Awaitable[str]]
 """Loads the current weights into the engine and returns the weight version it now serves."""
@@ -166,30 +167,6 @@ class DiskWeights:
     """Checkpoint directory (visible to the engine process)."""
     version: str
     """Weight version the engine reports after loading."""
-
-
-class _Wire(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    schema_version: Literal[1] = 1
-
-
-class PhaseTiming(_Wire):
-    """Wall time of one phase of a switch."""
-
-    name: str
-    seconds: float = Field(ge=0)
-
-
-class SwitchReport(_Wire):
-    """One completed switch of one cell (the TO_* role is passed through on the way)."""
-
-    cell: str
-    from_role: CellRole
-    to_role: CellRole
-    phases: list[PhaseTiming]
-    total_s: float = Field(ge=0)
-    weight_version: str | None = None
-    """Version the engine serves after a switch to rollout (None for a switch to training)."""
 
 
 class CellRoleManagerConfig(BaseModel):

@@ -14,11 +14,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from gyre_cell.engine.config import EngineConfig
-from gyre_cell.roles import SwitchReport
-from gyre_cell.sglang_adapter import SGLangLaunchConfig
+from gyre_cell.sglang_launch import SGLangLaunchConfig
 from gyre_cell.stop_gate import StopGate  # re-exported: apart, a run config embeds it without torch
+from gyre_cell.switch_report import SwitchReport
 from gyre_cell.transfer.mooncake import MooncakeConfig
-from gyre_train.loss import LossConfig
+from gyre_train.loss_config import LossConfig
 
 __all__ = [
     "CellEvent",
