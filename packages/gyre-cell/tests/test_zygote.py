@@ -105,3 +105,15 @@ def test_a_preload_that_fails_names_itself():
             z.wait_ready(timeout_s=120)
     finally:
         z.close()
+
+
+def test_close_ends_the_zygote_at_once_whatever_its_preloads_left_running():
+    """A preload left a thread that never ends (the preloaded torch and transformers held the zygote's exit for
+    seconds): `close` ends it without the interpreter's shutdown, so it exits by itself (0), never killed (-9, the
+    5 s that every `gyre run` waited at its end)."""
+    z = Zygote.start(["zygote_lingering_thread"], {**os.environ, "PYTHONPATH": str(PROBE_DIR)})
+    try:
+        z.wait_ready(timeout_s=120)
+    finally:
+        z.close()
+    assert z.returncode == 0

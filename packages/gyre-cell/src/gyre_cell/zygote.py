@@ -233,6 +233,11 @@ class Zygote:
     def pid(self) -> int:
         return self._proc.pid
 
+    @property
+    def returncode(self) -> int | None:
+        """The zygote's exit status once it ended (0: it left by itself on `close`; -9: `close` had to kill it)."""
+        return self._proc.poll()
+
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         with self._lock:
             if not self._lock.wait_for(lambda: self._ready is not None or self._gone, timeout_s):
@@ -334,4 +339,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without the interpreter's shutdown: what the preloaded modules left behind (a non-daemon thread among
+    # them) held it until close() killed it after 5 s, at the end of every run. Nothing here needs flushing: the
+    # children hold their own files, and the zygote writes only to its socket.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
