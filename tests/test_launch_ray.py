@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +30,7 @@ import pytest
 import torch
 
 from gyre.config import LauncherConfig
+from gyre.launch.base import free_ports
 from gyre.launch.ray import connect
 from gyre.launch.ray_ranks import RankHost, _RemoteRank
 from gyre_sched.trace import iter_trace, read_trace
@@ -41,6 +45,88 @@ pytestmark = pytest.mark.slow
 # Token authentication off: the test cluster lives inside two private namespaces (no route out of them).
 RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1",
            "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}  # fmt: skip
+
+
+class _OneNode:
+    """A one-node Ray instance (`ray start --head`, its own temp dir and ports) that the single-host tests join with
+    `--ray ADDRESS`: Ray is started once for them, not once per run. This process stays connected (the idle check,
+    and the in-process tests' driver)."""
+
+    def __init__(self, logs: Path) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="gyre-ray-"))  # short: Ray's socket paths are under it
+        ray = str(Path(sys.executable).with_name("ray"))
+        ports = free_ports(2)
+        # On loopback: nothing off this machine reaches it (its token authentication is off, as for the runs').
+        argv = [ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(ports[0]),
+                "--ray-client-server-port", str(ports[1]), "--num-cpus", "4", "--include-dashboard", "false",
+                "--disable-usage-stats", "--temp-dir", str(self.tmp)]  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **RAY_ENV})  # fmt: skip
+        self.address, lines = None, []
+        for raw in self.proc.stdout:  # gate: the head is up, `ray start` names its address (or it exits)
+            lines.append(raw.decode(errors="replace"))
+            if (m := re.search(r"ray start --address='([^']+)'", lines[-1])) is not None:
+                self.address = m.group(1)
+                break
+        if self.address is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            pytest.fail("ray start: " + "".join(lines)[-3000:])
+        log = (logs / "ray-start.log").open("wb")
+        threading.Thread(target=shutil.copyfileobj, args=(self.proc.stdout, log), daemon=True).start()
+
+    def wait_idle(self, timeout: float = 300) -> None:
+        """Every CPU free and no placement group left: the previous test's run released what it held (its driver
+        exited; the GCS releases a finished driver's actors and groups shortly after)."""
+        ray = connect(LauncherConfig(kind="ray", address=self.address))
+
+        def held() -> tuple[float, list]:  # CPUs in use, placement groups not removed
+            used = ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
+            return used, [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
+
+        deadline = time.monotonic() + timeout
+        while held() != (0, []):
+            assert time.monotonic() < deadline, f"held by a previous run: {held()}"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+_ONE_NODE: list[_OneNode] = []
+
+
+@pytest.fixture(scope="module")
+def _one_node_module():
+    with pytest.MonkeyPatch.context() as mp:  # this process joins it too: with the instance's settings
+        for key, value in RAY_ENV.items():
+            mp.setenv(key, value)
+        yield
+        _stop_one_node()
+
+
+def _stop_one_node() -> None:
+    """Before the two-host cluster starts (an idle head costs CPU), or at the module's end."""
+    while _ONE_NODE:
+        node = _ONE_NODE.pop()
+        node.stop()
+        shutil.rmtree(node.tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def one_node(_one_node_module, tmp_path_factory) -> str:
+    """The one-node instance's address, idle (asserted, not cleaned up), as if each test had an instance of its own."""
+    if not _ONE_NODE:
+        _ONE_NODE.append(_OneNode(tmp_path_factory.mktemp("ray-one-node")))
+    _ONE_NODE[0].wait_idle()
+    return _ONE_NODE[0].address
 
 
 def _gyre(run_dir: Path, *args: str, prefix: list[str] | None = None, timeout: float = 600) -> dict:
@@ -102,32 +188,15 @@ def _services_placed(run_dir: Path) -> dict[str, dict]:
     return rows
 
 
-def test_local_ray_run_matches_the_reference_step_for_step(tmp_path):
-    run_dir = tmp_path / "run"
-    summary = _gyre(run_dir, "--ray", "local", "--steps", "2", "--set", "launcher.num_cpus=4",
-                    "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
-                    "--set", "launcher.proxy_resources={}", "--set", 'launcher.eval_resources={"CPU":1}',
-                    "--set", "dashboard.enabled=false")  # fmt: skip
-    assert summary["steps"] == 2
-    placement = _check(run_dir, 2)
-    assert len(placement) == 2 and all(p["pid"] != os.getpid() for p in placement)
-    services = _services_placed(run_dir)
-    assert services["gyre-eval"]["resources"] == {"CPU": 1.0}
-    # The actors, and the services they ran, are gone with the run.
-    for p in [*placement, *services.values()]:
-        assert (
-            not Path(f"/proc/{p['pid']}").exists()
-            or b"ray::" not in Path(f"/proc/{p['pid']}/cmdline").read_bytes()
-        )
-
-
 @pytest.mark.parametrize("placed", [False, True], ids=["driver", "placed-controller"])
-def test_sigterm_stops_the_ray_run_with_one_line(tmp_path, placed, wait_gone):
+def test_sigterm_stops_the_ray_run_with_one_line(tmp_path, placed, wait_gone, request):
     """Ray's driver would exit on SIGTERM at once: gyre's handler stays, every actor and the instance stop. With
     the controller placed on a node (`controller_resources`), the `gyre run` that placed it passes the signal on:
-    the controller stops everything and says so, and its line is the last one."""
+    the controller stops everything and says so, and its line is the last one. (The driver's run starts its own
+    instance, `--ray local`; the placed one joins the module's.)"""
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "gyre.cli", "demo", "--ray", "local", "--run-dir", str(run_dir), "--steps", "50",
+    ray = request.getfixturevalue("one_node") if placed else "local"
+    argv = [sys.executable, "-m", "gyre.cli", "demo", "--ray", ray, "--run-dir", str(run_dir), "--steps", "50",
             "--set", "dashboard.enabled=false", "--quiet"]  # fmt: skip
     if placed:
         argv += ["--set", "launcher.controller_resources={}"]
@@ -150,29 +219,37 @@ def test_sigterm_stops_the_ray_run_with_one_line(tmp_path, placed, wait_gone):
     wait_gone([p["pid"] for p in placement], "the placed processes after the SIGTERM")
 
 
-def test_a_controller_no_node_can_take_is_one_line(tmp_path):
+def test_a_controller_no_node_can_take_is_one_line(tmp_path, one_node):
     """No node offers the controller's resources: one line naming them and the cluster's, nothing of the run."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "gyre.cli", "demo", "--ray", "local", "--run-dir", str(run_dir),
+    proc = subprocess.run([sys.executable, "-m", "gyre.cli", "demo", "--ray", one_node, "--run-dir", str(run_dir),
                            "--set", 'launcher.controller_resources={"gpu_node":1}',
-                           "--set", "launcher.start_timeout_s=5", "--quiet"],
+                           "--set", "launcher.start_timeout_s=1", "--quiet"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, **RAY_ENV})  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("gyre demo: ray: the controller not placed after 5 s") and "gpu_node" in last, last
+    assert last.startswith("gyre demo: ray: the controller not placed after 1 s") and "gpu_node" in last, last
     assert not (run_dir / "trace.jsonl").exists()
 
 
-def test_a_placed_controller_whose_node_is_lost_is_resumed_on_a_node(tmp_path, wait_gone):
+def test_a_placed_controller_whose_node_is_lost_is_resumed_and_every_step_matches_the_reference(
+    tmp_path, wait_gone, one_node
+):
     """The controller runs on a node by the config; its actor is SIGKILLed after the first step (as a node loss
     would end it). The `gyre run` that placed it ends in one line naming the node and the resume command, and nothing
     of the run is left running. `gyre run --resume RUN` places a controller again and finishes the run: contiguous
-    step versions, the interrupted executions settled by the `resume` line, counters recomputed from the trace."""
+    step versions, the interrupted executions settled by the `resume` line, counters recomputed from the trace.
+    Every dumped step (the one before the loss, the one after the resume) equals the single-process float64
+    reference; the proxy and gyre-eval ran as actors' children; the actors and services are gone with the run.
+    (One run for both, a local Ray run matching the reference and a lost controller resumed: the start of a run is
+    most of its time.)"""
     run_dir, steps = tmp_path / "run", 3
-    argv = [sys.executable, "-m", "gyre.cli", "demo", "--ray", "local", "--run-dir", str(run_dir), "--steps",
-            str(steps), "--set", "dashboard.enabled=false", "--set", "launcher.controller_resources={}", "--quiet"]  # fmt: skip
+    argv = [sys.executable, "-m", "gyre.cli", "demo", "--ray", one_node, "--run-dir", str(run_dir), "--steps",
+            str(steps), "--set", "dashboard.enabled=false", "--set", "launcher.controller_resources={}",
+            "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
+            "--set", "launcher.proxy_resources={}", "--set", 'launcher.eval_resources={"CPU":1}', "--quiet"]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, **RAY_ENV})  # fmt: skip
     rows, deadline = run_dir / "metrics" / "steps.jsonl", time.monotonic() + 600
@@ -204,8 +281,21 @@ def test_a_placed_controller_whose_node_is_lost_is_resumed_on_a_node(tmp_path, w
     assert (trace.d, trace.p, trace.f, trace.x) == (state["d"], state["p"], state["f"], state["x"])
     assert [x["ev"] for x in iter_trace(run_dir / "trace.jsonl")].count("resume") == 1
 
+    placement = _check(run_dir, steps)  # the resumed run's cells
+    assert len(placement) == 2 and all(p["pid"] != os.getpid() for p in placement)
+    services = _services_placed(run_dir)
+    assert services["gyre-eval"]["resources"] == {"CPU": 1.0}
+    # The actors, and the services they ran, are gone with the run (the instance stays up: Ray ends an actor
+    # process after the kill, the event waited on; each service was reaped by its actor before the run ended).
+    wait_gone([p["pid"] for p in placement], "the cells' actors after the run")
+    for p in [*placement, *services.values()]:
+        assert (
+            not Path(f"/proc/{p['pid']}").exists()
+            or b"ray::" not in Path(f"/proc/{p['pid']}/cmdline").read_bytes()
+        )
 
-def test_a_placed_gyre_eval_dies_and_is_restarted_through_its_actor(tmp_path, monkeypatch):
+
+def test_a_placed_gyre_eval_dies_and_is_restarted_through_its_actor(tmp_path, monkeypatch, one_node):
     """gyre-eval placed on the cluster (`eval_resources`): SIGKILL its process; the launcher's watch sees it through
     the actor, starts it again there on the same port with the same token, and the client is served again."""
     import asyncio
@@ -218,7 +308,8 @@ def test_a_placed_gyre_eval_dies_and_is_restarted_through_its_actor(tmp_path, mo
 
     for key, value in RAY_ENV.items():
         monkeypatch.setenv(key, value)
-    cfg = load_config(None, {"launcher.kind": "ray", "launcher.num_cpus": 2, "launcher.eval_resources": {}})
+    overrides = {"launcher.kind": "ray", "launcher.address": one_node, "launcher.eval_resources": {}}
+    cfg = load_config(None, overrides)
     launcher = make_launcher(cfg, tmp_path)
 
     async def scenario() -> tuple[int, int]:
@@ -251,15 +342,16 @@ def test_a_placed_gyre_eval_dies_and_is_restarted_through_its_actor(tmp_path, mo
     assert not Path(f"/proc/{pid}").exists() or b"gyre-eval" not in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
-# ---- the rank host of a cell spread over nodes (gyre.launch.ray_ranks), on a local Ray instance ---------------------
+# ---- the rank host of a cell spread over nodes (gyre.launch.ray_ranks), on the one-node instance --------------------
 # (was tests/test_ray_ranks.py: in this file so that every Ray test runs on one xdist worker, in turn)
-# (before the two-host tests, whose cluster stays up until the module's last test)
+# (before the two-host tests: their cluster's start stops the one-node instance, and stays up to the module's end)
 # A `RankHost` reports its ranks' exit statuses; once the host itself is gone (its node lost, its owner dead) the
 # worker's handle reads a rank killed by SIGKILL, and the rank does not outlive it (parent-death signal).
 
 
-def test_a_rank_host_reports_its_ranks_ends_and_takes_them_down_with_it(tmp_path):
-    ray = connect(LauncherConfig(kind="ray", num_cpus=2))
+def test_a_rank_host_reports_its_ranks_ends_and_takes_them_down_with_it(tmp_path, one_node):
+    ray = connect(LauncherConfig(kind="ray", address=one_node))  # the idle check's connection
+    host = None
     try:
         host = ray.remote(max_concurrency=4)(RankHost).remote()
         node = ray.get(host.node.remote(), timeout=120)
@@ -284,7 +376,8 @@ def test_a_rank_host_reports_its_ranks_ends_and_takes_them_down_with_it(tmp_path
         finally:
             os.close(pidfd)
     finally:
-        ray.shutdown()
+        if host is not None:
+            ray.kill(host)  # idempotent; on a failure above, the next test finds the instance idle
 
 
 # ---- two hosts in network namespaces -----------------------------------------------------------------------------
@@ -311,6 +404,7 @@ def _two_node_cluster(tmp_path_factory):
     head in the first and a Ray worker in the second: started once for the two-host tests, which share them."""
     if (why := _netns_available()) is not None:
         pytest.skip(why)
+    _stop_one_node()
     for ns in NS:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     try:
@@ -433,16 +527,23 @@ def _trace_so_far(run_dir: Path) -> list[dict]:
     return out
 
 
-def test_two_hosts_remote_cell_killed_restarts_on_its_host_and_trains_again(two_hosts, tmp_path):
-    """The satellite on host B dies (its actor process SIGKILLed) after it claimed a micro-step: its claims are
-    requeued, Ray starts a new actor in the cell's placement group (host B again), the cell serves rollouts, then
-    re-forms the gloo world across hosts at a burst boundary (the core picks the port on host A) and trains again."""
+def test_two_hosts_elastic_run_crosses_hosts_and_a_killed_remote_cell_trains_again(two_hosts, tmp_path):
+    """One cell per host, bound to its host's address; the controller placed on host B, the proxy and gyre-eval on
+    host A (the config); gradients cross hosts over gloo, weights over Mooncake TCP, and every dumped step equals
+    the one-process float64 reference. The satellite on host B dies (its actor process SIGKILLed) after it claimed
+    a micro-step: its claims are requeued, Ray starts a new actor in the cell's placement group (host B again), the
+    cell serves rollouts, then re-forms the gloo world across hosts at a burst boundary (the core picks the port on
+    host A) and trains again. (One run for both: a run's start is most of its time.)"""
     steps = 5
     run_dir = tmp_path / "run"
     argv = ["ip", "netns", "exec", NS[0], sys.executable, "-m", "gyre.cli", "run",
             str(ROOT / "configs" / "demo.toml"), "--run-dir", str(run_dir), "--quiet",
             "--ray", f"{IPS[0]}:6379", "--steps", str(steps),
             "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
+            "--set", 'launcher.proxy_resources={"host_a":0.5}',
+            "--set", 'launcher.eval_resources={"host_a":0.5}',
+            "--set", 'launcher.controller_resources={"host_b":0.5}',
+            "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
             "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false",
             "--set", "scheduler.mu=1", "--set", "scheduler.B=2"]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
@@ -466,43 +567,7 @@ def test_two_hosts_remote_cell_killed_restarts_on_its_host_and_trains_again(two_
     assert proc.returncode == 0, err.decode()[-4000:]
     assert json.loads(out.decode().splitlines()[-1])["steps"] == steps
 
-    lines = list(iter_trace(run_dir / "trace.jsonl"))
-    (lost,) = [x for x in lines if x["ev"] == "cell_lost"]
-    (restored,) = [x for x in lines if x["ev"] == "cell_restored" and not x["trains"]]
-    (rejoined,) = [x for x in lines if x["ev"] == "cell_restored" and x["trains"]]
-    assert lost["cell"] == restored["cell"] == rejoined["cell"] == 1
-    assert lines.index(lost) < lines.index(restored) < lines.index(rejoined)
-    # The new actor landed on host B again (the cell's placement group), bound to its address.
-    restart = json.loads((run_dir / "cells" / "cell-1.restart-1.json").read_text())
-    assert (restart["host"], restart["training"]["master_host"]) == (IPS[1], IPS[0])
-    # Its claims of the batch it died in were claimed again by the core; after the rejoin it claims again.
-    before = lines[: lines.index(lost)]
-    claims = [x for x in before if x["ev"] == "microstep_claim" and x["cell"] == 1]
-    died_in = max(x["batch"] for x in claims)
-    mine = {x["index"] for x in claims if x["batch"] == died_in}
-    again = {x["index"] for x in lines[lines.index(claims[-1]) + 1 :]
-             if x["ev"] == "microstep_claim" and x["batch"] == died_in and x["cell"] == 0}  # fmt: skip
-    assert mine <= again, (mine, again)
-    after = [x for x in lines[lines.index(rejoined) :] if x["ev"] == "microstep_claim" and x["cell"] == 1]
-    assert after and min(x["batch"] for x in after) > died_in
-    rows = _steps(run_dir)
-    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
-    assert any(r["microsteps_by_cell"].get("1", 0) > 0 for r in rows[died_in + 1 :])
-
-
-def test_two_hosts_elastic_run_crosses_hosts(two_hosts, tmp_path):
-    run_dir = tmp_path / "run"
-    summary = _gyre(run_dir, "--ray", f"{IPS[0]}:6379", "--steps", "2",
-                    "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
-                    "--set", 'launcher.proxy_resources={"host_a":0.5}',
-                    "--set", 'launcher.eval_resources={"host_a":0.5}',
-                    "--set", 'launcher.controller_resources={"host_b":0.5}',
-                    "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
-                    "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false",
-                    "--set", "scheduler.mu=1", "--set", "scheduler.B=2",
-                    prefix=["ip", "netns", "exec", NS[0]])  # fmt: skip
-    assert summary["steps"] == 2
-    placement = _check(run_dir, 2)
+    placement = _check(run_dir, steps)
     # One cell per host, each bound to its host's address (never loopback).
     assert [(p["worker"], p["ip"]) for p in placement] == [("cell-0", IPS[0]), ("cell-1", IPS[1])]
     cell1 = json.loads((run_dir / "cells" / "cell-1.json").read_text())
@@ -524,6 +589,28 @@ def test_two_hosts_elastic_run_crosses_hosts(two_hosts, tmp_path):
     # Weights crossed hosts over Mooncake TCP: the remote cell went back to rollout with a published version.
     ends = [e for e in iter_trace(run_dir / "trace.jsonl") if e["ev"] == "transition_end" and e["cell"] == 1]
     assert any(e.get("to") == "rollout" for e in ends), ends
+
+    lines = list(iter_trace(run_dir / "trace.jsonl"))
+    (lost,) = [x for x in lines if x["ev"] == "cell_lost"]
+    (restored,) = [x for x in lines if x["ev"] == "cell_restored" and not x["trains"]]
+    (rejoined,) = [x for x in lines if x["ev"] == "cell_restored" and x["trains"]]
+    assert lost["cell"] == restored["cell"] == rejoined["cell"] == 1
+    assert lines.index(lost) < lines.index(restored) < lines.index(rejoined)
+    # The new actor landed on host B again (the cell's placement group), bound to its address.
+    restart = json.loads((run_dir / "cells" / "cell-1.restart-1.json").read_text())
+    assert (restart["host"], restart["training"]["master_host"]) == (IPS[1], IPS[0])
+    # Its claims of the batch it died in were claimed again by the core; after the rejoin it claims again.
+    before = lines[: lines.index(lost)]
+    claims = [x for x in before if x["ev"] == "microstep_claim" and x["cell"] == 1]
+    died_in = max(x["batch"] for x in claims)
+    mine = {x["index"] for x in claims if x["batch"] == died_in}
+    again = {x["index"] for x in lines[lines.index(claims[-1]) + 1 :]
+             if x["ev"] == "microstep_claim" and x["batch"] == died_in and x["cell"] == 0}  # fmt: skip
+    assert mine <= again, (mine, again)
+    after = [x for x in lines[lines.index(rejoined) :] if x["ev"] == "microstep_claim" and x["cell"] == 1]
+    assert after and min(x["batch"] for x in after) > died_in
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    assert any(r["microsteps_by_cell"].get("1", 0) > 0 for r in rows[died_in + 1 :])
 
 
 def test_two_hosts_a_pipelined_cell_spans_both_hosts(two_hosts, tmp_path):
