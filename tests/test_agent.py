@@ -4,6 +4,7 @@ and it starts without site-packages."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -101,6 +102,20 @@ def test_agent_starts_without_site_packages(tmp_path):
     proc = subprocess.run([sys.executable, "-I", "-S", agent.__file__, "--workspace", str(tmp_path), "--task", "t"],
                           capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     assert proc.returncode == 3 and "model endpoint failed" in proc.stderr
+
+
+def test_the_agent_process_imports_no_module_it_does_not_need():
+    """A run starts one agent process per execution: what it imports is paid thousands of times in a suite, once
+    per execution in a demo. `dataclasses` (through `inspect`) was a quarter of its CPU."""
+    code = (
+        f"import sys\nsys.path.insert(0, {os.path.dirname(agent.__file__)!r})\nimport agent\n"
+        "print('imported:', *sorted(set(sys.modules) & {'dataclasses', 'inspect', 'asyncio', 'typing'}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "imported:", proc.stdout
 
 
 def test_http_complete_posts_to_the_endpoint_and_names_its_refusal(tmp_path):

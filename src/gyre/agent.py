@@ -28,7 +28,6 @@ import os
 import sys
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
@@ -129,18 +128,24 @@ def compact(task: str, notes: list[str]) -> list[dict]:
     ]
 
 
-@dataclass
 class AgentResult:
-    calls: int = 0
-    """Model calls made."""
-    answer: str | None = None
-    """The final reply (None: the turn limit came first)."""
-    resets: int = 0
-    """Context resets."""
-    tool_calls: int = 0
-    """Tool calls executed."""
-    transcript: list[tuple[list[dict], dict]] = field(default_factory=list)
-    """(messages sent, assistant message received) per model call, when recorded."""
+    """What one conversation did. A plain class, as is `AgentConfig`: `dataclasses` (it imports `inspect`) was a
+    quarter of the CPU an agent process spends (33 of 146 ms, measured under load), and a run starts one per
+    execution."""
+
+    __slots__ = ("answer", "calls", "resets", "tool_calls", "transcript")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        """Model calls made."""
+        self.answer: str | None = None
+        """The final reply (None: the turn limit came first)."""
+        self.resets = 0
+        """Context resets."""
+        self.tool_calls = 0
+        """Tool calls executed."""
+        self.transcript: list[tuple[list[dict], dict]] = []
+        """(messages sent, assistant message received) per model call, when recorded."""
 
 
 Complete = Callable[[list[dict]], dict]
@@ -190,26 +195,34 @@ def run_conversation(
     return result
 
 
-@dataclass(frozen=True, slots=True)
 class AgentConfig:
-    base_url: str
-    """OpenAI-compatible base URL ending in /v1 (the TITO proxy)."""
-    api_key: str
-    """The execution's credential; it identifies the execution to the proxy."""
-    workspace: Path
-    """Directory the agent may read; its answer.txt is the scored artifact."""
-    max_turns: int = 6
-    """Model calls before the agent gives up (without an answer)."""
-    max_tokens: int = 40
-    """max_tokens per model call."""
-    temperature: float = 1.0
-    """Sampling temperature (training rollouts sample at the trainer's temperature)."""
-    context_chars: int = 0
-    """Reset the context (task + notes) when the conversation has grown by this many characters; 0: never."""
-    model: str = "gyre-policy"
-    """Model name sent in requests (the proxy serves one policy)."""
-    timeout_s: float = 600.0
-    """Per-request timeout."""
+    """Where and how one execution talks to its model (a plain class: see `AgentResult`)."""
+
+    __slots__ = ("api_key", "base_url", "context_chars", "max_tokens", "max_turns", "model", "temperature",
+                 "timeout_s", "workspace")  # fmt: skip
+
+    def __init__(
+        self, *, base_url: str, api_key: str, workspace: Path, max_turns: int = 6, max_tokens: int = 40,
+        temperature: float = 1.0, context_chars: int = 0, model: str = "gyre-policy", timeout_s: float = 600.0,
+    ) -> None:  # fmt: skip
+        self.base_url = base_url
+        """OpenAI-compatible base URL ending in /v1 (the TITO proxy)."""
+        self.api_key = api_key
+        """The execution's credential; it identifies the execution to the proxy."""
+        self.workspace = workspace
+        """Directory the agent may read; its answer.txt is the scored artifact."""
+        self.max_turns = max_turns
+        """Model calls before the agent gives up (without an answer)."""
+        self.max_tokens = max_tokens
+        """max_tokens per model call."""
+        self.temperature = temperature
+        """Sampling temperature (training rollouts sample at the trainer's temperature)."""
+        self.context_chars = context_chars
+        """Reset the context (task + notes) when the conversation has grown by this many characters; 0: never."""
+        self.model = model
+        """Model name sent in requests (the proxy serves one policy)."""
+        self.timeout_s = timeout_s
+        """Per-request timeout."""
 
 
 class EndpointError(RuntimeError):
