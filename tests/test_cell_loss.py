@@ -316,8 +316,11 @@ def test_a_satellite_that_hangs_inside_the_reduce_is_recomputed_by_the_core_and_
     minutes and then the run failed."""
     steps = 6  # three bursts: cell 1 is restarted before the second boundary, where the world is re-formed
     run_dir = tmp_path / "run"
+    # Cell 1 is lost once its event stream has been silent for `cell_silence_s`: 15 s here, not the 50 s default
+    # the run waited out between the failed reduce and the loss (trace: collective_failed at 15.9 s, cell_lost 60.1 s).
     summary = fault_run(tmp_path, run_dir, lambda lines: True, lambda: None, f"train.steps={steps}",
-                        'train.stop_gate={"cell": 1, "at": "reduce"}', "train.collective_timeout_s=10")  # fmt: skip
+                        'train.stop_gate={"cell": 1, "at": "reduce"}', "train.collective_timeout_s=10",
+                        "launcher.cell_silence_s=15")  # fmt: skip
     assert summary["steps"] == steps
     lines = list(iter_trace(run_dir / "trace.jsonl"))
     (failed,) = [x for x in lines if x["ev"] == "collective_failed"]
