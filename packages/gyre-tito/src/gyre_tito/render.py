@@ -99,28 +99,30 @@ class ByteLRU:
     Memory stays bounded whatever text requests carry (unique 120 KB messages used to pile up by entry count); an
     entry larger than an eighth of the budget is not kept at all. An entry keeps a 16-byte digest of its text, not the
     text (a 120 KB message was held whole as a key, in each of the two caches, and counted at one byte a character
-    whatever its encoding), and its ids in an exact-size `array('i')`; it is counted as `sys.getsizeof` of both plus
-    `ENTRY_BYTES` for its slot in the ordered dict, so `nbytes` bounds what the cache keeps alive (the proxy kept
-    +215-300 MB after its executions ended, 1.7-2.4x what these caches counted)."""
-
-    ENTRY_BYTES = 160
-    """An OrderedDict entry beyond its key and value (hash slot, index, link node): about 90-110 measured with
-    tracemalloc, more right after the table grows."""
+    whatever its encoding), and its ids in an exact-size `array('i')`. `nbytes` is `sys.getsizeof` of every key and
+    ids plus that of the ordered dict itself (its hash table and links, which grow in steps), so it bounds what the
+    cache keeps alive (the proxy kept +215-300 MB after its executions ended, 1.7-2.4x what these caches counted; a
+    fixed 160 bytes a slot later missed the table just after it grew, about 185 a slot, measured with tracemalloc)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self.nbytes = 0
+        self._entries_bytes = 0
+        """Keys and ids; the dict's own size is read when needed (`nbytes`)."""
         self._d: OrderedDict[bytes, array] = OrderedDict()
         self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._entries_bytes + sys.getsizeof(self._d)
 
     @staticmethod
     def _key(text: str) -> bytes:
         # 128 bits: no two texts a run sees share a digest by chance, and none can be made to (keyed by content)
         return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
-    @classmethod
-    def _size(cls, key: bytes, ids: array) -> int:
-        return sys.getsizeof(key) + sys.getsizeof(ids) + cls.ENTRY_BYTES
+    @staticmethod
+    def _size(key: bytes, ids: array) -> int:
+        return sys.getsizeof(key) + sys.getsizeof(ids)
 
     def get(self, text: str) -> array | None:
         key = self._key(text)
@@ -138,12 +140,12 @@ class ByteLRU:
         with self._lock:
             old = self._d.pop(key, None)
             if old is not None:
-                self.nbytes -= self._size(key, old)
+                self._entries_bytes -= self._size(key, old)
             self._d[key] = ids
-            self.nbytes += size
+            self._entries_bytes += size
             while self.nbytes > self.max_bytes and self._d:
                 k, v = self._d.popitem(last=False)
-                self.nbytes -= self._size(k, v)
+                self._entries_bytes -= self._size(k, v)
 
     def __len__(self) -> int:
         return len(self._d)
