@@ -4,9 +4,11 @@ argv, environment or disk), dies with the controller, and its death ends the run
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -182,3 +184,49 @@ def test_supervise_restarts_a_restartable_service_then_gives_up(tmp_path):
         asyncio.run(main())
     finally:
         launcher.stop()
+
+
+def test_a_services_port_is_held_by_the_launcher_from_its_choice_through_a_restart(tmp_path):
+    """CI saw gyre-eval exit at start with "address already in use": the launcher only chose its port, and another
+    process bound it before the service did. Now the launcher binds the socket and the service inherits it: a
+    process trying that port before the service starts, or while it is dead, is refused; a request made while it is
+    dead waits in the held socket's queue and is answered by the restarted service."""
+    from gyre_eval.config import ServiceConfig
+
+    launcher = LocalLauncher(tmp_path)
+    refused: list[int] = []
+
+    def try_to_take(port: int) -> None:
+        with socket.socket() as thief:
+            try:
+                thief.bind(("127.0.0.1", port))
+            except OSError as e:
+                refused.append(e.errno)
+                return
+            pytest.fail(f"another process could bind port {port}")  # the service would then exit 3
+
+    start_process = launcher._start_process
+
+    def start_after_a_try(name, argv, tokens, env):
+        try_to_take(int(argv[argv.index("--port") + 1]))  # between the choice and the service's own start
+        return start_process(name, argv, tokens, env)
+
+    launcher._start_process = start_after_a_try
+
+    async def main() -> None:
+        await launcher.start_eval(ServiceConfig())
+        url = f"{launcher.eval_url}/healthz"
+        proc = dict(launcher._procs)["gyre-eval"]
+        os.kill(proc.pid, signal.SIGKILL)
+        await asyncio.to_thread(proc.wait)
+        try_to_take(int(launcher.eval_url.rsplit(":", 1)[1]))  # dead, its port still held
+        async with httpx.AsyncClient(timeout=120.0) as http:
+            answer = await launcher.supervise(http.get(url))  # sent while it is dead
+        assert answer.status_code == 200 and launcher.restarts == {"gyre-eval": 1}
+        assert dict(launcher._procs)["gyre-eval"].pid != proc.pid
+
+    try:
+        asyncio.run(main())
+    finally:
+        launcher.stop()
+    assert refused == [errno.EADDRINUSE] * 3  # before the start, while dead, before the restart

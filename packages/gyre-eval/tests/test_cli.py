@@ -40,6 +40,10 @@ def test_bad_inputs_are_named(tmp_path, workspace, capsys):
     plugin = _config(tmp_path, {"task": {"kind": "plugin", "factory": "nowhere_xyz:Eval"}})
     assert main(["serve", "--store", str(tmp_path / "run"), "--port", "0", "--config", plugin]) == 2
     assert "cannot import nowhere_xyz" in capsys.readouterr().err
+    with open(cfg) as not_a_socket:  # --listen-fd names an inherited bound socket; a file is refused
+        fd = str(not_a_socket.fileno())
+        assert main(["serve", "--store", str(tmp_path / "run"), "--port", "0", "--listen-fd", fd]) == 2
+    assert capsys.readouterr().err == f"gyre-eval: --listen-fd {fd}: Socket operation on non-socket\n"
 
 
 def test_written_config_masks_the_judge_key():

@@ -20,6 +20,12 @@ def test_serve_rejects_bad_arguments_with_a_message(tmp_path, capsys):
         == 2
     )
     assert "must be an http(s) URL" in capsys.readouterr().err
+    with open(tok / "tokenizer.json") as not_a_socket:  # --listen-fd names an inherited bound socket
+        fd = str(not_a_socket.fileno())
+        assert (
+            main(["serve", "--tokenizer", str(tok), "--store", str(tmp_path / "s"), "--listen-fd", fd]) == 2
+        )
+    assert capsys.readouterr().err == f"gyre-tito serve: --listen-fd {fd}: Socket operation on non-socket\n"
 
 
 def test_serve_writes_resolved_config_and_answers(tmp_path):

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -60,6 +61,23 @@ def free_ports(n: int, host: str = "127.0.0.1", exclude: Collection[int] = ()) -
     return ports.free_ports(n, host, exclude)
 
 
+def bound_socket(host: str) -> socket.socket:
+    """A TCP socket bound now to a port of the kernel's choosing on `host`, not listening yet, for a service started
+    later to inherit (`--listen-fd`).
+
+    A port only chosen here and bound by the service once it has started is free for any other process in between
+    (seen in CI: gyre-eval exiting at start with "address already in use" while tests ran beside it). Bound here,
+    nobody else can take it (no SO_REUSEADDR, which would let another reusing socket bind it too), and the service
+    restarted on it finds it still held."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def bin_path(name: str) -> str:
     """The console script installed beside this interpreter (works in a venv without activating it)."""
     candidate = Path(sys.executable).with_name(name)
@@ -87,10 +105,11 @@ def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def spawn_child(
     argv: list[str], tokens: dict[str, str], env: dict[str, str], log_path: Path,
-    cwd: str | None = None, stdout_path: Path | None = None,
+    cwd: str | None = None, stdout_path: Path | None = None, inherit: tuple[int, ...] = (),
 ) -> subprocess.Popen:  # fmt: skip
     """A child in its own process group that dies with this process, logging to `log_path` (its stdout to
-    `stdout_path` when given); `tokens` maps a `--...-fd` flag to the token the child reads from that inherited fd."""
+    `stdout_path` when given); `tokens` maps a `--...-fd` flag to the token the child reads from that inherited fd;
+    `inherit`: more fds the child keeps, at the same numbers (a bound socket)."""
     pipes = TokenPipes()
     for flag, token in tokens.items():
         argv = [*argv, *pipes.arg(flag, token)]
@@ -99,7 +118,7 @@ def spawn_child(
         with log_path.open("ab") as log, (stdout_path or log_path).open("ab") as out:
             return subprocess.Popen(
                 argv, stdout=out, stderr=log, env=child_env, start_new_session=True, cwd=cwd,
-                pass_fds=pipes.fds, preexec_fn=partial(_die_with_parent, os.getpid()),
+                pass_fds=(*pipes.fds, *inherit), preexec_fn=partial(_die_with_parent, os.getpid()),
             )  # fmt: skip
     finally:
         pipes.close()
@@ -241,6 +260,8 @@ class Launcher:
     (`[launcher] service_hang_s`; `gyre.launch.health`)."""
     _procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     _restartable: dict[str, tuple[list[str], dict[str, str], str]] = field(default_factory=dict)
+    _sockets: dict[str, socket.socket] = field(default_factory=dict)
+    """Each service's bound socket (`bound_socket`), held for the whole run: every start of it inherits the same."""
     _cell_configs: dict[int, CellWorkerConfig] = field(default_factory=dict)
     """Each elastic cell's config as started (a restart starts it again from it)."""
     _health: HealthWatch | None = None
@@ -338,14 +359,19 @@ class Launcher:
         self, name: str, argv: list[str], tokens: dict[str, str], env: dict[str, str]
     ) -> subprocess.Popen:
         """A child of this process (a launcher that places a service elsewhere starts it there instead)."""
-        return spawn_child(argv, tokens, env, self.log_path(name))
+        held = self._sockets.get(name)
+        inherit = (held.fileno(),) if held is not None else ()
+        return spawn_child(argv, tokens, env, self.log_path(name), inherit=inherit)
 
     async def _service_address(self, name: str) -> str:
         """The address service `name` (proxy, gyre-eval) binds: loopback beside the controller, here."""
         return "127.0.0.1"
 
-    async def _free_port(self, name: str, host: str) -> int:
-        return free_port(host)
+    async def _listen_args(self, name: str, host: str) -> tuple[int, list[str]]:
+        """The port service `name` will listen on, and the flags that give it its socket: one bound here and held
+        (`bound_socket`), inherited as `--listen-fd`."""
+        sock = self._sockets[name] = bound_socket(host)
+        return sock.getsockname()[1], ["--listen-fd", str(sock.fileno())]
 
     def _write_services(self) -> None:
         """RUN/services.json: each service's URL and pid (for operators and the kill -9 tests; never a token)."""
@@ -359,10 +385,10 @@ class Launcher:
         self, tokenizer_dir: Path, timeout_s: float = 120.0, temperature: float | None = None
     ) -> None:
         host = await self._service_address("proxy")
-        port = await self._free_port("proxy", host)
+        port, listen = await self._listen_args("proxy", host)
         # the proxy writes exports only under its store or an --export-dir: runner.export writes to trajectories/
         argv = [bin_path("gyre-tito"), "serve", "--tokenizer", str(tokenizer_dir), "--store",
-                str(self.run_dir / "records"), "--host", host, "--port", str(port),
+                str(self.run_dir / "records"), "--host", host, "--port", str(port), *listen,
                 "--export-dir", str(self.run_dir / "trajectories")]  # fmt: skip
         for url in self.engine_urls:
             argv += ["--engine", url]
@@ -383,9 +409,9 @@ class Launcher:
         with os.fdopen(fd, "w") as out:
             out.write(config.model_dump_json(indent=2))
         host = await self._service_address("gyre-eval")
-        port = await self._free_port("gyre-eval", host)
+        port, listen = await self._listen_args("gyre-eval", host)
         argv = [bin_path("gyre-eval"), "serve", "--store", str(self.run_dir), "--host", host, "--port", str(port),
-                "--config", str(config_file)]  # fmt: skip
+                *listen, "--config", str(config_file)]  # fmt: skip
         self.eval_url = f"http://{host}:{port}"
         tokens = {"--token-fd": self.tokens.eval}
         # its state is on disk (RUN/assessments.sqlite): a dead gyre-eval is started again on the same port
@@ -524,3 +550,6 @@ class Launcher:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
         self._procs.clear()
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets.clear()

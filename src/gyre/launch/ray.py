@@ -328,7 +328,7 @@ class RayLauncher(Launcher):
         ).remote(name, str(self.log_path(name)))  # fmt: skip
         try:
             node = await asyncio.to_thread(
-                ray.get, actor.node.remote(), timeout=self.launcher.start_timeout_s
+                ray.get, actor.node.remote(True), timeout=self.launcher.start_timeout_s
             )
         except Exception as exc:
             with contextlib.suppress(Exception):
@@ -340,10 +340,11 @@ class RayLauncher(Launcher):
         self._service_actors[name] = (actor, node)
         return node["ip"]
 
-    async def _free_port(self, name: str, host: str) -> int:
-        if name in self._service_actors:
-            return self._service_actors[name][1]["port"]  # free on the service's node
-        return await super()._free_port(name, host)
+    async def _listen_args(self, name: str, host: str) -> tuple[int, list[str]]:
+        if name in self._service_actors:  # bound and held on the service's node by its actor
+            node = self._service_actors[name][1]
+            return node["port"], ["--listen-fd", str(node["listen_fd"])]
+        return await super()._listen_args(name, host)
 
     def _start_process(self, name: str, argv: list[str], tokens: dict[str, str], env: dict[str, str]):
         if name not in self._service_actors:

@@ -1,9 +1,9 @@
 """The run's services (the TITO proxy, gyre-eval) placed on a Ray node by the config (`[launcher] proxy_resources`,
 `eval_resources`).
 
-A `ServiceActor` runs on a node that offers the configured resources. It reports that node's address and a free
-port there; the controller builds the service's command line with them (`--host NODE_IP --port P`) and hands it to
-the actor, which starts the service as its own child with the same CLI the local launcher runs. The run's tokens
+A `ServiceActor` runs on a node that offers the configured resources. It binds a socket there and holds it
+(`bound_socket`), and reports the node's address, the port and the socket's fd; the controller builds the service's
+command line with them (`--host NODE_IP --port P --listen-fd FD`) and hands it to the actor, which starts the service as its own child with the same CLI the local launcher runs. The run's tokens
 travel as call arguments over Ray's channel and reach the child through inherited pipes (`gyre.launch.tokens`):
 never argv, env or a file. The child's output goes to RUN/logs/NAME.log (the run directory is on a filesystem every
 node sees) and it dies with the actor.
@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from gyre.launch.base import free_port, spawn_child
+from gyre.launch.base import bound_socket, spawn_child
 
 __all__ = ["RemoteProcess", "ServiceActor"]
 
@@ -36,13 +36,20 @@ class ServiceActor:
         self.name, self.log_path = name, log_path
         self._proc: subprocess.Popen | None = None
         self._returncode: int | None = None
+        self._sock = None
 
-    def node(self) -> dict:
+    def node(self, listen: bool = False) -> dict:
+        """Where this actor runs; with `listen`, also a socket bound there for the service (its port and fd)."""
         import ray
 
         ip = ray.util.get_node_ip_address()
-        return {"ip": ip, "actor_pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "port": free_port(ip), "python": sys.executable}  # fmt: skip
+        where = {"ip": ip, "actor_pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                 "python": sys.executable}  # fmt: skip
+        if listen:
+            if self._sock is None:  # held as long as the actor lives: every start of the service inherits it
+                self._sock = bound_socket(ip)
+            where |= {"port": self._sock.getsockname()[1], "listen_fd": self._sock.fileno()}
+        return where
 
     def spawn(
         self, argv: list[str], tokens: dict[str, str], env: dict[str, str],
@@ -56,7 +63,8 @@ class ServiceActor:
         def run() -> None:
             try:
                 out = Path(stdout_path) if stdout_path else None
-                self._proc = spawn_child(argv, tokens, env, Path(self.log_path), cwd, out)
+                inherit = (self._sock.fileno(),) if self._sock is not None else ()
+                self._proc = spawn_child(argv, tokens, env, Path(self.log_path), cwd, out, inherit)
                 self._returncode = None
             except BaseException as exc:  # reported to the caller below
                 failure.append(exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", required=True, type=Path, help="run directory; holds assessments.sqlite")
     serve.add_argument("--port", required=True, type=int, help="TCP port (0 picks a free one)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    serve.add_argument(
+        "--listen-fd",
+        type=int,
+        help="serve on this inherited bound socket (a launcher's) instead of binding one",
+    )
     serve.add_argument(
         "--config", type=Path, help="service config (JSON or TOML): evaluators, retries, advantages"
     )
@@ -66,6 +72,11 @@ def _serve(args: argparse.Namespace, config) -> int:
     except ValueError as e:
         print(f"gyre-eval: {e}", file=sys.stderr)
         return 2
+    try:  # held by whoever started this service: no other process can take the port, across restarts too
+        sockets = None if args.listen_fd is None else [socket.socket(fileno=args.listen_fd)]
+    except OSError as e:
+        print(f"gyre-eval: --listen-fd {args.listen_fd}: {e.strerror or e}", file=sys.stderr)
+        return 2
     args.store.mkdir(parents=True, exist_ok=True)
     # The resolved config comes first, secrets masked (the run's own config.json belongs to the run).
     (args.store / CONFIG_FILE).write_text(json.dumps(config.redacted(), indent=2) + "\n")
@@ -76,8 +87,12 @@ def _serve(args: argparse.Namespace, config) -> int:
         return 2
     # clients reuse idle connections up to their own expiry (httpx: 5 s); a server keep-alive of the same length lets
     # a request meet the close (an empty ReadError), so the server keeps them much longer
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=75)
-    return 0
+    server_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=75
+    )
+    server = uvicorn.Server(server_config)
+    server.run(sockets=sockets)
+    return 0 if server.started else 3  # uvicorn's own status for a server that never started
 
 
 def _read_token(file: str | None, fd: int | None) -> str | None:

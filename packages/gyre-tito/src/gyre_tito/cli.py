@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -75,6 +76,11 @@ def _serve(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"gyre-tito serve: {e}", file=sys.stderr)
         return 2
+    try:  # held by whoever started the proxy: no other process can take the port before it listens
+        sockets = None if a.listen_fd is None else [socket.socket(fileno=a.listen_fd)]
+    except OSError as e:
+        print(f"gyre-tito serve: --listen-fd {a.listen_fd}: {e.strerror or e}", file=sys.stderr)
+        return 2
     legacy = a.admin_token or os.environ.get("GYRE_TITO_ADMIN_TOKEN")
     if admin_token is None and legacy:
         print(
@@ -110,8 +116,12 @@ def _serve(a: argparse.Namespace) -> int:
         print(f"gyre-tito serve: {e}", file=sys.stderr)
         return 2
     # harnesses keep connections open between calls that can be minutes apart (tool runs): long keep-alive
-    uvicorn.run(create_app(proxy), host=a.host, port=a.port, log_level=a.log_level, timeout_keep_alive=75)
-    return 0
+    config = uvicorn.Config(
+        create_app(proxy), host=a.host, port=a.port, log_level=a.log_level, timeout_keep_alive=75
+    )
+    server = uvicorn.Server(config)
+    server.run(sockets=sockets)
+    return 0 if server.started else 3  # uvicorn's own status for a server that never started
 
 
 def _tiny(a: argparse.Namespace) -> int:
@@ -158,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--store", required=True, help="directory for records, executions and config.json")
     s.add_argument("--port", type=int, default=8787)
     s.add_argument("--host", default="127.0.0.1")
+    s.add_argument(
+        "--listen-fd", type=int, help="serve on this inherited bound socket (a launcher's), not --port"
+    )
     s.add_argument("--model-name", default="gyre-policy", help="model name reported to harnesses")
     s.add_argument("--admin-token-file", default=None, help="file (mode 600) holding the admin API token")
     s.add_argument(
