@@ -19,7 +19,9 @@ def test_cell_size_regroups_the_same_nodes():
     sub = SimConfig.model_validate(
         deep_merge(NL2REPO, {"cost": {"train_scaling": 0.5}, "cluster": {"nodes_per_cell": 8}})
     )
-    node_s = 6 * 10e9 * 16 * 200_000 / 1600e12  # 6 x active params x tokens of a group / node FLOP/s
+    # (6 x active params + 6 x layers x width x row) x a group's J x L tokens / (GPUs x peak x MFU) per node
+    flops_per_token = 6 * 10e9 + 6 * 48 * 8192 * 131_072
+    node_s = flops_per_token * 16 * 5 * 131_072 / (8 * 989e12 * 0.3)
     assert sub.cell_train_s_per_group() == pytest.approx(node_s / 8**0.5)
 
 

@@ -360,10 +360,14 @@ class CostConfig(_Cfg):
     """Training, switching and publication costs (TOML table [cost]), each a function of the model's size, the tokens
     trained and the hardware; an explicit ``*_s`` value (a measurement, e.g. from ``predict``) overrides its formula.
 
-    - training: a group's trained tokens (N * tokens_per_execution) cost 6 * active parameters FLOPs per token at
-      ``node_train_tflops`` per node; a cell of n nodes runs n**train_scaling nodes' worth; the group is packed into
-      ceil(tokens / microstep_tokens) micro-steps, each plus ``microstep_overhead_s``; 1F1B start-up and drain cost
-      ``pipeline_*_microsteps`` of that cell's micro-step;
+    - training: an execution trains ``trajectories_per_execution`` selected trajectories, each a row of
+      ``trajectory_tokens`` (its whole context: forward and backward run over all of it, only the policy's tokens are
+      targets), so a group trains N * J * L tokens. Each token costs 6 * active parameters FLOPs (the matrices) plus
+      6 * ``attention_layers`` * ``attention_width`` * L (causal softmax attention over a row of L: 4 * width * t
+      FLOPs forward at position t, L / 2 on average, backward twice the forward), at ``node_train_tflops`` per node
+      (``gpus_per_node`` * ``gpu_peak_tflops`` * ``mfu`` unless given); a cell of n nodes runs n**train_scaling nodes'
+      worth; the group is packed into ceil(tokens / microstep_tokens) micro-steps, each plus
+      ``microstep_overhead_s``; 1F1B start-up and drain cost ``pipeline_*_microsteps`` of that cell's micro-step;
     - weight moves (bytes = model_params_b * weight_bytes GB, sharded over the cell's nodes): switches restore or
       reshard them over host links (``host_gbps`` per node) plus a fixed part; a satellite joining pulls the core's
       weights, the broadcast after a non-final step pushes them, the optimizer step reduces gradients of the same size,
@@ -377,12 +381,25 @@ class CostConfig(_Cfg):
     """Parameters active per token (MoE), billions; None: model_params_b (dense)."""
     weight_bytes: float = Field(2.0, gt=0)
     """Bytes per parameter moved (bf16: 2)."""
-    tokens_per_execution: float = Field(200_000.0, gt=0)
-    """Trained tokens of one execution's selected trajectories (J_max of them; shared prefixes counted once)."""
+    trajectories_per_execution: float = Field(1.0, gt=0)
+    """J: selected trajectories trained per execution, on average (at most J_max)."""
+    trajectory_tokens: float = Field(200_000.0, gt=0)
+    """L: tokens of one selected trajectory's row, its whole context (what forward and backward run over)."""
+    tokens_per_execution: float | None = Field(None, gt=0)
+    """Override: tokens trained per execution; None: J * L."""
+    attention_layers: int = Field(0, ge=0)
+    """Layers with full causal softmax attention (0: attention's cost left out, fair only for short rows)."""
+    attention_width: int = Field(0, ge=0)
+    """Query heads x head dimension of those layers."""
     microstep_tokens: float = Field(800_000.0, gt=0)
     """Tokens per micro-step (one claim: a cell's data-parallel ranks' share)."""
-    node_train_tflops: float = Field(1600.0, gt=0)
-    """Effective training throughput of one node, TFLOP/s (MFU included; 8 GPUs at ~200 TFLOP/s)."""
+    gpus_per_node: int = Field(8, ge=1)
+    gpu_peak_tflops: float = Field(989.0, gt=0)
+    """Dense bf16 peak of one GPU, TFLOP/s (H100 and H200 SXM: 989)."""
+    mfu: float = Field(0.2, gt=0, le=1)
+    """Model FLOPs utilization of training: the share of the peak the FLOPs above run at."""
+    node_train_tflops: float | None = Field(None, gt=0)
+    """Override: effective training TFLOP/s of one node; None: gpus_per_node * gpu_peak_tflops * mfu."""
     train_scaling: float = Field(1.0, gt=0, le=1)
     """A cell of n nodes trains as n**train_scaling nodes."""
     microstep_overhead_s: float = Field(0.0, ge=0)
@@ -428,13 +445,44 @@ class CostConfig(_Cfg):
     def weights_gb(self) -> float:
         return self.model_params_b * self.weight_bytes
 
+    @property
+    def execution_tokens(self) -> float:
+        """Tokens trained per execution: J * L unless given."""
+        return self.tokens_per_execution or self.trajectories_per_execution * self.trajectory_tokens
+
+    @property
+    def train_flops_per_token(self) -> tuple[float, float]:
+        """(matrices, attention) FLOPs of training one token, forward and backward."""
+        active = self.active_params_b or self.model_params_b
+        attention = 6 * self.attention_layers * self.attention_width * self.trajectory_tokens
+        return 6 * active * 1e9, float(attention)
+
+    @property
+    def node_tflops(self) -> float:
+        return self.node_train_tflops or self.gpus_per_node * self.gpu_peak_tflops * self.mfu
+
+    def basis(self, *, nodes_per_cell: int, N: int) -> dict[str, float | str]:
+        """The training cost's basis and what it comes to, for a run's output."""
+        matrices, attention = self.train_flops_per_token
+        c = self.resolve(nodes_per_cell=nodes_per_cell, N=N)
+        return {
+            "model": "dense" if self.active_params_b in (None, self.model_params_b) else "moe",
+            "active_params_b": self.active_params_b or self.model_params_b,
+            "tokens_per_execution": self.execution_tokens,
+            "train_tflop_per_token": (matrices + attention) / 1e12,
+            "attention_share": attention / (matrices + attention),
+            "node_train_tflops": self.node_tflops,
+            "train_node_s_per_group": c.train_node_s_per_group,
+            "cell_train_s_per_group": c.cell_train_s_per_group,
+        }
+
     def resolve(self, *, nodes_per_cell: int, N: int) -> Costs:
         """Every cost in seconds for cells of ``nodes_per_cell`` nodes and groups of N trained executions."""
         active = self.active_params_b or self.model_params_b
-        tokens = N * self.tokens_per_execution
+        tokens = N * self.execution_tokens
         node_s = self.train_node_s_per_group
         if node_s is None:
-            node_s = 6 * active * 1e9 * tokens / (self.node_train_tflops * 1e12)
+            node_s = sum(self.train_flops_per_token) * tokens / (self.node_tflops * 1e12)
         ms = self.microsteps_per_group or max(1, math.ceil(tokens / self.microstep_tokens - 1e-9))
         cell_s = node_s / nodes_per_cell**self.train_scaling
         compute_ms = cell_s / ms
@@ -446,7 +494,7 @@ class CostConfig(_Cfg):
             * active
             * 1e9
             * self.reroute_context_tokens
-            / (nodes_per_cell**self.train_scaling * self.node_train_tflops * 1e12)
+            / (nodes_per_cell**self.train_scaling * self.node_tflops * 1e12)
         )
 
         def pick(override: float | None, derived: float) -> float:
