@@ -43,7 +43,8 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_one(cfg: SimConfig, out: Path | None, *, plots: bool = True) -> SimResult:
-    """Simulate one config; with ``out``: config.json first, then trace.jsonl, summary.json and the PNGs."""
+    """Simulate one config; with ``out``: config.json first, then trace.jsonl, summary.json, bursts.jsonl (one
+    `gyre_sched.diagnostics.Burst` a line) and the PNGs."""
     if out is None:
         return Simulator(cfg).run()
     out.mkdir(parents=True, exist_ok=True)
@@ -51,6 +52,7 @@ def run_one(cfg: SimConfig, out: Path | None, *, plots: bool = True) -> SimResul
     with (out / "trace.jsonl").open("wb") as fh:
         res = Simulator(cfg, trace_stream=fh).run()
     (out / "summary.json").write_text(json.dumps(res.summary(), indent=2))
+    (out / "bursts.jsonl").write_text("".join(json.dumps(b) + "\n" for b in res.bursts))
     if plots:
         from gyre_sched.plots import role_timeline_png, waterlevel_png
 
@@ -68,6 +70,12 @@ def _print_result(r: SimResult) -> None:
     print(f"staleness mean      {r.mean_staleness:.3f} (steady, no refills: {r.mean_staleness_steady:.3f})")
     print(f"staleness max       {r.max_staleness}")
     print(f"time share per role {shares}")
+    use, basis = r.time_use, r.cost_basis
+    print(
+        f"training            {basis['train_node_s_per_group']:.0f} node-s a group ({basis['model']}, "
+        f"{basis['attention_share']:.0%} of it attention); train slack {use['train_slack']:.3f}, "
+        f"exposed {use['exposed_training_share']:.1%} of the run"
+    )
     print(f"counters            {r.counters}")
 
 
@@ -79,7 +87,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     res = run_one(cfg, out, plots=not args.no_plots)
     _print_result(res)
     print(
-        f"wrote {out}/config.json, trace.jsonl, summary.json"
+        f"wrote {out}/config.json, trace.jsonl, summary.json, bursts.jsonl"
         + ("" if args.no_plots else ", roles.png, waterlevel.png")
     )
     return 0

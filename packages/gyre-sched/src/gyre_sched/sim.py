@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from gyre_sched.config import SimConfig
+from gyre_sched.diagnostics import BurstLog
 from gyre_sched.events import (
     Assessed,
     BeginTransition,
@@ -22,6 +23,7 @@ from gyre_sched.events import (
     EndTransition,
     Event,
     GroupAssigned,
+    GroupReady,
     Launch,
     Launched,
     MicrostepClaimed,
@@ -60,9 +62,16 @@ class SimResult:
     samples: list[tuple[float, int, int, int]] = field(default_factory=list, repr=False)
     step_end_s: list[float] = field(default_factory=list, repr=False)
     """Simulated time at which each optimizer step ended."""
+    time_use: dict[str, float] = field(default_factory=dict)
+    """Training busy and training-role cell-time, rollout busy and idle slot-time, train slack, exposed training
+    (``gyre_sched.diagnostics``)."""
+    cost_basis: dict[str, Any] = field(default_factory=dict)
+    """The training cost's basis and what it comes to (``CostConfig.basis``)."""
+    bursts: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    """Per burst: ``gyre_sched.diagnostics.Burst`` rows (bursts.jsonl)."""
 
     def summary(self) -> dict[str, Any]:
-        skip = ("staleness", "staleness_refill", "samples", "step_end_s")
+        skip = ("staleness", "staleness_refill", "samples", "step_end_s", "bursts")
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
 
@@ -120,6 +129,7 @@ class Simulator:
         self._role_time = {r.value: 0.0 for r in CellRole if r is not CellRole.LOST}
         self.costs = cfg.costs()
         self._ms_s = self.costs.microstep_s
+        self.bursts = BurstLog(self.params.K, self.params.C_e)
 
     def header(self) -> dict[str, Any]:
         return {
@@ -148,8 +158,11 @@ class Simulator:
         c = self.costs
         for d in out:
             match d:
-                case Dispatch(gid, _, _, _, _):
+                case Dispatch(gid, _, _, v_d, refill):
                     self._group_seq[gid] = int(gid[1:])
+                    self.bursts.dispatched(self.now, v_d, refill)
+                case GroupReady(gid):
+                    self.bursts.group_ready(self.now, gid)
                 case Launch(spec):
                     eid = spec.execution_id
                     plan = self.workload.plan(self._group_seq[spec.group_id], spec.dispatch_index)
@@ -175,15 +188,19 @@ class Simulator:
                     else:
                         cost = c.switch_to_rollout_s
                     self._at(self.now + cost, TransitionDone(cell))
-                case EndTransition(cell, _, _):
+                case EndTransition(cell, _, to):
                     self._role_change(cell)
+                    if to is CellRole.TRAINING:
+                        led = self.policy.ledger
+                        self.bursts.joined_training(self.now, cell, led.running, len(led.ready))
                 case Publish(v):
                     self._at(self.now + c.publish_s, PublishDone(v))
                 case OpenBatch(v):
                     self._batch = _Batch(v, final=self.policy.step_in_burst == self.policy.mu_now - 1)
-                case StepRecorded(v, _, _):
+                case StepRecorded(v, groups, _):
                     self._steps = v
                     self._step_ends.append(self.now)
+                    self.bursts.step(self.now, v, list(groups))
                 case _:
                     pass
 
@@ -225,6 +242,7 @@ class Simulator:
                 break
             gid = b.todo.pop()
             self._deliver(MicrostepClaimed(cell, gid))
+            self.bursts.claimed(self.now, b.version)
             dur = self._ms_s
             if self._started_batch.get(cell) != b.version:
                 self._started_batch[cell] = b.version
@@ -232,6 +250,7 @@ class Simulator:
 
             b.participants.add(cell)
             self._busy.add(cell)
+            self.bursts.trained(dur)
             self._at(self.now + dur, ("ms", cell, b.version))
 
     def _ms_done(self, cell: int, version: int) -> None:
@@ -244,6 +263,7 @@ class Simulator:
             b.finishing = True
             c = self.costs
             extra = c.broadcast_s if (not b.final and len(b.participants) > 1) else 0.0
+            self.bursts.trained(len(b.participants) * (c.pipeline_drain_s + c.optimizer_s + extra))
             self._at(self.now + c.pipeline_drain_s + c.optimizer_s + extra, StepDone(version + 1))
 
     # ---- main loop ------------------------------------------------------------------------------------------------
@@ -287,6 +307,9 @@ class Simulator:
             elif isinstance(item, Tick):
                 self._tick_at = None
                 self._deliver(item)
+            elif isinstance(item, PublishDone):
+                self.bursts.published(self.now, item.version)
+                self._deliver(item)
             else:
                 self._deliver(item)
             self._after()
@@ -300,6 +323,11 @@ class Simulator:
 
     def _after(self) -> None:
         self._train()
+        led, pol = self.policy.ledger, self.policy
+        training = sum(r is CellRole.TRAINING for r in pol.roles)
+        self.bursts.advance(
+            self.now, queued=led.queued, running=led.running, capacity=pol.capacity(), training=training
+        )
         if self.record_samples:
             led = self.policy.ledger
             self.samples.append((self.now, led.waterlevel, self.policy.capacity(), led.running))
@@ -338,6 +366,9 @@ class Simulator:
             wall_s=wall_s,
             samples=self.samples,
             step_end_s=list(self._step_ends),
+            time_use=self.bursts.totals(self.now),
+            cost_basis=cfg.cost.basis(nodes_per_cell=cfg.cluster.nodes_per_cell, N=self.params.N),
+            bursts=[b.row() for b in self.bursts.bursts],
         )
 
 
