@@ -77,3 +77,24 @@ def test_the_previous_cost_basis_made_training_nearly_free():
     assert r.cost_basis["train_node_s_per_group"] == pytest.approx(120.0)
     assert r.time_use["train_slack"] > 0.9
     assert all(len(b["joins"]) == 1 for b in r.bursts)  # the core alone trains every batch
+
+
+def test_larger_cells_send_the_core_no_earlier_and_never_more_satellite_nodes_at_a_waterlevel():
+    """The same 32 nodes as 4 cells of 8: in the first burst both runs roll out the same executions (the queue empties
+    before any cell trains), so their joins compare at equal running counts. The core's 8 nodes do train more than a
+    4-node core right after it joins (the issue's stronger form, "no more nodes", fails there by construction)."""
+    small, _ = run()
+    large, _ = run(cluster={"nodes_per_cell": 8})
+    first_small, first_large = small.bursts[0]["joins"], large.bursts[0]["joins"]
+    assert first_small[0]["cell"] == first_large[0]["cell"] == 0
+    for r, joins in ((small, first_small), (large, first_large)):  # rollout alone decides the running count
+        assert r.bursts[0]["queue_empty_s"] < joins[0]["decided_s"]
+    assert first_large[0]["decided_s"] >= first_small[0]["decided_s"]
+
+    def satellite_nodes(joins: list[dict], nodes: int, running: int) -> int:
+        return nodes * sum(1 for j in joins if j["cell"] != 0 and j["running"] >= running)
+
+    levels = {j["running"] for j in first_small + first_large}
+    for running in levels:
+        assert satellite_nodes(first_large, 8, running) <= satellite_nodes(first_small, 4, running), running
+    assert satellite_nodes(first_large, 8, 0) == 16 and satellite_nodes(first_small, 4, 0) == 24

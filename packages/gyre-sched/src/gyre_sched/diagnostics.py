@@ -28,8 +28,9 @@ class Burst:
     groups: int = 0
     queue_empty_s: float | None = None
     joins: list[dict[str, float]] = field(default_factory=list)
-    """Each cell's entry into training: ``{"cell", "t", "running", "ready_groups"}``."""
-    steps: list[dict[str, float]] = field(default_factory=list)
+    """Each cell's entry into training: ``{"cell", "decided_s", "t", "running", "ready_groups"}``: when the policy
+    sent it (its switch began), when it trained, and the executions running and groups ready then."""
+    steps: list[dict[str, float | None]] = field(default_factory=list)
     """Each step recorded in the burst: ``{"version", "train_start_s", "end_s", "last_group_ready_s",
     "published_s"}``: its batch's first micro-step, its end, its last consumed group's readiness, and when the
     version it made was published (None if the run ended first)."""
@@ -50,7 +51,8 @@ class BurstLog:
         self.bursts: list[Burst] = []
         self._ready_at: dict[str, float] = {}
         self._first_claim: dict[int, float] = {}
-        self._steps: dict[int, dict[str, float]] = {}
+        self._sent: dict[int, float] = {}
+        self._steps: dict[int, dict[str, float | None]] = {}
         self._t = 0.0
         self._running = 0
         self._capacity = 0
@@ -72,11 +74,13 @@ class BurstLog:
     def group_ready(self, t: float, group: str) -> None:
         self._ready_at[group] = t
 
+    def sent_to_training(self, t: float, cell: int) -> None:
+        self._sent[cell] = t
+
     def joined_training(self, t: float, cell: int, running: int, ready_groups: int) -> None:
+        join = {"cell": cell, "decided_s": self._sent.pop(cell, t), "t": t, "running": running}
         if self.bursts:
-            self.bursts[-1].joins.append(
-                {"cell": cell, "t": t, "running": running, "ready_groups": ready_groups}
-            )
+            self.bursts[-1].joins.append(join | {"ready_groups": ready_groups})
 
     def claimed(self, t: float, batch_version: int) -> None:
         """A micro-step of the batch that trains version ``batch_version`` into ``batch_version + 1``."""
@@ -85,8 +89,9 @@ class BurstLog:
     def step(self, t: float, version: int, groups: list[str]) -> None:
         """The step that made ``version`` ended, on ``groups``."""
         ready = max((self._ready_at.pop(g, t) for g in groups), default=t)
-        row = {"version": version, "train_start_s": self._first_claim.pop(version - 1, t), "end_s": t,
-               "last_group_ready_s": ready, "published_s": None}  # fmt: skip
+        start = self._first_claim.pop(version - 1, t)
+        row = {"version": version, "train_start_s": start, "end_s": t, "last_group_ready_s": ready}
+        row["published_s"] = None
         self._steps[version] = row
         if self.bursts:
             self.bursts[-1].steps.append(row)

@@ -184,6 +184,7 @@ class Simulator:
                 case BeginTransition(cell, _, to):
                     self._role_change(cell)
                     if to is CellRole.TO_TRAINING:
+                        self.bursts.sent_to_training(self.now, cell)
                         cost = c.switch_to_training_s + (c.satellite_join_s if cell else 0.0)
                     else:
                         cost = c.switch_to_rollout_s
