@@ -20,7 +20,9 @@ Per target E[d] it reports:
   the fitted model, each epoch reshuffled, a query keeping its difficulty): Elastic launching in dispatch order and
   with ``launch_order = "predicted"`` (queries that ran longest before launch first; learnt from its own
   observations), each over the capacity bound, and the clairvoyant longest-first reference;
-and the 2.4T preset's Elastic / Async / Colocate hours at E[d] = 1.5 (paper: 75.42 / 134.55 / 91.47 h).
+and the 2.4T preset's Elastic / Async / Colocate hours at E[d] = 1.5 (paper: 75.42 / 134.55 / 91.47 h). The output
+states the training cost's basis (`CostConfig.basis`: dense or MoE, tokens, attention's share, node TFLOP/s,
+node-seconds a group) and Elastic's train slack and exposed training share (`gyre_sched.diagnostics`) per target.
 
     uv run python bench/sched_paper.py [--quick]
 
@@ -64,7 +66,9 @@ def run_target(E: float, steps: int, quick: bool, log) -> dict[str, Any]:
     el_cfg = cfg_of(NL2REPO, steps, policy=elastic_pol)
     el = Simulator(el_cfg).run()
     wall = time.perf_counter() - t0
-    row: dict[str, Any] = {"elastic_h": hours(el), "elastic_staleness": el.mean_staleness, "sim_wall_s": wall}
+    row: dict[str, Any] = {"elastic_h": hours(el), "elastic_staleness": el.mean_staleness, "sim_wall_s": wall,
+                           "train_slack": el.time_use["train_slack"],
+                           "exposed_training_share": el.time_use["exposed_training_share"]}  # fmt: skip
     # Async: every split, with and without streaming
     best = {}
     for streaming in (False, True):
@@ -212,9 +216,14 @@ def main(argv: list[str] | None = None) -> None:
         return None if x is None else round(x, 3)
 
     out: dict[str, Any] = {"bench": "sched_paper", "steps": steps}
+    for name, preset in (("cost_basis", NL2REPO), ("cost_basis_2_4t", NL2REPO_2_4T)):
+        basis = cfg_of(preset, steps).cost.basis(nodes_per_cell=preset["cluster"]["nodes_per_cell"], N=16)
+        out[name] = {k: (r3(v) if isinstance(v, float) else v) for k, v in basis.items()}
     for E, row in rows.items():
         out |= {
             f"elastic_h_{E}": r3(row["elastic_h"]),
+            f"train_slack_{E}": r3(row["train_slack"]),
+            f"exposed_training_share_{E}": r3(row["exposed_training_share"]),
             f"speedup_vs_best_async_plain_{E}": r3(row["speedup_vs_best_async_plain"]),
             f"speedup_vs_best_async_streaming_{E}": r3(row["speedup_vs_best_async_streaming"]),
             f"speedup_vs_colocate_{E}": r3(row["speedup_vs_colocate"]),
