@@ -11,10 +11,8 @@ from __future__ import annotations
 import itertools
 import re
 
-import openai
 import pytest
 import torch
-from datasets import Dataset
 
 from gyre_cell.tiny_model import build_tiny_model
 from gyre_tito.integrations import TitoSession
@@ -47,6 +45,8 @@ def reply(prompt: str, last: str) -> str:
 
 def harness(prompt: str, base_url: str, api_key: str) -> None:
     """An agent loop as a user writes one: call the model, run the tools it asks for, until it answers."""
+    import openai  # inside: collection imports no model SDK (tests/test_collection_imports.py)
+
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0)
     messages: list[dict] = [{"role": "user", "content": prompt}]
     for _ in range(4):
@@ -62,6 +62,7 @@ def harness(prompt: str, base_url: str, api_key: str) -> None:
 
 
 def test_trl_trains_exactly_the_recorded_tokens_and_behaviour_logprobs(tmp_path, monkeypatch):
+    from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
