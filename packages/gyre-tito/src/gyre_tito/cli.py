@@ -100,6 +100,7 @@ def _serve(a: argparse.Namespace) -> int:
         max_request_bytes=a.max_request_bytes,
         max_context_tokens=a.max_context,
         fsync=not a.no_fsync,
+        group_commit=not a.no_group_commit,
         export_dirs=[str(Path(d).resolve()) for d in a.export_dir],
         context_overflow=a.context_overflow,
         sampling_policy=a.sampling_policy,
@@ -208,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     s.add_argument("--temperature", type=float, default=1.0, help="the run's sampling temperature")
     s.add_argument("--no-fsync", action="store_true", help="skip fsync per record (benchmarks only)")
+    s.add_argument(
+        "--no-group-commit",
+        action="store_true",
+        help="one fsync per record in its own log instead of one shared by the calls that complete together",
+    )
     s.add_argument("--log-level", default="warning")
     s.set_defaults(fn=_serve)
     t = sub.add_parser("tiny-tokenizer", help="write the tiny offline Qwen3-style tokenizer to DIR")

@@ -13,7 +13,9 @@ API summary
   step; ``append(record)`` assigns ``seq``, checks the record against the tree, makes it durable, then adds it to the
   tree (thread-safe). Reopening rebuilds the identical tree from the log.
 - ``RecordStore(directory, config)``: one ``ExecutionRecords`` per execution id under a directory (``open(id)``,
-  ``release(id)`` (close it and forget it), ``execution_ids()``, ``close()``).
+  ``release(id)`` (close it and forget it), ``execution_ids()``, ``close()``). With ``group_commit`` (and fsync) on,
+  ``await store.append(records, record)`` makes records that complete together durable with one shared fsync
+  (``commit.py``: a journal ``_commit.wal`` next to the logs, replayed when the store opens).
 
 File format (one file per execution, ``<quoted execution id>.tito.jsonl``): plain JSON Lines, readable by any JSONL
 tool (``pandas.read_json(path, lines=True)``, ``jq``): each line is the CallRecord JSON with one more last key,
@@ -24,6 +26,7 @@ still read; an old log keeps its format when appended to.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -35,6 +38,7 @@ from urllib.parse import quote, unquote
 import orjson
 import pydantic
 
+from gyre_tito.commit import GroupCommit, fsync_dir
 from gyre_tito.tree import ExecutionTree
 from gyre_tito.types import CallRecord
 
@@ -46,6 +50,7 @@ __all__ = [
     "RecordLogConfig",
     "RecordLogCorrupt",
     "RecordStore",
+    "decode_line",
     "encode_line",
     "is_legacy_line",
     "log_path",
@@ -65,6 +70,8 @@ class RecordLogCorrupt(RuntimeError):
 class RecordLogConfig:
     fsync: bool = True
     """fsync after every append (and the directory on create); turn off only for benchmarks and throwaway runs."""
+    group_commit: bool = False
+    """``RecordStore.append`` shares one fsync among the appends waiting at the same moment (``commit.py``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +100,7 @@ def is_legacy_line(line: bytes) -> bool:
     return len(line) >= 10 and line[8:9] == b" " and not line.startswith(b"{")
 
 
-def _decode_line(line: bytes) -> CallRecord | None:
+def decode_line(line: bytes) -> CallRecord | None:
     """The record of one complete line (without newline), or None if its checksum/JSON is bad."""
     if line.startswith(b"{"):
         if len(line) < _CRC_TAIL + 2 or line[-_CRC_TAIL : -_CRC_TAIL + len(_CRC_KEY)] != _CRC_KEY:
@@ -125,7 +132,7 @@ def read_log(path: str | os.PathLike[str]) -> LogContents:
         nl = data.find(b"\n", pos)
         if nl < 0:  # a partial last line: the append never completed
             break
-        record = _decode_line(data[pos:nl])
+        record = decode_line(data[pos:nl])
         if record is None:
             if data[nl + 1 :].strip(b"\x00 \n"):
                 raise RecordLogCorrupt(f"{path}: damaged record at byte {pos} followed by more records")
@@ -133,14 +140,6 @@ def read_log(path: str | os.PathLike[str]) -> LogContents:
         records.append(record)
         pos = nl + 1
     return LogContents(records, pos, len(data) - pos)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class RecordLog:
@@ -152,12 +151,13 @@ class RecordLog:
         created = not self.path.exists()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         if created and self.config.fsync:
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         contents = read_log(self.path)
         self.records: list[CallRecord] = contents.records
         self.dropped_bytes = contents.torn_bytes
         self._size = contents.valid_bytes  # end of the intact prefix
         self._legacy = False  # a log written in the old "<crc> <json>" form keeps that form
+        self._unsynced = False  # group commit wrote lines that only the journal holds durably
         if contents.valid_bytes:
             with open(self.path, "rb") as f:
                 self._legacy = is_legacy_line(f.readline())
@@ -171,31 +171,53 @@ class RecordLog:
             os.ftruncate(self._fd, contents.valid_bytes)
             os.fsync(self._fd)
 
-    def append(self, record: CallRecord) -> None:
-        """Write ``record``; when this returns (with fsync on) the record survives a crash."""
+    def write(self, data: bytes) -> int:
+        """Write one encoded line without syncing (group commit syncs the journal instead); returns its offset.
+        A failed write is cut off again."""
         if self._fd < 0:
             raise ValueError(f"{self.path}: log is closed")
-        data = encode_line(record, legacy=self._legacy)
-        line = memoryview(data)
+        offset = self._size
         try:
+            line = memoryview(data)
             while line:
-                written = os.write(self._fd, line)
-                line = line[written:]
-            if self.config.fsync:
-                os.fsync(self._fd)
+                line = line[os.write(self._fd, line) :]
         except BaseException:
-            # A failed append (disk full, interrupted) must not leave half a line that later appends would bury.
-            try:
-                os.ftruncate(self._fd, self._size)
-            except OSError:
-                log.exception(
-                    "%s: could not cut off a failed append; the next open drops it as torn", self.path
-                )
+            self.rollback(offset)
             raise
         self._size += len(data)
+        self._unsynced = True
+        return offset
+
+    def rollback(self, offset: int) -> None:
+        """Cut the log back to ``offset`` (a write whose batch failed to become durable)."""
+        try:
+            os.ftruncate(self._fd, offset)
+            self._size = offset
+        except OSError:
+            log.exception("%s: could not cut off a failed append; the next open drops it as torn", self.path)
+
+    def sync(self) -> None:
+        """fsync what `write` left unsynced (the journal held it durable until now)."""
+        if self._fd >= 0 and self._unsynced:
+            os.fsync(self._fd)
+            self._unsynced = False
+
+    def append(self, record: CallRecord) -> None:
+        """Write ``record``; when this returns (with fsync on) the record survives a crash."""
+        offset = self.write(encode_line(record, legacy=self._legacy))
+        if self.config.fsync:
+            try:
+                os.fsync(self._fd)
+            except BaseException:
+                # A failed append (disk full, interrupted) must not leave a line that later appends would bury.
+                self.rollback(offset)
+                raise
+            self._unsynced = False
 
     def close(self) -> None:
         if self._fd >= 0:
+            if self.config.fsync:
+                self.sync()  # a closed log is durable on its own: readers of ended executions need no journal
             os.close(self._fd)
             self._fd = -1
 
@@ -237,8 +259,33 @@ class ExecutionRecords:
             self.tree.add(record)
             return record
 
+    def write_pending(self, record: CallRecord) -> tuple[CallRecord, bytes, int]:
+        """Group commit, first half: assign ``seq``, check against the tree, write the line (not yet durable, not
+        yet in the tree). Returns the record, its line and its offset in the log."""
+        with self._lock:
+            if record.seq != len(self.tree):
+                record = record.model_copy(update={"seq": len(self.tree)})
+            self.tree.check(record)
+            line = encode_line(record, legacy=self.log._legacy)
+            return record, line, self.log.write(line)
+
+    def commit_pending(self, record: CallRecord) -> CallRecord:
+        """Group commit, second half (the journal holding the line is synced): add the record to the tree."""
+        with self._lock:
+            self.tree.add(record)
+            return record
+
+    def rollback(self, offset: int) -> None:
+        with self._lock:
+            self.log.rollback(offset)
+
+    def sync(self) -> None:
+        with self._lock:
+            self.log.sync()
+
     def close(self) -> None:
-        self.log.close()
+        with self._lock:
+            self.log.close()
 
 
 class RecordStore:
@@ -250,6 +297,16 @@ class RecordStore:
         self.config = config or RecordLogConfig()
         self._open: dict[str, ExecutionRecords] = {}
         self._lock = threading.Lock()
+        self.committer: GroupCommit | None = None
+        if self.config.fsync and self.config.group_commit:
+            self.committer = GroupCommit(self.directory)  # replays the journal before any log is opened
+
+    async def append(self, records: ExecutionRecords, record: CallRecord) -> CallRecord:
+        """Append durably without holding a thread: through the group committer when there is one, else
+        ``records.append`` (its own fsync) in a worker thread."""
+        if self.committer is not None:
+            return await self.committer.append(records, record)
+        return await asyncio.to_thread(records.append, record)
 
     def open(self, execution_id: str) -> ExecutionRecords:
         with self._lock:
@@ -273,6 +330,8 @@ class RecordStore:
         return sorted(unquote(n) for n in names)
 
     def close(self) -> None:
+        if self.committer is not None:
+            self.committer.close()  # commits what is queued; the logs are then synced as they close
         with self._lock:
             for records in self._open.values():
                 records.close()
