@@ -1,4 +1,4 @@
-"""Run in SkyRL's own environment by tests/test_tito_skyrl.py (see it): SkyRL's real `GeneratorInterface`,
+"""Run in SkyRL's own environment by tests/test_tito_stacks.py (see it): SkyRL's real `GeneratorInterface`,
 `TrajectoryID`, `validate_generator_output` and `convert_prompts_responses_to_batch_tensors` on what gyre-tito's
 `TitoGenerator` returns for a tool-using harness run through a live proxy.
 
@@ -12,53 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import sys
 
-import httpx
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 from skyrl.train.generators.base import BatchMetadata, GeneratorInterface, TrajectoryID
 from skyrl.train.utils.trainer_utils import validate_generator_output
+from tito_stack_harness import compacting_harness, harness, score
 
 from gyre_tito.integrations import TitoSession
 from gyre_tito.integrations.skyrl import TitoGenerator
-
-TOOLS = [{"type": "function", "function": {
-    "name": "square", "description": "The square of n.",
-    "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
-}}]  # fmt: skip
-
-
-def harness(messages: list[dict], base_url: str, api_key: str, compact: bool = False) -> str:
-    """The model asks for the tool, gets its result, answers; with `compact`, the agent then starts a fresh context
-    from a summary and asks again (a second branch of the execution's tree). Returns the last answer."""
-    headers = {"Authorization": f"Bearer {api_key}"}
-
-    def call(msgs: list[dict]) -> dict:
-        body = {"model": "policy", "messages": msgs, "tools": TOOLS, "max_tokens": 48}
-        r = httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=60)
-        r.raise_for_status()
-        return r.json()["choices"][0]["message"]
-
-    msgs = list(messages)
-    while (message := call(msgs)).get("tool_calls"):
-        msgs.append(
-            {"role": "assistant", "content": message.get("content"), "tool_calls": message["tool_calls"]}
-        )
-        for c in message["tool_calls"]:
-            n = json.loads(c["function"]["arguments"])["n"]
-            msgs.append({"role": "tool", "tool_call_id": c["id"], "content": str(n * n)})
-    if compact:
-        summary = f"Summary: {messages[-1]['content']} The tool said {msgs[-1]['content']}."
-        message = call([{"role": "user", "content": summary}])
-    return message["content"]
 
 
 def reward_from(seen: list[str]):
     def reward(episode) -> float:
         seen.append(episode.execution_id)
-        n = int(re.findall(r"square of (\d+)", episode.prompt[-1]["content"])[0])
-        return 1.0 if str(n * n) in episode.result and episode.extras["env_class"] == "tito" else 0.0
+        return score(episode.prompt, episode.result) if episode.extras["env_class"] == "tito" else 0.0
 
     return reward
 
@@ -77,7 +45,7 @@ async def main(proxy_url: str, token: str, out_path: str) -> None:
     results = {}
     for mode, step_wise, h in (
         ("flat", False, harness),
-        ("step_wise", True, lambda m, u, k: harness(m, u, k, compact=True)),
+        ("step_wise", True, compacting_harness),
     ):
         seen: list[str] = []
         generator = TitoGenerator(
