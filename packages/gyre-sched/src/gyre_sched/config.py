@@ -268,6 +268,19 @@ class ClusterConfig(_Cfg):
         return self.C_s if self.C_s is not None else self.standalone_nodes * self.slots_per_node
 
 
+_WORKLOAD_TIMES = (
+    "query_median_s",
+    "harness_timeout_s",
+    "overall_budget_s",
+    "failed_at_s",
+    "stall_detect_s",
+    "eval_latency_s",
+    "cancel_latency_s",
+    "tool_latency_s",
+)
+"""WorkloadConfig's durations (what `scaled` multiplies)."""
+
+
 class WorkloadConfig(_Cfg):
     """Execution durations and outcomes (TOML table [workload]); see README for the model."""
 
@@ -315,6 +328,16 @@ class WorkloadConfig(_Cfg):
     and hang-proneness across epochs (executions still vary), as a dataset's tasks do over epochs."""
     trace: str | None = None
     """Replay the execution durations/outcomes of a recorded trace.jsonl instead of sampling."""
+    tool_latency_s: float = Field(0.0, ge=0)
+    """Mean tool time between two model calls (exponential), for the workload harness that plays this workload in a
+    real run (`gyre_sched.workload_harness`); the simulator models an execution's duration, not its calls."""
+
+    def scaled(self, factor: float) -> WorkloadConfig:
+        """The same workload on a clock `factor` times as fast (every duration times `factor`; shares, sigmas and
+        rates unchanged): the paper's hours as seconds, for real runs on a small machine."""
+        if not factor > 0:
+            raise ValueError(f"a time scale must be > 0, not {factor}")
+        return self.model_copy(update={k: getattr(self, k) * factor for k in _WORKLOAD_TIMES})
 
     @model_validator(mode="after")
     def _hangs(self) -> WorkloadConfig:

@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from gyre_sched.config import PolicyParams, SimConfig
+from gyre_sched.config import PolicyParams, SimConfig, WorkloadConfig
 from gyre_sched.sim import Simulator
 from gyre_sched.trace import iter_trace
 
@@ -291,9 +291,18 @@ def calibrate(lines: list[dict[str, Any]]) -> tuple[dict[str, Measured], list[st
     return measured, unmeasured, cost
 
 
-def predict(trace_path: str | Path, *, overrides: dict[str, Any] | None = None) -> Prediction:
+def predict(
+    trace_path: str | Path,
+    *,
+    overrides: dict[str, Any] | None = None,
+    workload: WorkloadConfig | None = None,
+    seed: int = 0,
+) -> Prediction:
     """Calibrate the cost model from a recorded trace, replay its executions under the same policy parameters (trace
-    header, then ``overrides``), and compare the simulated wall time with the trace's own."""
+    header, then ``overrides``), and compare the simulated wall time with the trace's own.
+
+    ``workload``: run the workload definition the recording played (`gyre_sched.workload_harness`, with ``seed``)
+    instead of replaying the recorded executions: a prediction of the workload, not of one recording of it."""
     path = Path(trace_path)
     lines = list(iter_trace(path))
     if not lines or lines[0]["ev"] != "header":
@@ -310,12 +319,17 @@ def predict(trace_path: str | Path, *, overrides: dict[str, Any] | None = None) 
         "warmup_bursts": 0,
         "policy": {k: getattr(params, k) for k in _POLICY_CONFIG_FIELDS},
         "cluster": {"nodes": params.K, "nodes_per_cell": 1, "slots_per_node": params.C_e, "C_s": params.C_s},
-        "workload": {
-            "trace": str(path),
-            "harness_timeout_s": params.harness_timeout_s,
-            "overall_budget_s": params.overall_budget_s,
-            "cancel_latency_s": cancel_latency,
-        },
+        "seed": seed,
+        "workload": (
+            {
+                "trace": str(path),
+                "harness_timeout_s": params.harness_timeout_s,
+                "overall_budget_s": params.overall_budget_s,
+            }
+            if workload is None
+            else workload.model_dump()
+        )
+        | {"cancel_latency_s": cancel_latency},
         "cost": cost,
     }
     cfg = SimConfig.model_validate(raw)

@@ -28,6 +28,12 @@ class ExecPlan:
     reroutes: int = 0
     """Reroutes whose cost ``duration_s`` already includes (a recorded execution's): the simulator charges its
     reroute penalty only for reroutes beyond these."""
+    evaluation: tuple[tuple[float, bool], ...] = ()
+    """The evaluator's attempts as drawn, (latency, succeeded) each, the last one cut by the overall budget where it
+    ran out (what `gyre_eval.testing.WorkloadEvaluator` plays in a real run; empty for a replayed trace)."""
+    stall_at_s: float | None = None
+    """A hang that becomes known by stalling: when it makes its last model call (its watchdog ends it at
+    ``duration_s``)."""
 
     def __post_init__(self) -> None:
         if not (self.duration_s >= 0 and self.assess_delay_s >= 0 and self.reroutes >= 0):
@@ -128,7 +134,7 @@ class StatisticalWorkload:
 
         q = query_rng(0).random(3)
         z_query = np.array([[query_rng(1).standard_normal()]])
-        end, code, _ = terminations(
+        end, code, stall = terminations(
             c,
             z_query=z_query,
             u_hard=q[None, 0:1],
@@ -145,19 +151,23 @@ class StatisticalWorkload:
         for i in range(n):
             duration, k = float(end[0, i]), int(code[0, i])
             if k == HANG:
-                out.append(ExecPlan(duration, hang_outcome, 0.0, "excluded"))
+                stall_at = float(stall[0, i]) if hang_outcome == "stalled" else None
+                out.append(ExecPlan(duration, hang_outcome, 0.0, "excluded", stall_at_s=stall_at))
                 continue
             outcome: Outcome = _OUTCOME[k]  # type: ignore[assignment]
             t, status = duration, None
+            attempts: list[tuple[float, bool]] = []
             for a in range(16):  # retries against the same preserved state, within the overall budget
                 t += float(eval_lat[i, a])
+                attempts.append((float(eval_lat[i, a]), bool(eval_u[i, a] >= c.eval_failure_rate)))
                 if t > c.overall_budget_s:
                     t, status = max(c.overall_budget_s, duration), "excluded"
                     break
-                if eval_u[i, a] >= c.eval_failure_rate:
+                if attempts[-1][1]:
                     status = "no_work" if outcome == "failed" else "valid"
                     break
-            out.append(ExecPlan(duration, outcome, t - duration, status or "excluded"))
+            evaluation = tuple(attempts) if outcome != "failed" else ()  # a placeholder is not evaluated
+            out.append(ExecPlan(duration, outcome, t - duration, status or "excluded", evaluation=evaluation))
         return out
 
 
