@@ -3,13 +3,15 @@
     python stack_venv.py NAME REQUIREMENT...   # prints the environment's python on stdout
 
 SkyRL and verl pin what the workspace cannot share (SkyRL: transformers<=5.16.1; the workspace has a newer one), so
-the tests of gyre-tito's adapters for them (tests/test_tito_skyrl.py, tests/test_tito_verl.py) run their real
-packages in an environment of their own. It is made with uv (`uv venv`, `uv pip install`: the requirements and an
-editable gyre-tito, resolved together) under `$GYRE_STACK_VENVS` (default `~/.cache/gyre/stack-venvs`), named by a
-hash of the requirements, gyre-tito's pyproject.toml and the interpreter, and kept: a later run with the same inputs
-reuses it at once, and the editable install means gyre-tito's current source is what runs. The interpreter is the one
-running this script (no Python download). A lock makes concurrent test sessions wait for one build; a build that fails
-leaves no environment behind. uv is the one on PATH, else pyenv's."""
+the tests of gyre-tito's adapters for them (tests/test_tito_stacks.py) run their real packages in an environment of
+their own. It is made with uv (`uv venv`, `uv pip install`: the requirements and an editable gyre-tito, resolved
+together) under `$GYRE_STACK_VENVS` (default `~/.cache/gyre/stack-venvs`), named by a hash of the requirements, this
+checkout's gyre-tito (its path, since the install is editable, and its pyproject.toml) and the interpreter, and kept:
+a later run with the same inputs reuses it at once, and the editable install means gyre-tito's current source is
+what runs. Environments whose inputs changed are left for the user to delete (they hard-link uv's cache, so each
+costs little disk). The interpreter is the one running this script (no Python download). A lock makes concurrent
+test sessions wait for one build; a build that fails leaves no environment behind. uv is the one on PATH, else
+pyenv's."""
 
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ def uv() -> str:
 def ensure(name: str, requirements: list[str]) -> Path:
     base = Path(os.environ.get("GYRE_STACK_VENVS") or Path.home() / ".cache" / "gyre" / "stack-venvs")
     key = hashlib.sha256(
-        "\n".join([sys.version, *requirements, (TITO / "pyproject.toml").read_text()]).encode()
+        "\n".join(
+            [sys.executable, sys.version, str(TITO), *requirements, (TITO / "pyproject.toml").read_text()]
+        ).encode()
     ).hexdigest()[:16]
     venv = base / f"{name}-{key}"
     python = venv / "bin" / "python"
