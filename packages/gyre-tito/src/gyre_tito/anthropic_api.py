@@ -19,6 +19,7 @@ from gyre_tito.conversation import (
     Sampling,
     ToolCall,
     Turn,
+    common_prefix,
     strip_volatile,
 )
 
@@ -167,8 +168,15 @@ def parse_request(
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages: must be a non-empty list")
     system, removed = _system_text(body.get("system"), volatile_patterns)
-    turns: list[Turn] = []
-    for i, m in enumerate(msgs):
+    # The messages the cache's last request also had, in the same place, keep their parsed turns (the same Turn
+    # objects, which lets the encoder find its unchanged prefix by identity, incremental.py): one C-level comparison
+    # of the message lists instead of serialising every message to look it up.
+    prefix = getattr(cache, "prefix", None)  # (messages, turns, turns after message i) of the last request
+    start = common_prefix(msgs, prefix[0]) if prefix else 0
+    turns: list[Turn] = prefix[1][: prefix[2][start - 1]] if start else []
+    turns_at: list[int] = prefix[2][:start] if start else []
+    for i in range(start, len(msgs)):
+        m = msgs[i]
         if cache is None:
             turns.extend(_turns_of(i, m))
             continue
@@ -180,6 +188,7 @@ def parse_request(
                 for k in list(cache)[:50_000]:
                     del cache[k]
         turns.extend(got)
+        turns_at.append(len(turns))
     if turns[-1].role == "assistant":
         raise _bad("messages: the last message must be a user message (assistant prefill is not supported)")
     tools = []
@@ -214,7 +223,9 @@ def parse_request(
     if isinstance(thinking, dict) and thinking.get("type") == "disabled":
         enable = False
     conv = Conversation(system, turns, tools, removed, enable)
-    conv.check_tool_results()
+    conv.check_tool_results(turns_at[start - 1] if start else 0)  # the kept turns passed this check last time
+    if hasattr(cache, "prefix"):
+        cache.prefix = (msgs, turns, turns_at)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream: must be a boolean")

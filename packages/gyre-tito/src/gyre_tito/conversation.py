@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gyre_tito.render import recorded_marker
+
 __all__ = [
     "DEFAULT_VOLATILE_PATTERNS",
     "Conversation",
@@ -21,6 +23,8 @@ __all__ = [
     "Sampling",
     "ToolCall",
     "Turn",
+    "append_template_message",
+    "common_prefix",
     "strip_volatile",
 ]
 
@@ -74,43 +78,22 @@ class Conversation:
     enable_thinking: bool | None = None
 
     def template_messages(self, recorded_for: Callable[[Turn], int | None]) -> list[dict[str, Any]]:
-        from gyre_tito.render import recorded_marker
-
         msgs: list[dict[str, Any]] = []
         if self.system:
             msgs.append({"role": "system", "content": self.system})
         for t in self.turns:
-            if t.role == "assistant":
-                k = recorded_for(t)
-                if k is not None:
-                    marker = recorded_marker(k)
-                    # one response split by the harness into consecutive assistant messages is spliced once
-                    if not (msgs and msgs[-1]["role"] == "assistant" and msgs[-1]["content"] == marker):
-                        msgs.append({"role": "assistant", "content": marker})
-                    continue
-                m: dict[str, Any] = {"role": "assistant", "content": t.content}
-                if t.reasoning:
-                    m["reasoning_content"] = t.reasoning
-                if t.tool_calls:
-                    m["tool_calls"] = [
-                        {
-                            "id": c.id,
-                            "type": "function",
-                            "function": {"name": c.name, "arguments": c.arguments},
-                        }
-                        for c in t.tool_calls
-                    ]
-                msgs.append(m)
-            elif t.role == "tool":
-                msgs.append({"role": "tool", "content": t.content, "tool_call_id": t.tool_call_id})
-            else:
-                msgs.append({"role": t.role, "content": t.content})
+            append_template_message(msgs, t, recorded_for)
         return msgs
 
-    def check_tool_results(self) -> None:
-        """Every tool result must answer a tool call of the latest assistant turn before it (as both APIs require)."""
-        open_ids: set[str] = set()
-        for i, t in enumerate(self.turns):
+    def check_tool_results(self, start: int = 0) -> None:
+        """Every tool result must answer a tool call of the latest assistant turn before it (as both APIs require).
+        Turns before `start` are known to pass (the same turns of an earlier request)."""
+        i = start - 1
+        while i >= 0 and self.turns[i].role != "assistant":  # the calls still open at `start`
+            i -= 1
+        open_ids: set[str] = {c.id for c in self.turns[i].tool_calls} if i >= 0 else set()
+        for i in range(start, len(self.turns)):
+            t = self.turns[i]
             if t.role == "assistant":
                 open_ids = {c.id for c in t.tool_calls}
             elif t.role == "tool" and t.tool_call_id not in open_ids:
@@ -120,6 +103,50 @@ class Conversation:
                     f"messages: tool result at turn {i} refers to unknown tool call id {t.tool_call_id!r} "
                     "(no matching tool call in the preceding assistant message)",
                 )
+
+
+def append_template_message(
+    msgs: list[dict[str, Any]], t: Turn, recorded_for: Callable[[Turn], int | None]
+) -> None:
+    """Append turn `t`'s chat-template message to `msgs` (nothing when it continues a recorded output already there)."""
+    if t.role == "assistant":
+        k = recorded_for(t)
+        if k is not None:
+            marker = recorded_marker(k)
+            # one response split by the harness into consecutive assistant messages is spliced once
+            if not (msgs and msgs[-1]["role"] == "assistant" and msgs[-1]["content"] == marker):
+                msgs.append({"role": "assistant", "content": marker})
+            return
+        m: dict[str, Any] = {"role": "assistant", "content": t.content}
+        if t.reasoning:
+            m["reasoning_content"] = t.reasoning
+        if t.tool_calls:
+            m["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in t.tool_calls
+            ]
+        msgs.append(m)
+    elif t.role == "tool":
+        msgs.append({"role": "tool", "content": t.content, "tool_call_id": t.tool_call_id})
+    else:
+        msgs.append({"role": t.role, "content": t.content})
+
+
+def common_prefix(a: list[Any], b: list[Any]) -> int:
+    """Length of the common prefix of two lists, by C-level slice comparisons only: one when `b` is a prefix of `a`
+    (a harness resending its history plus new messages), a binary search otherwise. Elements that are the same
+    objects compare by identity, so a prefix of reused objects costs no element comparison at all."""
+    k = min(len(a), len(b))
+    if a[:k] == b[:k]:
+        return k
+    lo, hi = 0, k - 1  # a[:lo] == b[:lo] holds, a[:hi + 1] != b[:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def strip_volatile(text: str, patterns: tuple[str, ...] | list[str]) -> tuple[str, list[str]]:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gyre_tito.conversation import Conversation
+from gyre_tito.conversation import Conversation, Turn
+from gyre_tito.incremental import EncodeState
 from gyre_tito.records import ExecutionRecords
 from gyre_tito.types import CallRecord
 
@@ -43,6 +44,9 @@ class TurnCache(dict):
         super().__init__()
         self.max_bytes = max_bytes
         self.nbytes = 0
+        self.prefix: tuple[list, list, list[int]] | None = None
+        """The last request's (messages, turns, turn count after each message): an unchanged prefix is not
+        parsed or looked up again (`anthropic_api.parse_request`)."""
 
     def __setitem__(self, key: bytes, value) -> None:
         if key in self:
@@ -76,7 +80,17 @@ class Execution:
     metadata: dict[str, Any] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # guards tree reads against an append in flight
     turn_cache: TurnCache = field(default_factory=lambda: TurnCache())  # parsed messages (see anthropic_api)
+    encode_state: EncodeState = field(
+        default_factory=EncodeState
+    )  # the last request, encoded (incremental.py)
     inflight: int = 0  # calls between `Proxy.finish` start and end: an ended execution is unloaded only at 0
+
+    def recorded_call(self, t: Turn) -> str | None:
+        """Call id of our recorded response that assistant turn `t` replays (tool-call payload cache), or None."""
+        cid = next((self.tool_index[c.id] for c in t.tool_calls if c.id in self.tool_index), None)
+        if cid is None and not t.tool_calls:
+            cid = self.text_index.get(text_key(t.content))
+        return cid if cid is not None and cid in self.records.tree else None
 
     def index(self, rec: CallRecord) -> None:
         for tid in rec.metadata.get("tool_call_ids", []):

@@ -34,7 +34,6 @@ from gyre_tito.conversation import (
     Reply,
     Sampling,
     ToolCall,
-    Turn,
 )
 from gyre_tito.engine_client import EngineError, EnginePool, EnginePoolConfig, EngineRejected
 from gyre_tito.execution import (
@@ -45,6 +44,7 @@ from gyre_tito.execution import (
     credential_hash,
     text_key,
 )
+from gyre_tito.incremental import Splices, encode_incremental
 from gyre_tito.parse import parse_output
 from gyre_tito.records import LOG_SUFFIX, RecordLogConfig, RecordLogCorrupt, RecordStore, read_log
 from gyre_tito.render import ChatTokenizer
@@ -110,6 +110,12 @@ class ProxyConfig(BaseModel):
         True,
         description="records that complete together share one fsync of a journal (`_commit.wal`); False: one "
         "fsync per record in its own log (the old behaviour, kept as the benchmark's baseline)",
+    )
+    incremental_encode: bool = Field(
+        True,
+        description="encode only the messages after the part of the request that the execution's last request "
+        "already had (natively rendered templates); False: render and encode the whole conversation each call (the "
+        "old behaviour, kept as the benchmark's baseline)",
     )
     export_dirs: list[str] = Field(
         default_factory=list, description="directories admin export may write under, besides the store"
@@ -354,32 +360,19 @@ class Proxy:
         """Full context ids of a request (recorded outputs spliced in) and the per-token policy flags.
 
         With `limit`, a render that cannot fit (at least `limit` tokens by its byte length alone) is refused before any
-        tokenizing. Runs in a worker thread (see `prepare`): tokenizing a long text never blocks the event loop."""
-        tree = ex.records.tree
-        recorded: list[Any] = []
-        prefixes: list[str] = []
-        slots: dict[str, int] = {}
-
-        def recorded_for(t: Turn) -> int | None:
-            cid = next((ex.tool_index[c.id] for c in t.tool_calls if c.id in ex.tool_index), None)
-            if cid is None and not t.tool_calls:
-                cid = ex.text_index.get(text_key(t.content))
-            if cid is None or cid not in tree:
-                return None
-            if cid not in slots:
-                slots[cid] = len(recorded)
-                recorded.append(tree.node(cid).output_ids)
-                prefixes.append(ex.gen_suffix.get(cid, ""))
-            return slots[cid]
-
-        messages = conv.template_messages(recorded_for)
+        tokenizing. Runs in a worker thread (see `prepare`): tokenizing a long text never blocks the event loop.
+        Natively rendered templates are encoded incrementally (`incremental.py`: the cost of the new messages)."""
+        if self.chat.native and self.config.incremental_encode:
+            return encode_incremental(self.chat, ex, conv, limit)
+        splices = Splices(ex)
+        messages = conv.template_messages(splices.slot)
         kwargs = {} if conv.enable_thinking is None else {"enable_thinking": conv.enable_thinking}
         text = self.chat.render(messages, conv.tools, add_generation_prompt=True, **kwargs)
         if limit is not None and (least := self.chat.min_tokens(text)) >= limit:
             raise ProtocolError(
                 400, "invalid_request_error", f"prompt is too long: at least {least} tokens > {limit} maximum"
             )
-        enc = self.chat.encode_rendered(text, recorded, prefixes)
+        enc = self.chat.encode_rendered(text, splices.recorded, splices.prefixes)
         return enc.ids, enc.policy
 
     async def count_tokens(self, ex: Execution, conv: Conversation) -> int:
@@ -576,7 +569,8 @@ class Proxy:
                 **meta,
             },
         )
-        async with ex.lock:  # durable before the harness sees anything (group commit: one fsync for many calls)
+        # durable before the harness sees anything (group commit: one fsync shared with the calls ending with it)
+        async with ex.lock:
             rec = await self.records.append(ex.records, rec)
         ex.index(rec)
         self.stats["calls"] += 1

@@ -13,7 +13,15 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["PROBES", "render_qwen3"]
+__all__ = [
+    "PROBES",
+    "qwen3_chunk",
+    "qwen3_generation_prompt",
+    "qwen3_head",
+    "qwen3_last_query",
+    "qwen3_stable",
+    "render_qwen3",
+]
 
 _TOOLS_HEAD = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -30,28 +38,27 @@ def _dumps(x: Any) -> str:
     return json.dumps(x, ensure_ascii=False)
 
 
-def render_qwen3(
-    messages: Sequence[dict[str, Any]],
-    tools: Sequence[dict[str, Any]] | None = None,
-    add_generation_prompt: bool = True,
-    enable_thinking: bool | None = None,
-    **_: Any,
-) -> str:
-    out: list[str] = []
-    n = len(messages)
-    first_system = n > 0 and messages[0]["role"] == "system"
+def qwen3_head(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> str:
+    """The system block: tools and/or a first system message (depends on nothing else)."""
+    first_system = bool(messages) and messages[0]["role"] == "system"
     if tools:
-        out.append("<|im_start|>system\n")
+        out = ["<|im_start|>system\n"]
         if first_system:
             out.append(messages[0]["content"] + "\n\n")
         out.append(_TOOLS_HEAD)
         for t in tools:
             out.append("\n" + _dumps(t))
         out.append(_TOOLS_TAIL)
-    elif first_system:
-        out.append("<|im_start|>system\n" + messages[0]["content"] + "<|im_end|>\n")
-    last_query = n - 1
-    for i in range(n - 1, -1, -1):
+        return "".join(out)
+    if first_system:
+        return "<|im_start|>system\n" + messages[0]["content"] + "<|im_end|>\n"
+    return ""
+
+
+def qwen3_last_query(messages: Sequence[dict[str, Any]], start: int = 0) -> int:
+    """Index of the last real user query (not a tool response) at or after `start`, -1 if none; assistant
+    reasoning is kept only after it (after the last message when there is none)."""
+    for i in range(len(messages) - 1, start - 1, -1):
         m = messages[i]
         c = m.get("content")
         if (
@@ -59,52 +66,88 @@ def render_qwen3(
             and isinstance(c, str)
             and not (c.startswith("<tool_response>") and c.endswith("</tool_response>"))
         ):
-            last_query = i
-            break
-    for i, m in enumerate(messages):
-        role = m["role"]
-        c = m.get("content")
-        content = c if isinstance(c, str) else ""
-        if role == "user" or (role == "system" and i != 0):
-            out.append("<|im_start|>" + role + "\n" + content + "<|im_end|>\n")
-        elif role == "assistant":
-            rc = m.get("reasoning_content")
-            reasoning = ""
-            if isinstance(rc, str):
-                reasoning = rc
-            elif "</think>" in content:
-                reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-                content = content.split("</think>")[-1].lstrip("\n")
-            if i > last_query and (i == n - 1 or reasoning):
-                out.append(
-                    "<|im_start|>assistant\n<think>\n"
-                    + reasoning.strip("\n")
-                    + "\n</think>\n\n"
-                    + content.lstrip("\n")
-                )
-            else:
-                out.append("<|im_start|>assistant\n" + content)
-            for j, tc in enumerate(m.get("tool_calls") or []):
-                if j > 0 or content:
-                    out.append("\n")
-                if tc.get("function"):
-                    tc = tc["function"]
-                args = tc["arguments"]
-                out.append('<tool_call>\n{"name": "' + str(tc["name"]) + '", "arguments": ')
-                out.append(args if isinstance(args, str) else _dumps(args))
-                out.append("}\n</tool_call>")
+            return i
+    return -1
+
+
+def qwen3_chunk(messages: Sequence[dict[str, Any]], i: int, last_query: int) -> str:
+    """Message i's part of the render. It depends on message i, on whether its neighbours are tool results, on
+    whether it is the last message, and (assistant turns) on `last_query`; `qwen3_stable` says which chunks a longer
+    conversation leaves unchanged."""
+    n = len(messages)
+    m = messages[i]
+    role = m["role"]
+    c = m.get("content")
+    content = c if isinstance(c, str) else ""
+    if role == "user" or (role == "system" and i != 0):
+        return "<|im_start|>" + role + "\n" + content + "<|im_end|>\n"
+    out: list[str] = []
+    if role == "assistant":
+        rc = m.get("reasoning_content")
+        reasoning = ""
+        if isinstance(rc, str):
+            reasoning = rc
+        elif "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+        if i > last_query and (i == n - 1 or reasoning):
+            out.append(
+                "<|im_start|>assistant\n<think>\n"
+                + reasoning.strip("\n")
+                + "\n</think>\n\n"
+                + content.lstrip("\n")
+            )
+        else:
+            out.append("<|im_start|>assistant\n" + content)
+        for j, tc in enumerate(m.get("tool_calls") or []):
+            if j > 0 or content:
+                out.append("\n")
+            if tc.get("function"):
+                tc = tc["function"]
+            args = tc["arguments"]
+            out.append('<tool_call>\n{"name": "' + str(tc["name"]) + '", "arguments": ')
+            out.append(args if isinstance(args, str) else _dumps(args))
+            out.append("}\n</tool_call>")
+        out.append("<|im_end|>\n")
+    elif role == "tool":
+        if i == 0 or messages[i - 1]["role"] != "tool":
+            out.append("<|im_start|>user")
+        out.append("\n<tool_response>\n" + content + "\n</tool_response>")
+        if i == n - 1 or messages[i + 1]["role"] != "tool":
             out.append("<|im_end|>\n")
-        elif role == "tool":
-            if i == 0 or messages[i - 1]["role"] != "tool":
-                out.append("<|im_start|>user")
-            out.append("\n<tool_response>\n" + content + "\n</tool_response>")
-            if i == n - 1 or messages[i + 1]["role"] != "tool":
-                out.append("<|im_end|>\n")
-    if add_generation_prompt:
-        out.append("<|im_start|>assistant\n")
-        if enable_thinking is False:
-            out.append("<think>\n\n</think>\n\n")
     return "".join(out)
+
+
+def qwen3_stable(old_n: int, old_last_query: int, new_last_query: int) -> int:
+    """How many leading chunks of an `old_n`-message render stay the same when messages are appended: all but the
+    old last one (its `i == n - 1` and next-is-tool cases change), and none after the earlier of the two last
+    queries when the last query moved (their reasoning is kept or dropped)."""
+    stable = max(old_n - 1, 0)
+    if new_last_query != old_last_query:
+        stable = min(stable, min(old_last_query, new_last_query) + 1)
+    return stable
+
+
+def qwen3_generation_prompt(add_generation_prompt: bool = True, enable_thinking: bool | None = None) -> str:
+    if not add_generation_prompt:
+        return ""
+    return "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if enable_thinking is False else "")
+
+
+def render_qwen3(
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool | None = None,
+    **_: Any,
+) -> str:
+    last_query = qwen3_last_query(messages)
+    if last_query < 0:
+        last_query = len(messages) - 1
+    parts = [qwen3_head(messages, tools)]
+    parts.extend(qwen3_chunk(messages, i, last_query) for i in range(len(messages)))
+    parts.append(qwen3_generation_prompt(add_generation_prompt, enable_thinking))
+    return "".join(parts)
 
 
 _T = [
