@@ -32,7 +32,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer
 
-__all__ = ["ScriptRule", "ScriptedEngine", "ScriptedEngineConfig", "scripted_logprob"]
+__all__ = [
+    "ScriptRule",
+    "ScriptedEngine",
+    "ScriptedEngineConfig",
+    "latest_turn",
+    "match_reply",
+    "scripted_logprob",
+]
 
 
 class ScriptRule(BaseModel):
@@ -59,6 +66,26 @@ class ScriptedEngineConfig(BaseModel):
     fail_after: int | None = Field(
         None, description="end every stream after this many tokens without a finish reason (a dying engine)"
     )
+
+
+def latest_turn(prompt: str) -> str:
+    """The prompt's latest turn: the text after its last assistant turn (before the generation prompt)."""
+    head = prompt[: prompt.rfind("<|im_start|>assistant\n")] if prompt.endswith("assistant\n") else prompt
+    cut = head.rfind("<|im_start|>assistant\n")
+    return head[cut:] if cut >= 0 else head
+
+
+def match_reply(rules: list[ScriptRule], default_reply: str, prompt: str) -> str:
+    """The reply of the first rule the prompt (decoded, special tokens kept) meets, else `default_reply`."""
+    last = latest_turn(prompt)
+    for r in rules:
+        if (
+            all(s in prompt for s in r.contains)
+            and not any(s in prompt for s in r.absent)
+            and all(s in last for s in r.last_contains)
+        ):
+            return r.reply
+    return default_reply
 
 
 def scripted_logprob(i: int, token_id: int) -> float:
@@ -88,19 +115,9 @@ class ScriptedEngine:
 
     # ---- the script ------------------------------------------------------------------------------------------
     def reply_for(self, prompt: str) -> str:
-        head = prompt[: prompt.rfind("<|im_start|>assistant\n")] if prompt.endswith("assistant\n") else prompt
-        cut = head.rfind("<|im_start|>assistant\n")
-        last = head[cut:] if cut >= 0 else head
         if self.reply_fn is not None:
-            return self.reply_fn(prompt, last)
-        for r in self.config.rules:
-            if (
-                all(s in prompt for s in r.contains)
-                and not any(s in prompt for s in r.absent)
-                and all(s in last for s in r.last_contains)
-            ):
-                return r.reply
-        return self.config.default_reply
+            return self.reply_fn(prompt, latest_turn(prompt))
+        return match_reply(self.config.rules, self.config.default_reply, prompt)
 
     def _plan(self, input_ids: list[int]) -> tuple[list[int], int]:
         """Reply ids and how many of them the input already ends with (a continued partial output)."""

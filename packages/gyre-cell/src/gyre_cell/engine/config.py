@@ -52,5 +52,9 @@ class EngineConfig(BaseModel):
     kv_transfer: MooncakeConfig = Field(default_factory=MooncakeConfig)
     """Mooncake transfer engine the KV pool is exposed through: TCP on loopback by default; on GPU nodes set
     `protocol = "rdma"`, `device_name` and a `local_hostname` peers can reach."""
+    scripted_replies: str | None = None
+    """A script file whose replies the engine produces instead of sampling, each token with the model's own
+    log-prob (`gyre_cell.engine.script`): for runs whose harness needs replies the policy cannot give yet. None:
+    the engine samples, as a model does."""
     kv_pin_ttl_s: float = 30.0
     """How long a pinned (source) or adopted (destination) KV sequence lives without acknowledgement / use."""

@@ -30,6 +30,7 @@ from .request import (
     render_response,
 )
 from .sampling import sample_batch
+from .script import ReplyScript
 from .weights import WeightStore, check_allowed_dir, load_checkpoint_dir
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -62,6 +63,9 @@ class TorchEngine:
         self.context_len = int(getattr(hf_cfg, "max_position_embeddings", 4096))
         self.eos_ids = eos_token_ids(config.model_path, hf_cfg)
         self.tokenizer = load_tokenizer(config.model_path)
+        self.script = (
+            ReplyScript(config.scripted_replies, self.tokenizer) if config.scripted_replies else None
+        )
         backup = config.weights_backup
         if backup == "auto":  # a release must really free memory: CPU copy off the GPU, disk file on CPU
             backup = "cpu" if self.device.type == "cuda" else "disk"
@@ -140,6 +144,8 @@ class TorchEngine:
         if sampling.sampling_seed is not None:
             gen = torch.Generator().manual_seed(sampling.sampling_seed)
         req = Request(rid, list(input_ids), sampling, return_logprob, stream, sink, gen)
+        if self.script is not None:
+            req.forced = self.script.forced(req.input_ids)
         with self._inbox_lock:
             if rid in self._by_rid:
                 raise EngineInputError(f"rid {rid!r} is already running")
@@ -384,7 +390,8 @@ class TorchEngine:
         stepped = list(self.running)
         logits_BV = self.runner.step(batch, self.kv)
         params = [(r.sampling.temperature, r.sampling.top_p, r.sampling.top_k, r.generator) for r in stepped]
-        tokens, logprobs, failed = sample_batch(logits_BV, params, self._gen)
+        forced = [r.forced.pop(0) if r.forced else None for r in stepped] if self.script is not None else None
+        tokens, logprobs, failed = sample_batch(logits_BV, params, self._gen, forced)
         for b, (req, token, lp) in enumerate(zip(stepped, tokens, logprobs, strict=True)):
             if b in failed:  # this request alone ends; the rest of the batch goes on
                 self._finish(req, {"type": "abort", "message": f"sampling failed: {failed[b]}"})

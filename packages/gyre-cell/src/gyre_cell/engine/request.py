@@ -74,6 +74,8 @@ class Request:
     num_retractions: int = 0
     migrated_tokens: int = 0
     """Tokens whose KV was migrated from another engine (KV-cache migration) instead of being computed."""
+    forced: list[int] | None = None
+    """A scripted reply's tokens still to produce, in order, instead of sampled ones (`engine.script`)."""
 
     def all_tokens(self) -> list[int]:
         return self.input_ids + self.output_ids

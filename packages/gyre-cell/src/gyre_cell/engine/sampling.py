@@ -84,8 +84,10 @@ def sample_batch(
     logits_BV: torch.Tensor,
     params: list[tuple[float, float, int, torch.Generator | None]],
     default_generator: torch.Generator,
+    forced: list[int | None] | None = None,
 ) -> tuple[list[int], list[float], dict[int, str]]:
-    """Sample one token per row. `params[b] = (temperature, top_p, top_k, generator or None)`.
+    """Sample one token per row. `params[b] = (temperature, top_p, top_k, generator or None)`; `forced[b]`, when
+    not None, is row b's token, taken instead of a sample (a scripted reply), with its log-prob all the same.
 
     The common rows (greedy, or untruncated sampling without a per-request generator) are handled with
     batched ops; the rest row by row. Returns (tokens, behaviour log-probs, failed rows -> reason): a row whose
@@ -95,13 +97,21 @@ def sample_batch(
     lp_BV = batched_logprobs(logits_BV, [p[0] for p in params])
     bad_B = (torch.isnan(lp_BV) | torch.isposinf(lp_BV)).any(dim=-1).tolist()  # -inf: a masked token, fine
     failed = {b: "non-finite logits" for b, bad in enumerate(bad_B) if bad}
-    greedy_rows = [b for b, p in enumerate(params) if p[0] <= 0.0 and b not in failed]
+    tokens = [0] * len(params)
+    scripted = {b: tok for b, tok in enumerate(forced or []) if tok is not None and b not in failed}
+    for b, tok in scripted.items():
+        tokens[b] = tok
+    greedy_rows = [b for b, p in enumerate(params) if p[0] <= 0.0 and b not in failed and b not in scripted]
     plain_rows = [
         b
         for b, (t, top_p, top_k, gen) in enumerate(params)
-        if t > 0.0 and gen is None and top_p >= 1.0 and not 0 < top_k < logits_BV.shape[1] and b not in failed
+        if t > 0.0
+        and gen is None
+        and top_p >= 1.0
+        and not 0 < top_k < logits_BV.shape[1]
+        and b not in failed
+        and b not in scripted
     ]
-    tokens = [0] * len(params)
     if greedy_rows:
         for b, tok in zip(greedy_rows, logits_BV[greedy_rows].argmax(dim=-1).tolist(), strict=True):
             tokens[b] = tok
@@ -109,7 +119,7 @@ def sample_batch(
         drawn = torch.multinomial(lp_BV[plain_rows].exp(), 1, generator=default_generator)[:, 0].tolist()
         for b, tok in zip(plain_rows, drawn, strict=True):
             tokens[b] = tok
-    done = set(greedy_rows) | set(plain_rows) | set(failed)
+    done = set(greedy_rows) | set(plain_rows) | set(failed) | set(scripted)
     for b, (t, top_p, top_k, gen) in enumerate(params):
         if b not in done:
             try:
