@@ -179,6 +179,19 @@ class RolloutConfig(_Section):
     watches and updates (`gyre_cell.worker_engine`); standalone engines too."""
     sglang: SGLangSection = SGLangSection()
     """The SGLang server each cell starts when `engine = "sglang"`."""
+    scripted_replies: str | None = None
+    """A script file (`gyre_cell.engine.script`: rules matched against each prompt) whose replies the torch engines
+    produce instead of sampling, every token with the policy's own log-prob, so training stays exact: for a run
+    whose harness needs replies the policy cannot give yet (a tiny model driving Claude Code's sub-agents and
+    compaction). None: the engines sample."""
+
+    @model_validator(mode="after")
+    def _scripted_on_torch(self) -> RolloutConfig:
+        if self.scripted_replies is not None and self.engine != "torch":
+            raise ValueError(
+                '[rollout] scripted_replies needs engine = "torch" (SGLang cannot force replies)'
+            )
+        return self
 
 
 class AgentConfig(_Section):
@@ -314,6 +327,9 @@ class HarnessConfig(_Section):
     """`claude-code`: --max-turns."""
     max_output_tokens: int | None = Field(None, ge=1)
     """`claude-code`: CLAUDE_CODE_MAX_OUTPUT_TOKENS."""
+    env: dict[str, str] = {}
+    """`command`, `claude-code`: further environment variables of the harness (e.g. Claude Code's
+    CLAUDE_CODE_AUTO_COMPACT_WINDOW); the proxy's address and the execution's key are always Gyre's own."""
     sandbox: bool = False
     """Run each harness in the launch sandbox (gyre_sched.sandbox: own namespaces, network only to the proxy, limits)."""
     sandbox_runtime: Literal["bubblewrap", "oci"] = "bubblewrap"
@@ -324,10 +340,10 @@ class HarnessConfig(_Section):
     def spec(self) -> dict:
         """The gyre_sched.harness.make_harness spec of the run's harness (None for the built-in agent's argv)."""
         if self.kind == "command":
-            return {"kind": "command", "command": list(self.command or [])}
+            return {"kind": "command", "command": list(self.command or []), "extra_env": dict(self.env)}
         if self.kind == "claude-code":
             out = {"kind": "claude-code", "allowed_tools": tuple(self.allowed_tools), "max_turns": self.max_turns,
-                   "max_output_tokens": self.max_output_tokens,
+                   "max_output_tokens": self.max_output_tokens, "extra_env": dict(self.env),
                    "tools": tuple(self.tools) if self.tools is not None else None}  # fmt: skip
             return out | ({"binary": self.binary} if self.binary else {})
         return {"kind": "builtin"}

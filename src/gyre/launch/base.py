@@ -160,13 +160,14 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
     master, coordinator, *ports = free_ports(2 + workers * (2 if sglang else 1))
     worker_ports, sglang_ports = ports[:workers], ports[workers:]
     gpus = _local_gpus(cfg, workers)
+    scripted = str(Path(cfg.rollout.scripted_replies).resolve()) if cfg.rollout.scripted_replies else None
     out = []
     for i in range(c.cells + c.standalone_engines):
         elastic = i < c.cells
         index = i if elastic else i - c.cells
         engine = EngineConfig(
             model_path=str(model_dir), device=c.device, weight_version="0", seed=t.seed + i,
-            cpu_threads=c.cpu_threads_per_cell,
+            cpu_threads=c.cpu_threads_per_cell, scripted_replies=scripted,
         )  # fmt: skip
         training = None
         if elastic:

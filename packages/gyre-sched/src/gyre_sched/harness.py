@@ -146,6 +146,8 @@ class ClaudeCodeHarness:
     max_output_tokens: int | None = None
     output_format: str = "json"
     extra_args: Sequence[str] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    """Further variables (e.g. ``CLAUDE_CODE_AUTO_COMPACT_WINDOW``); the proxy's address and key are always ours."""
     name: str = "claude-code"
 
     def __post_init__(self) -> None:
@@ -168,6 +170,7 @@ class ClaudeCodeHarness:
         home = self.home(ctx)
         home.mkdir(parents=True, exist_ok=True)
         env = {
+            **self.extra_env,
             "HOME": str(home),
             "ANTHROPIC_BASE_URL": ctx.base_url,
             "ANTHROPIC_API_KEY": ctx.credential,
