@@ -158,6 +158,7 @@ def test_incremental_encoding_equals_whole_encoding(setup, seed):
         else:
             history.append({"role": "assistant", "content": blocks + uses or [{"type": "text", "text": ""}]})
         history.append(_user_turn(rng, uses))
+    loop.run_until_complete(proxy.pool.aclose())  # its pooled engine connections belong to this loop
     loop.close()
     assert reused >= 10  # the common case did reuse the last request's ids
 

@@ -25,6 +25,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from gyre_tito.conversation import Conversation, ProtocolError, Turn, append_template_message, common_prefix
 from gyre_tito.qwen3_render import (
     qwen3_chunk,
@@ -38,7 +40,7 @@ from gyre_tito.render import ChatTokenizer
 if TYPE_CHECKING:
     from gyre_tito.execution import Execution
 
-__all__ = ["EncodeState", "Splices", "encode_incremental"]
+__all__ = ["INLINE_CHARS", "EncodeState", "Splices", "encode_incremental", "new_chars"]
 
 _SEG = "<|im_start|>"
 
@@ -159,6 +161,23 @@ def encode_incremental(
         len(ex.text_index), seg, ids, policy, body,
     )  # fmt: skip
     return ids, policy  # shared with the state, which only ever copies a prefix of them (never changes them)
+
+
+INLINE_CHARS = 16384
+"""New text up to this size is encoded on the event loop (`Proxy._encode`): well under a millisecond."""
+
+
+def new_chars(st: EncodeState, conv: Conversation) -> float:
+    """About how much text `encode_incremental` would encode for `conv` (inf when it would start afresh)."""
+    if st.key != (conv.system, conv.tools, conv.enable_thinking) or not st.turns:
+        return float("inf")
+    c = common_prefix(conv.turns, st.turns)
+    if c == 0:
+        return float("inf")
+    return sum(
+        len(t.content) + len(t.reasoning or "") + sum(len(orjson.dumps(x.arguments)) for x in t.tool_calls)
+        for t in conv.turns[c - 1 :]
+    )
 
 
 def _extend(chat: ChatTokenizer, ids: array, policy: bytearray, text: str, splices: Splices) -> None:

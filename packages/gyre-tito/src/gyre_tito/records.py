@@ -298,6 +298,7 @@ class RecordStore:
         self._open: dict[str, ExecutionRecords] = {}
         self._lock = threading.Lock()
         self.committer: GroupCommit | None = None
+        self._synced_appends = 0
         if self.config.fsync and self.config.group_commit:
             self.committer = GroupCommit(self.directory)  # replays the journal before any log is opened
 
@@ -306,7 +307,14 @@ class RecordStore:
         ``records.append`` (its own fsync) in a worker thread."""
         if self.committer is not None:
             return await self.committer.append(records, record)
-        return await asyncio.to_thread(records.append, record)
+        stored = await asyncio.to_thread(records.append, record)
+        self._synced_appends += self.config.fsync
+        return stored
+
+    @property
+    def fsyncs(self) -> int:
+        """fsyncs that made appends through `append` durable (one per record without group commit)."""
+        return self.committer.stats["fsyncs"] if self.committer is not None else self._synced_appends
 
     def open(self, execution_id: str) -> ExecutionRecords:
         with self._lock:

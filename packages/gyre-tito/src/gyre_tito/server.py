@@ -254,6 +254,8 @@ def create_app(proxy: Proxy) -> FastAPI:
             f"gyre_tito_input_tokens_total {int(s['input_tokens'])}",
             "# TYPE gyre_tito_output_tokens_total counter",
             f"gyre_tito_output_tokens_total {int(s['output_tokens'])}",
+            "# TYPE gyre_tito_record_fsyncs_total counter",
+            f"gyre_tito_record_fsyncs_total {proxy.records.fsyncs}",
             "# TYPE gyre_tito_overhead_seconds_total counter",
             f"gyre_tito_overhead_seconds_total {s['overhead_s']:.6f}",
             "# TYPE gyre_tito_engine_retries_total counter",

@@ -1,0 +1,60 @@
+"""The engine client reads a streamed /generate to its end (so the connection goes back to the pool) and splits
+server-sent events itself."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+
+from gyre_tito import engine_client
+from gyre_tito.conversation import Conversation, Sampling, Turn
+from gyre_tito.proxy import Proxy, ProxyConfig
+from gyre_tito.scripted_engine import ScriptedEngine, ScriptedEngineConfig
+from gyre_tito.tiny_tokenizer import build_tiny_tokenizer
+
+
+def test_sse_payloads_split_across_chunks():
+    events = [b'data: {"a": 1}\n\n', b": keep-alive\n\n", b'data: {"b": 2}\r\n\r\n', b"data: [DONE]\n\n"]
+    raw = b"".join(events)
+    chunks = [raw[i : i + 7] for i in range(0, len(raw), 7)]  # lines cut anywhere
+
+    async def run() -> list[bytes]:
+        r = httpx.Response(200, stream=httpx.ByteStream(b""))
+        r.stream = _Chunks(chunks)
+        return [p async for p in engine_client._sse_data(r)]
+
+    assert asyncio.run(run()) == [b'{"a": 1}', b'{"b": 2}', b"[DONE]"]
+    assert orjson.loads(b'{"a": 1}') == {"a": 1}
+
+
+class _Chunks(httpx.AsyncByteStream):
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    async def __aiter__(self):
+        for c in self.chunks:
+            yield c
+
+
+def test_sequential_calls_reuse_one_engine_connection(tmp_path):
+    tok = build_tiny_tokenizer(tmp_path / "tok")
+    eng = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok), default_reply="Hi."))
+    url = eng.start()
+    proxy = Proxy(ProxyConfig(engines=[url], tokenizer=str(tok), store=str(tmp_path / "s"), fsync=False))
+    ex, _ = proxy.register("ex")
+
+    async def run() -> int:
+        for k in range(5):
+            conv = Conversation(None, [Turn("user", f"q{k}")], [])
+            await proxy.complete(ex, conv, Sampling(max_new_tokens=8), "anthropic", {})
+        pool = proxy.pool._client._transport._pool  # httpcore's pool: the connections it keeps
+        n = len(pool.connections)
+        await proxy.aclose()
+        return n
+
+    try:
+        assert asyncio.run(run()) == 1  # one kept-alive connection served all five (was: a new one per call)
+    finally:
+        eng.stop()
