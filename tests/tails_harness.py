@@ -3,13 +3,14 @@ name, which is the execution id), so that every group of a run holds all of them
 
 - e0 answers "unscorable": its evaluator (`tails_evaluators.TailsEvaluator`) fails on every attempt, so the
   execution is excluded when its overall budget runs out;
-- e1 answers "mint", makes one model call, starts a child process (its pid in `child.pid`) and then waits forever:
-  the harness timeout ends it and its process tree, and its preserved answer is assessed;
+- e1 answers "mint", starts a child process (its pid in `child.pid`) and makes a model call the engines never answer
+  (its prompt holds the `--stall` marker, which the run's script holds): the harness timeout ends it and its process tree, and
+  its preserved answer is assessed;
 - e2 cannot start its agent: a wrapper shell's `exec` of a program that is not installed (exit 127), the paper's
   complete failure with no assessable work;
 - every other index (the group's spares) answers "mint" after one model call and exits.
 
-Standard library only: `python -I tails_harness.py --task TEXT` (OPENAI_BASE_URL, OPENAI_API_KEY set).
+Standard library only: `python -I tails_harness.py --task TEXT --stall MARKER` (OPENAI_BASE_URL, OPENAI_API_KEY set).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def _answer(text: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--task", required=True)
+    p.add_argument(
+        "--stall", required=True, help="e1 puts this in its prompt: the run's engines never answer it"
+    )
     args = p.parse_args()
     index = int(os.path.basename(os.getcwd()).rpartition(".e")[2])
     if index == 0:
@@ -47,12 +51,13 @@ def main() -> int:
     if index == 2:
         os.execv("/bin/sh", ["sh", "-c", "exec gyre-tails-agent-that-is-not-installed"])
     _answer("mint")  # before the call: the preserved work does not depend on how fast the engine is
-    _call_model(args.task)
     if index == 1:
         child = subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL)
         with open("child.pid", "w", encoding="utf-8") as out:
             out.write(str(child.pid))
-        signal.pause()  # only the harness timeout ends it
+        _call_model(f"{args.task} {args.stall}")  # never answered: only the harness timeout ends it
+        signal.pause()
+    _call_model(args.task)
     return 0
 
 

@@ -5,8 +5,9 @@ Every group has N = 3 counted members and one spare (k_spare = 1), and its execu
 (`tests/tails_harness.py`), so every group a step trains holds all of them, whichever groups the step takes:
 - e0: its evaluator fails on every attempt until the overall budget runs out: excluded (no score, never a zero),
   never trained, and the spare e3 completes the group in its place;
-- e1: ends at the harness timeout (it waits forever after its answer and one model call), its process tree killed;
-  the preserved answer is assessed and the reward trained;
+- e1: a model call the engines never answer (a stall: the run's engines play a script that holds it), so the
+  harness's own timeout ends it and its process tree; the preserved answer is assessed and the reward trained,
+  and nothing waits on the call that never came back;
 - e2: cannot start its agent (a wrapper's exec of a program that is not installed): the zero-reward placeholder,
   distinct from a valid zero, trained as a placeholder;
 - e1 and e3: the evaluator fails their first attempt, the retry within the budget makes them valid, both attempts
@@ -30,6 +31,8 @@ from gyre_sched.trace import iter_trace
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS_TIMEOUT_S = 10.0
 BUDGET_S = 20.0
+STALL = "STALL-HERE"
+"""In a prompt: the run's scripted engines never answer it (the script's `hold`)."""
 
 
 def _attempts(con: sqlite3.Connection) -> dict[str, list[tuple[int, str | None]]]:
@@ -46,14 +49,19 @@ def test_every_tail_in_one_run(tmp_path):
     task = {"query_id": "tails", "prompt": "Name the code word.", "workspace": {"empty": True},
             "scoring": {"kind": "python", "factory": "tails_evaluators:TailsEvaluator"},
             "harness": {"kind": "command",
-                        "command": [sys.executable, "-I", str(ROOT / "tests" / "tails_harness.py"), "--task", "{task}"]},
+                        "command": [sys.executable, "-I", str(ROOT / "tests" / "tails_harness.py"), "--task", "{task}",
+                                    "--stall", STALL]},
             "harness_timeout_s": HARNESS_TIMEOUT_S, "overall_budget_s": BUDGET_S}  # fmt: skip
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text(json.dumps(task) + "\n")
+    script = (
+        tmp_path / "script.json"
+    )  # the policy's own log-probs for "OK."; a prompt with STALL never answered
+    script.write_text(json.dumps({"default_reply": "OK.", "hold": [STALL]}))
     argv = [sys.executable, "-m", "gyre.cli", "demo", "--steps", "1", "--run-dir", str(run_dir), "--quiet",
             "--set", f"tasks.file={task_file}", "--set", "dashboard.enabled=false",
             "--set", "scheduler.N=3", "--set", "scheduler.B=2", "--set", "scheduler.k_spare=1",
-            "--set", "train.dump_batches=[0]"]  # fmt: skip
+            "--set", "train.dump_batches=[0]", "--set", f"rollout.scripted_replies={script}"]  # fmt: skip
     env = os.environ | {"PYTHONPATH": str(ROOT / "tests")}  # gyre-eval imports tails_evaluators
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -85,9 +93,12 @@ def test_every_tail_in_one_run(tmp_path):
         assert all("cannot be scored" in err for _, err in attempts[e0])
         assert "budget expired" in json.loads(rows[e0]["provenance"])["last_error"]
         assert e0 not in infos
-        # e1: the harness timeout ended it and its child; its preserved answer was assessed and trained
+        # e1: its call never came back; the harness timeout ended it and its child; its preserved answer was
+        # assessed and counts in the group (no call was recorded: it has no tokens to train)
         assert outcome[e1] == "harness_timeout" and assessed[e1] == "valid"
         assert json.loads(rows[e1]["submission"])["outcome"] == "harness_timeout"
+        assert not (run_dir / "records" / "records" / f"{e1}.tito.jsonl").read_text().strip()
+        assert e1 not in infos
         child = int((run_dir / "workspaces" / e1 / "child.pid").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(child, 0)  # the process tree went with the harness
@@ -104,11 +115,10 @@ def test_every_tail_in_one_run(tmp_path):
         assert outcome[e3] == "completed"
         # The group's counted members are e1, e2, e3 (the spare took the excluded e0's place), in that order.
         expected = group_advantages([1.0, 0.0, 1.0], "grpo")
-        for eid, adv in ((e1, expected[0]), (e3, expected[2])):
-            if eid in infos:  # an execution trains if the engine answered its call before the timeout
-                assert infos[eid]["group_id"] == gid
-                assert infos[eid]["advantage"] == pytest.approx(adv, abs=1e-6)
-        assert e3 in infos  # it ended after its call was answered
+        assert (
+            infos[e3]["group_id"] == gid
+        )  # e3's call was answered: its tokens train, with the group's advantage
+        assert infos[e3]["advantage"] == pytest.approx(expected[2], abs=1e-6)
     assert step["mean_reward"] == pytest.approx(2.0 / 3.0, abs=1e-9)
     # No group was dropped: the spare completed each one.
     assert not [x for x in trace if x["ev"] == "group_dropped"]

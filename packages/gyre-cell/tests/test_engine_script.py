@@ -39,7 +39,7 @@ def test_the_engine_produces_the_scripted_reply_with_the_models_own_logprobs(
     tok = AutoTokenizer.from_pretrained(tiny_model)
     end = tok.convert_tokens_to_ids("<|im_end|>")
     prompt = tok.encode(PROMPT, add_special_tokens=False)
-    reply = tok.encode("It is sunny and warm.", add_special_tokens=False) + [end]
+    reply = [*tok.encode("It is sunny and warm.", add_special_tokens=False), end]
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     with serve_engine(tiny_model, scripted_replies=str(script_file)) as served:
         out = _generate(served, prompt)
@@ -57,7 +57,7 @@ def test_the_engine_produces_the_scripted_reply_with_the_models_own_logprobs(
         # default reply; max_new_tokens still cuts a reply short.
         assert _generate(served, prompt + reply[:3])["output_ids"] == reply[3:]
         other = tok.encode(OTHER, add_special_tokens=False)
-        assert _generate(served, other)["output_ids"] == tok.encode("Blue.", add_special_tokens=False) + [end]
+        assert _generate(served, other)["output_ids"] == [*tok.encode("Blue.", add_special_tokens=False), end]
         short = _generate(served, prompt, max_new_tokens=2)
         assert short["output_ids"] == reply[:2] and short["meta_info"]["finish_reason"]["type"] == "length"
 
@@ -65,3 +65,36 @@ def test_the_engine_produces_the_scripted_reply_with_the_models_own_logprobs(
 def test_a_script_needs_a_chat_tokenizer(script_file):
     with pytest.raises(ValueError, match="tokenizer"):
         ReplyScript(script_file, None)
+
+
+def test_a_held_prompt_is_never_answered_until_it_is_aborted(serve_engine, tiny_model, tmp_path):
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from gyre_cell.engine.request import SamplingSpec
+
+    path = tmp_path / "script.json"
+    path.write_text(json.dumps({"default_reply": "Blue.", "hold": ["weather"]}))
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    with serve_engine(tiny_model, scripted_replies=str(path)) as served:
+        engine = served.engine
+        ended: list[dict] = []
+        done = threading.Event()
+
+        def sink(out, finished):
+            if finished:
+                ended.append(out)
+                done.set()
+
+        spec = SamplingSpec(max_new_tokens=16)
+        prompt = tok.encode(PROMPT, add_special_tokens=False)
+        engine.submit(
+            rid="stalled", input_ids=prompt, sampling=spec, return_logprob=True, stream=False, sink=sink
+        )
+        # another request is served while the held one waits
+        other = _generate(served, tok.encode(OTHER, add_special_tokens=False))
+        assert other["meta_info"]["finish_reason"]["type"] == "stop" and not ended
+        assert engine.abort("stalled") == 1
+        assert done.wait(30)
+        assert ended[0]["output_ids"] == [] and ended[0]["meta_info"]["finish_reason"]["type"] == "abort"

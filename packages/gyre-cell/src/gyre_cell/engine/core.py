@@ -144,13 +144,16 @@ class TorchEngine:
         if sampling.sampling_seed is not None:
             gen = torch.Generator().manual_seed(sampling.sampling_seed)
         req = Request(rid, list(input_ids), sampling, return_logprob, stream, sink, gen)
+        held = False
         if self.script is not None:
             req.forced = self.script.forced(req.input_ids)
+            held = req.forced is None  # the script never answers it: known by its rid, never stepped
         with self._inbox_lock:
             if rid in self._by_rid:
                 raise EngineInputError(f"rid {rid!r} is already running")
             self._by_rid[rid] = req
-            self._inbox.append(req)
+            if not held:
+                self._inbox.append(req)
         self._wake.set()
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False, message: str = "Aborted") -> int:

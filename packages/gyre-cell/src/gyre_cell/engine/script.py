@@ -29,6 +29,9 @@ class ScriptFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rules: list[ScriptRule] = Field(default_factory=list)
     default_reply: str = "OK."
+    hold: list[str] = Field(default_factory=list)
+    """A request whose prompt contains any of these is never answered (until it is aborted): a model call the
+    engines never answer, for runs that must show such a stall ends at the harness's timeout and hangs nothing."""
 
 
 class ReplyScript:
@@ -44,9 +47,9 @@ class ReplyScript:
             raise ValueError("scripted replies need a Qwen-style chat tokenizer with <|im_end|>")
         self.header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
 
-    def forced(self, input_ids: list[int]) -> list[int]:
+    def forced(self, input_ids: list[int]) -> list[int] | None:
         """The reply's tokens still to produce: all of them, or those after the part `input_ids` already ends
-        with (a continued partial output)."""
+        with (a continued partial output); None for a request the script holds."""
         n = len(self.header)
         start = next(
             (i + n for i in range(len(input_ids) - n, -1, -1) if input_ids[i : i + n] == self.header), -1
@@ -55,6 +58,8 @@ class ReplyScript:
         prompt = self.tokenizer.decode(
             input_ids[: start if start >= 0 else len(input_ids)], skip_special_tokens=False
         )
+        if any(marker in prompt for marker in self.script.hold):
+            return None
         text = match_reply(self.script.rules, self.script.default_reply, prompt)
         reply = [*self.tokenizer.encode(text, add_special_tokens=False), self.end]
         if partial and reply[: len(partial)] == partial:
