@@ -127,11 +127,16 @@ def main() -> None:
     ap.add_argument(
         "--async-splits", type=int, nargs="+", default=[1, 2], help="Async's training cells to sweep"
     )
+    ap.add_argument(
+        "--time-scale", type=float, default=1.0, help="the workload's clock, again this much faster"
+    )
     args = ap.parse_args()
     steps = args.steps or (6 if args.quick else 12)
     repeats = 1 if args.quick else args.repeats
     targets = [1.0] if args.quick else args.staleness
-    workload = WorkloadConfig.model_validate(WORKLOADS[args.workload]) if args.workload else None
+    workload = None
+    if args.workload:
+        workload = WorkloadConfig.model_validate(WORKLOADS[args.workload]).scaled(args.time_scale)
     results: dict[str, list[dict]] = {}
     best_split: dict[float, int] = {}
     split_s: dict[str, float] = {}
@@ -186,6 +191,7 @@ def main() -> None:
     summary: dict = {
         "bench": "run_policies",
         "workload": args.workload or "demo",
+        "time_scale": args.time_scale,
         "steps": steps,
         "repeats": repeats,
     }

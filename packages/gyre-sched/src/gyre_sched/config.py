@@ -331,6 +331,9 @@ class WorkloadConfig(_Cfg):
     tool_latency_s: float = Field(0.0, ge=0)
     """Mean tool time between two model calls (exponential), for the workload harness that plays this workload in a
     real run (`gyre_sched.workload_harness`); the simulator models an execution's duration, not its calls."""
+    call_tokens: int = Field(8, ge=1)
+    """max_tokens of each model call the workload harness makes: with the calls per execution, what one execution
+    gives the trainer (the simulator's training cost is `[cost]`'s, calibrated from a real run)."""
 
     def scaled(self, factor: float) -> WorkloadConfig:
         """The same workload on a clock `factor` times as fast (every duration times `factor`; shares, sigmas and

@@ -90,7 +90,7 @@ NL2REPO_DENSE: dict[str, Any] = NL2REPO | {
 # timeout at 20 s that the hard queries' executions reach together, evaluations of 0.42 s failing 5% of attempts,
 # retried within a 25 s budget. Two changes, both because a real run differs from the simulator there: no hangs (in a
 # real run the harness timeout ends a hang first, and it is assessed; the simulator runs it to the overall budget),
-# and a tool latency (0.5 s mean between two model calls), which the simulator does not model.
+# and what the simulator does not model: a tool latency (0.5 s mean between two model calls) and 48 tokens a call.
 NL2REPO_SCALED_FACTOR = 1.0 / 720.0
 NL2REPO_SCALED: dict[str, Any] = (
     WorkloadConfig.model_validate(NL2REPO["workload"])
@@ -101,6 +101,7 @@ NL2REPO_SCALED: dict[str, Any] = (
             "hang_query_rate": 1.0,
             "exclusion": "per_execution",
             "tool_latency_s": 0.5,
+            "call_tokens": 48,
         }
     )
     .model_dump(exclude_defaults=True)

@@ -16,10 +16,11 @@ runner names it after) and plays that execution's plan:
   first (assessed, not excluded): the simulator lets it run to the overall budget, so a workload meant for both sets
   ``overall_timeout_rate = 0`` or ``exclusion_known = "stall"``.
 
-Calls keep a short context (the task and the last two turns), as an agent that compacts does: the executions are
-long in time and calls, not in tokens. The harness imports only the standard library and gyre-sched.
+Each call extends the conversation (the reply, then a short tool result), so an execution is one trajectory, until
+`MAX_TURNS` turns: then it starts again from the task, as an agent that compacts does (a new branch of its tree). The
+harness imports only the standard library and gyre-sched.
 
-    python -m gyre_sched.workload_harness --workload WORKLOAD.json --seed S --task TEXT [--max-tokens M]
+    python -m gyre_sched.workload_harness --workload WORKLOAD.json --seed S --task TEXT
 
 (``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` set, as the runner sets them.) A run starts it as a script,
 ``python -I .../gyre_sched/workload_harness.py`` (`gyre.workload_tasks`): it prints a line before it imports
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
     from gyre_sched.workload import ExecPlan
 
 __all__ = ["execution_of", "load_workload", "main", "plan_of"]
+
+MAX_TURNS = 16
+"""Turns kept before the conversation starts again from the task (keeps a small model's context bounded)."""
 
 NOT_INSTALLED = "gyre-workload-agent-that-is-not-installed"
 """What a planned complete failure tries to start (so the runner reports that the harness could not start)."""
@@ -88,7 +92,9 @@ class _Agent:
         self.calls = 0
 
     def call(self, timeout_s: float) -> str:
-        messages = [{"role": "user", "content": self.task}, *self.turns[-4:]]
+        if len(self.turns) >= 2 * MAX_TURNS:
+            self.turns = []  # compaction: the next call starts a new branch
+        messages = [{"role": "user", "content": self.task}, *self.turns]
         body = {"model": "gyre-policy", "messages": messages, "max_tokens": self.max_tokens}
         request = urllib.request.Request(self.url, json.dumps(body).encode(), self.headers, method="POST")
         with urllib.request.urlopen(request, timeout=max(timeout_s, 0.5)) as response:
@@ -134,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", required=True, help="the workload definition (WorkloadConfig as JSON)")
     p.add_argument("--seed", type=int, required=True, help="the workload's seed (the simulator's)")
     p.add_argument("--task", required=True)
-    p.add_argument("--max-tokens", type=int, default=8)
     args = p.parse_args(argv)
     start = _started()
     print("started", flush=True)  # output at once: the stall watchdog counts a silent start-up
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_of(workload, args.seed, execution_id)
     group, index = execution_of(execution_id)
     rng = random.Random(f"{args.seed}/{group}/{index}")  # its tool latencies: the same on every replay
-    agent = _Agent(args.task, args.max_tokens)
+    agent = _Agent(args.task, workload.call_tokens)
     print(f"{execution_id}: {plan.outcome} after {plan.duration_s:.2f} s", flush=True)
     if plan.outcome == "failed":
         time.sleep(max(0.0, start + plan.duration_s - time.monotonic()))
