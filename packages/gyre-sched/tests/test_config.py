@@ -74,6 +74,41 @@ def test_policy_config_builds_params_for_a_real_run():
     )
 
 
+def test_every_policy_knob_reaches_the_policy_core_by_its_name():
+    """PolicyParams is derived from PolicyConfig, not copied field by field: a knob added to the config and not to
+    the core's parameters fails here, and each one reaches the core with its value."""
+    import dataclasses
+
+    from gyre_sched.config import PolicyConfig, PolicyParams
+
+    core = {f.name for f in dataclasses.fields(PolicyParams)}
+    assert set(PolicyConfig.model_fields) <= core
+    assert core - set(PolicyConfig.model_fields) == {
+        "K",
+        "C_e",
+        "C_s",
+        "harness_timeout_s",
+        "overall_budget_s",
+    }
+    cfg = PolicyConfig(
+        kind="elastic",
+        N=3,
+        B=4,
+        phi=0.25,
+        mu=2,
+        rho_min=0.75,
+        tau_s=7.0,
+        k_spare=2,
+        streaming=False,
+        spares="idle",
+        launch_order="predicted",
+        target_staleness=0.8,
+        mu_max=3,
+    )
+    p = cfg.params(K=4, C_e=8, C_s=0, harness_timeout_s=10.0, overall_budget_s=20.0)
+    assert all(getattr(p, name) == getattr(cfg, name) for name in PolicyConfig.model_fields)
+
+
 @pytest.mark.parametrize(
     ("policy", "shape", "fields"),
     [

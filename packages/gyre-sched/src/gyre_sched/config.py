@@ -207,27 +207,13 @@ class PolicyConfig(_Cfg):
         """The policy core's parameters: these knobs plus the cluster's shape and the task budgets, which the
         embedding config owns (the simulator's ``[cluster]``/``[workload]``, a real run's cluster and agent).
         ValueError names the fields of an invalid combination (e.g. colocate with phi > 0 and C_s = 0)."""
+        # Derived, not copied: every knob is a PolicyParams field of the same name (test_config checks it).
+        knobs = {name: getattr(self, name) for name in type(self).model_fields}
         return PolicyParams(
-            kind=self.kind,
+            **knobs,
             K=K,
             C_e=C_e,
             C_s=C_s,
-            N=self.N,
-            B=self.B,
-            phi=self.phi,
-            mu=self.mu,
-            rho_min=self.rho_min,
-            tau_s=self.tau_s,
-            k_spare=self.k_spare,
-            streaming=self.streaming,
-            dispatch=self.dispatch,
-            q_c=self.q_c,
-            async_train_cells=self.async_train_cells,
-            spares=self.spares,
-            planner=self.planner,
-            target_staleness=self.target_staleness,
-            mu_max=self.mu_max,
-            launch_order=self.launch_order,
             harness_timeout_s=harness_timeout_s,
             overall_budget_s=overall_budget_s,
         )
