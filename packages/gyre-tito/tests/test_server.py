@@ -180,20 +180,27 @@ def _wait_any_holding(es, timeout=20.0):
     raise AssertionError("no request reached the hold gate")
 
 
+def _call_held_on_first_engine(srv, es, urls):
+    """A new execution routed to engine 0, its first call running in a thread and held there (`hold_after`):
+    (execution id, the thread, where the thread puts the response under "r")."""
+    eid, cred = srv.register()
+    assert srv.admin("PUT", f"/admin/executions/{eid}/route", {"engines": [urls[0]]}).status_code == 200
+    out = {}
+    th = threading.Thread(
+        target=lambda: out.setdefault("r", _msg(srv.url, cred, [{"role": "user", "content": "go"}]))
+    )
+    th.start()
+    assert es[0].holding.wait(20)
+    return eid, th, out
+
+
 def test_interrupted_call_continues_on_the_executions_new_route(tok_dir, tmp_path, engines):
     """A cell leaving rollout: the controller reroutes the execution, then drains its engine. The interrupted call
     must continue on the new route, not go back to the drained engine once the pool has forgotten it."""
     es, urls = engines
     es[0].config.hold_after = 3  # gate: the call holds on engine 0 after 3 tokens
     with ProxyServer(_cfg(tok_dir, tmp_path, urls)) as srv:
-        eid, cred = srv.register()
-        assert srv.admin("PUT", f"/admin/executions/{eid}/route", {"engines": [urls[0]]}).status_code == 200
-        out = {}
-        th = threading.Thread(
-            target=lambda: out.setdefault("r", _msg(srv.url, cred, [{"role": "user", "content": "go"}]))
-        )
-        th.start()
-        assert es[0].holding.wait(20)
+        eid, th, out = _call_held_on_first_engine(srv, es, urls)
         assert srv.admin("PUT", f"/admin/executions/{eid}/route", {"engines": [urls[1]]}).status_code == 200
         assert srv.admin("POST", "/admin/engines/drain", {"engine": urls[0]}).status_code == 200
         th.join(30)
@@ -202,6 +209,27 @@ def test_interrupted_call_continues_on_the_executions_new_route(tok_dir, tmp_pat
         assert [s.engine_id for s in rec.output_segments] == [urls[0].rstrip("/"), urls[1].rstrip("/")]
         assert (rec.output_segments[0].start, rec.output_segments[0].end) == (0, 3)
         assert len(es[0].requests) == 1  # the drained engine was never called again
+
+
+def test_ending_an_execution_cancels_its_call_in_flight(tok_dir, tmp_path, engines):
+    """A harness killed at its timeout while an engine never answers its call: the runner ends the execution, and the
+    call must end there, not wait on the engine or be retried on the next one when the first is drained."""
+    es, urls = engines
+    es[
+        0
+    ].config.hold_after = (
+        3  # gate: the call holds on engine 0 after 3 tokens (an engine that stopped answering)
+    )
+    with ProxyServer(_cfg(tok_dir, tmp_path, urls)) as srv:
+        eid, th, out = _call_held_on_first_engine(srv, es, urls)
+        assert srv.admin("POST", f"/admin/executions/{eid}/end").status_code == 200
+        th.join(30)
+        assert out["r"].status_code == 409 and "ended while this call was in flight" in out["r"].text
+        assert len(es[0].requests) == 1 and es[1].requests == []  # never retried elsewhere
+        assert all(e["inflight"] == 0 for e in srv.proxy.pool.engines())  # the engine's request is gone too
+        assert eid not in srv.proxy.executions  # unloaded once its call returned
+        assert srv.admin("POST", "/admin/engines/drain", {"engine": urls[0]}).json()["inflight_at_drain"] == 0
+        assert es[1].requests == []
 
 
 def test_per_execution_route_and_least_loaded(tok_dir, tmp_path, engines):

@@ -84,6 +84,9 @@ class Execution:
         default_factory=EncodeState
     )  # the last request, encoded (incremental.py)
     inflight: int = 0  # calls between `Proxy.finish` start and end: an ended execution is unloaded only at 0
+    serving: set[asyncio.Task] = field(
+        default_factory=set
+    )  # its calls' generations: `Proxy.end` cancels them
 
     def recorded_call(self, t: Turn) -> str | None:
         """Call id of our recorded response that assistant turn `t` replays (tool-call payload cache), or None."""

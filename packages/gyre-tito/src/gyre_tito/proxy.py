@@ -292,11 +292,16 @@ class Proxy:
         return ex, credential
 
     def end(self, execution_id: str) -> Execution | EndedExecution:
-        """End an execution: its credential stops working; its tree leaves memory once no call is in flight."""
+        """End an execution: its credential stops working, the calls it still has in flight are cancelled (their
+        engines abort them; nobody is left to read the reply, and a call an engine never answers would otherwise be
+        retried on the next engine at every drain), and its tree leaves memory once they have returned."""
         ex = self.get(execution_id)
         if not ex.ended:
             self._log_event({"ev": "end", "execution_id": execution_id, "t": time.time()})
             ex.ended = True
+        if isinstance(ex, Execution):
+            for work in list(ex.serving):
+                work.cancel()
         if isinstance(ex, Execution) and ex.inflight == 0:
             self._unload(ex)
         return self.get(execution_id)
@@ -520,9 +525,21 @@ class Proxy:
         """Generate (with retries across engines), record durably, and build the reply."""
         self._check_running(call.ex)
         call.ex.inflight += 1  # no await since the check: `end` cannot unload the execution under this call
+        work = asyncio.ensure_future(self._finish(call))
+        call.ex.serving.add(work)
         try:
-            return await self._finish(call)
+            return await work  # a cancellation of this caller cancels the generation too
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if work.cancelled() and call.ex.ended and (current is None or not current.cancelling()):
+                raise ProtocolError(  # `end` cancelled the generation, not this caller
+                    409,
+                    "invalid_request_error",
+                    f"execution {call.ex.id} ended while this call was in flight",
+                ) from None
+            raise
         finally:
+            call.ex.serving.discard(work)
             call.ex.inflight -= 1
             if call.ex.ended and call.ex.inflight == 0 and call.ex.id in self.executions:
                 self._unload(call.ex)
