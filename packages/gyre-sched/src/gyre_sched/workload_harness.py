@@ -113,11 +113,14 @@ def _work_until(agent: _Agent, rng: random.Random, tool_latency_s: float, until:
     reply = ""
     while until is None or time.monotonic() < until:
         left = None if until is None else until - time.monotonic()
+        failed = False
         try:
             reply = agent.call(600.0 if left is None else left)
         except (TimeoutError, urllib.error.URLError) as e:  # a call cut at the plan's end, or a refused one
             print(f"call failed: {e}", flush=True)
+            failed = True
         pause = rng.expovariate(1.0 / tool_latency_s) if tool_latency_s > 0 else 0.0
+        pause = max(pause, 0.1) if failed else pause  # a call refused again and again is no busy loop
         if until is not None:
             pause = min(pause, max(0.0, until - time.monotonic()))
         time.sleep(pause)  # the tool's latency: this harness's work is wall time by design
