@@ -165,24 +165,3 @@ def test_engine_token_guards_every_endpoint_but_health(tiny_model):
         asyncio.run(main())
     finally:
         eng.close()
-
-
-def test_read_secret_from_fd_and_private_file(tmp_path):
-    import os
-
-    from gyre_cell.secret import SecretError, read_secret
-
-    r, w = os.pipe()
-    os.write(w, b"tok-1\n")
-    os.close(w)
-    assert read_secret(fd=r) == "tok-1"
-    f = tmp_path / "token"
-    f.write_text("tok-2\n")
-    f.chmod(0o644)
-    with pytest.raises(SecretError, match="readable by others"):
-        read_secret(f)
-    f.chmod(0o600)
-    assert read_secret(f) == "tok-2" and read_secret() is None
-    f.write_text("\n")
-    with pytest.raises(SecretError, match="empty"):
-        read_secret(f)

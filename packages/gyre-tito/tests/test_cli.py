@@ -88,8 +88,7 @@ def test_serve_writes_resolved_config_and_answers(tmp_path):
 
 
 def test_token_sources_refuse_world_readable_files_and_mixed_sources(tmp_path, capsys):
-    from gyre_tito.cli import read_token
-
+    """The serve command refuses a token source before it builds anything (the reader: gyre-sched's test_secret)."""
     tok = build_tiny_tokenizer(tmp_path / "tok")
     f = tmp_path / "t"
     f.write_text("x\n")
@@ -97,13 +96,11 @@ def test_token_sources_refuse_world_readable_files_and_mixed_sources(tmp_path, c
     args = ["serve", "--tokenizer", str(tok), "--store", str(tmp_path / "s"), "--admin-token-file", str(f)]
     assert main(args) == 2 and "readable by others" in capsys.readouterr().err
     f.chmod(0o600)
-    assert read_token(str(f), None) == "x" and read_token(None, None) is None
     r, w = os.pipe()
     os.close(w)
     try:
-        read_token(str(f), r)
-        raise AssertionError("both sources accepted")
-    except ValueError as e:
-        assert "not both" in str(e)
+        assert main([*args, "--admin-token-fd", str(r)]) == 2
     finally:
         os.close(r)
+    assert "give a token file or a token fd, not both" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()  # refused before the store was made

@@ -66,9 +66,10 @@ def _serve(args: argparse.Namespace, config) -> int:
     import uvicorn
 
     from gyre_eval.server import create_app
+    from gyre_sched.secret import read_secret
 
     try:
-        token = _read_token(args.token_file, args.token_fd)
+        token = read_secret(args.token_file, args.token_fd)
     except ValueError as e:
         print(f"gyre-eval: {e}", file=sys.stderr)
         return 2
@@ -93,31 +94,6 @@ def _serve(args: argparse.Namespace, config) -> int:
     server = uvicorn.Server(server_config)
     server.run(sockets=sockets)
     return 0 if server.started else 3  # uvicorn's own status for a server that never started
-
-
-def _read_token(file: str | None, fd: int | None) -> str | None:
-    """A token from a mode-600 file or an inherited fd, never argv or the environment (readable through /proc)."""
-    import os
-    import stat
-
-    if file is not None and fd is not None:
-        raise ValueError("give --token-file or --token-fd, not both")
-    if fd is not None:
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(4096)
-    elif file is not None:
-        try:
-            if os.stat(file).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise ValueError(f"token file {file}: readable by others; chmod 600 it")
-            raw = Path(file).read_bytes()[:4096]
-        except OSError as e:
-            raise ValueError(f"token file {file}: {e.strerror}") from None
-    else:
-        return None
-    token = raw.decode("utf-8", "replace").strip()
-    if not token or "\n" in token:
-        raise ValueError("a token must be one non-empty line")
-    return token
 
 
 async def _check(args: argparse.Namespace, config) -> int:

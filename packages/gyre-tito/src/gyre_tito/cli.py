@@ -22,44 +22,10 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def read_token(file: str | None, fd: int | None) -> str | None:
-    """A token from a file (mode 600 or stricter) or an inherited file descriptor (read to its end, then closed),
-    never from the environment or argv, which every process of the same user can read through /proc."""
-    import stat
-
-    if file is not None and fd is not None:
-        raise ValueError("give a token file or a token fd, not both")
-    if fd is not None:
-        chunks = []
-        try:
-            while chunk := os.read(fd, 4096):
-                chunks.append(chunk)
-        except OSError as e:
-            raise ValueError(f"token fd {fd}: {e.strerror}") from None
-        finally:
-            os.close(fd)
-        raw = b"".join(chunks)
-    elif file is not None:
-        try:
-            mode = os.stat(file).st_mode
-            if mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise ValueError(
-                    f"token file {file}: readable by others (mode {oct(mode & 0o777)}); chmod 600 it"
-                )
-            raw = Path(file).read_bytes()[:4096]
-        except OSError as e:
-            raise ValueError(f"token file {file}: {e.strerror}") from None
-    else:
-        return None
-    token = raw.decode("utf-8", "replace").strip()
-    if not token or "\n" in token:
-        raise ValueError("a token must be one non-empty line")
-    return token
-
-
 def _serve(a: argparse.Namespace) -> int:
     import uvicorn
 
+    from gyre_sched.secret import read_secret
     from gyre_tito.proxy import Proxy, ProxyConfig
     from gyre_tito.server import create_app
 
@@ -71,9 +37,9 @@ def _serve(a: argparse.Namespace) -> int:
             print(f"gyre-tito serve: --engine {url!r}: must be an http(s) URL", file=sys.stderr)
             return 2
     try:
-        admin_token = read_token(a.admin_token_file, a.admin_token_fd)
-        engine_key = read_token(a.engine_api_key_file, a.engine_api_key_fd)
-    except ValueError as e:
+        admin_token = read_secret(a.admin_token_file, a.admin_token_fd)
+        engine_key = read_secret(a.engine_api_key_file, a.engine_api_key_fd)
+    except ValueError as e:  # SecretError: its message names the source
         print(f"gyre-tito serve: {e}", file=sys.stderr)
         return 2
     try:  # held by whoever started the proxy: no other process can take the port before it listens
