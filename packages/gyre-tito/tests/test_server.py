@@ -53,13 +53,7 @@ def _msg(url, cred, messages, **kw):
 def test_auth_admin_and_basic_endpoints(tok_dir, tmp_path, engines):
     _, urls = engines
     with ProxyServer(_cfg(tok_dir, tmp_path, urls[:1])) as srv:
-        assert httpx.post(srv.url + "/admin/executions", json={}).status_code == 401
-        assert (
-            httpx.post(srv.url + "/admin/executions", json={}, headers={"x-admin-token": "no"}).status_code
-            == 401
-        )
-        assert srv.admin("POST", "/admin/executions", {"execution_id": 5}).status_code == 400
-        assert srv.admin("PUT", "/admin/routes", {"engines": ["ftp://x"]}).status_code == 400
+        # the admin token and bodies of every admin route: test_admin_api
         _eid, cred = srv.register("e1")
         assert srv.admin("POST", "/admin/executions", {"execution_id": "e1"}).status_code == 409
         r = _msg(srv.url, "wrong", [{"role": "user", "content": "x"}])
@@ -420,31 +414,6 @@ def test_max_context_is_taken_from_the_engines(tok_dir, tmp_path):
             assert len(sent["input_ids"]) + sent["sampling_params"]["max_new_tokens"] <= 200
     finally:
         eng.stop()
-
-
-def test_admin_bodies_are_validated(tok_dir, tmp_path, engines):
-    _, urls = engines
-    with ProxyServer(_cfg(tok_dir, tmp_path, urls)) as srv:
-        for body in ({}, {"engine": [urls[0]]}, {"engines": None}, {"engines": urls, "extra": 1}):
-            r = srv.admin("PUT", "/admin/routes", body)
-            assert r.status_code == 400, body
-        assert len(srv.proxy.pool.engines()) == 2  # before: `{}` or a misspelled key removed every engine
-        for body in (
-            {"engine": urls[0], "timeout_s": "abc"},
-            {"engine": urls[0], "timeout_s": 1e300},
-            {"engine": urls[0], "timeout_s": -1},
-            {"engine": urls[0], "abort_inflight": "no"},
-        ):
-            r = srv.admin("POST", "/admin/engines/drain", body)
-            assert r.status_code == 400, (body, r.text)
-        eid, _ = srv.register()
-        for body in ({"j_max": 1e300}, {"j_max": "x"}, {"seed": 2**70}, {"j_max": 0}):
-            r = srv.admin("POST", f"/admin/executions/{eid}/export", body)
-            assert r.status_code == 400, (body, r.text)
-        assert (
-            srv.admin("PUT", "/admin/routes", {"engines": [urls[1]]}).status_code == 200
-        )  # explicit is fine
-        assert [e["url"] for e in srv.proxy.pool.engines()] == [urls[1].rstrip("/")]
 
 
 def test_a_null_logprob_from_an_engine_is_never_recorded_as_zero(tok_dir, tmp_path):

@@ -2,41 +2,56 @@
 
 | method + path | body | answer |
 |---|---|---|
-| `POST /admin/executions` | `{execution_id?, group_id?, route?: [url], metadata?}` | `{execution_id, group_id, credential}` |
+| `POST /admin/executions` | `RegisterRequest`: `{execution_id?, group_id?, route?: [url], metadata?}` | `{execution_id, group_id, credential}` |
 | `GET /admin/executions/{id}` | | `{execution_id, group_id, ended, calls, active_calls, route}` |
 | `POST /admin/executions/{id}/end` | | `{execution_id, ended: true}` |
-| `PUT /admin/executions/{id}/route` | `{engines: [url] \\| null}` | `{execution_id, route}` |
-| `POST /admin/executions/{id}/export` | `{j_max?, seed?, include_other?, path?}` | `{trajectories: [...]}` (and JSONL/Parquet at `path`, which must resolve under STORE/exports or an `--export-dir`) |
+| `PUT /admin/executions/{id}/route` | `RouteRequest`: `{engines: [url] \\| null}` | `{execution_id, route}` |
+| `POST /admin/executions/{id}/export` | `ExportRequest`: `{j_max?, seed?, include_other?, path?}` | `{trajectories: [...]}` (and JSONL/Parquet at `path`, which must resolve under STORE/exports or an `--export-dir`) |
 | `GET /admin/quarantine` | | `{quarantined: [{execution_id, group_id, log, reason}]}` |
-| `GET /admin/engines` / `PUT /admin/routes` | `{engines: [url]}` | engine list |
-| `POST /admin/engines/drain` | `{engine, abort_inflight?: true, timeout_s?}` | `{engine, inflight_at_drain, kv_migration}` |
+| `GET /admin/engines` / `PUT /admin/routes` | `RoutesRequest`: `{engines: [url]}` | engine list |
+| `POST /admin/engines/drain` | `DrainRequest`: `{engine, abort_inflight?: true, timeout_s?}` | `{engine, inflight_at_drain, kv_migration}` |
 | `GET /admin/kv/reroutes` | | `{kv_migration, reroutes: [{rid, kind, source, destination, status, migrated_tokens, served_tokens, recomputed_tokens, ...}]}` (the last 1024 moves) |
+
+The bodies are the pydantic models of `gyre_tito.admin_models`. Every route depends on `admin_proxy` (the token
+check: 401 without it); errors are answered in the Anthropic shape `{"type": "error", "error": {type, message}}` by
+one handler (`AdminRoute`): a body that does not fit its model is a 400 naming each offending field, never a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 
+from gyre_tito.admin_models import DrainRequest, ExportRequest, RegisterRequest, RouteRequest, RoutesRequest
 from gyre_tito.conversation import ProtocolError
 from gyre_tito.execution import Execution
 
 __all__ = [
-    "admin_router", "check_export_dirs", "export_roots", "export_target", "export_trajectories", "has_admin_token",
-]  # fmt: skip
-
-
-def _err(e: ProtocolError) -> JSONResponse:
-    return JSONResponse(
-        {"type": "error", "error": {"type": e.kind, "message": e.message}}, status_code=e.status
-    )
+    "ROUTES",
+    "AdminRoute",
+    "DrainRequest",
+    "ExportRequest",
+    "RegisterRequest",
+    "RouteRequest",
+    "RoutesRequest",
+    "admin_proxy",
+    "admin_router",
+    "check_export_dirs",
+    "export_roots",
+    "export_target",
+    "export_trajectories",
+    "has_admin_token",
+]
 
 
 EXPORTS_SUBDIR = "exports"
@@ -112,21 +127,17 @@ def path_repr(p: Path) -> str:
     return repr(str(p)[:300])
 
 
-def export_trajectories(proxy, execution_id: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+def export_trajectories(proxy, execution_id: str, request: ExportRequest) -> list[dict[str, Any]]:
     """Select (J_max admission) and materialise an execution's trajectories; optionally write them to `path`."""
     from gyre_tito.materialize import placeholder_trajectory, select_trajectories
     from gyre_tito.selection import SelectionConfig
     from gyre_tito.types import ROLE_PRIORITY
 
     ex = proxy.get(execution_id)
-    target = export_target(proxy, body["path"]) if body.get("path") is not None else None
-    priority = (*ROLE_PRIORITY, "other") if body.get("include_other") else ROLE_PRIORITY
-    j_max, seed = body.get("j_max", 5), body.get("seed", 0)
-    for name, v, lo, hi in (("j_max", j_max, 1, 10_000), ("seed", seed, -(2**63), 2**63 - 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise ProtocolError(400, "invalid_request_error", f"{name}: must be an integer in [{lo}, {hi}]")
-    cfg = SelectionConfig(j_max=j_max, seed=seed, priority=priority)
-    if body.get("no_work"):
+    target = export_target(proxy, request.path) if request.path is not None else None
+    priority = (*ROLE_PRIORITY, "other") if request.include_other else ROLE_PRIORITY
+    cfg = SelectionConfig(j_max=request.j_max, seed=request.seed, priority=priority)
+    if request.no_work:
         trajs = [placeholder_trajectory(ex.id, ex.group_id)]
     else:
         trajs = select_trajectories(proxy.tree(execution_id), ex.group_id, cfg)
@@ -151,182 +162,156 @@ def has_admin_token(proxy, req: Request) -> bool:
     return bool(token) and hmac.compare_digest(given.encode(), token.encode())
 
 
-def admin_router(proxy) -> APIRouter:
-    r = APIRouter(prefix="/admin")
+# ---- the router: a token dependency, body models, one error handler --------------------------------------------
 
-    async def guard(req: Request) -> dict[str, Any]:
-        if not has_admin_token(proxy, req):
-            raise ProtocolError(401, "authentication_error", "admin token missing or wrong")
-        raw = await req.body()
-        if not raw:
-            return {}
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise ProtocolError(400, "invalid_request_error", f"body is not valid JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise ProtocolError(400, "invalid_request_error", "body must be a JSON object")
-        return body
 
-    def _urls(v: Any, field: str) -> list[str] | None:
-        if v is None:
-            return None
-        if not isinstance(v, list) or not all(isinstance(u, str) and u.startswith("http") for u in v):
-            raise ProtocolError(
-                400, "invalid_request_error", f"{field}: must be a list of http(s) URLs or null"
-            )
-        return [u.rstrip("/") for u in v]
+async def admin_proxy(req: Request) -> Any:
+    """The app's proxy (`app.state.proxy`), for a request that carries its admin token: every admin route's
+    dependency, so a route cannot forget the check. Without the token: 401 before the body is read."""
+    proxy = req.app.state.proxy
+    if not has_admin_token(proxy, req):
+        raise ProtocolError(401, "authentication_error", "admin token missing or wrong")
+    return proxy
 
-    def summary(ex) -> dict[str, Any]:
-        return {
-            "execution_id": ex.id,
-            "group_id": ex.group_id,
-            "ended": ex.ended,
-            "calls": proxy.calls(ex.id),
-            "active_calls": proxy.pool.active.get(ex.id, 0),  # model calls of it running now
-            "route": ex.route,
-        }
 
-    @r.post("/executions")
-    async def register(req: Request):
-        try:
-            body = await guard(req)
-            eid, gid = body.get("execution_id"), body.get("group_id")
-            for name, v in (("execution_id", eid), ("group_id", gid)):
-                if v is not None and (not isinstance(v, str) or not v):
-                    raise ProtocolError(400, "invalid_request_error", f"{name}: must be a non-empty string")
-            meta = body.get("metadata") or {}
-            if not isinstance(meta, dict):
-                raise ProtocolError(400, "invalid_request_error", "metadata: must be an object")
-            ex, cred = proxy.register(eid, gid, _urls(body.get("route"), "route"), meta)
-            return summary(ex) | {"credential": cred}
-        except ProtocolError as e:
-            return _err(e)
+def _body[M: BaseModel](model: type[M]) -> Callable[[Request], Awaitable[M]]:
+    """A dependency giving the request body as `model`. The raw bytes are parsed whatever the content type (curl's
+    `-d` sends form-encoded); an empty body is `{}`, so a route whose fields all have defaults needs none."""
 
-    @r.get("/executions/{eid}")
-    async def info(eid: str, req: Request):
-        try:
-            await guard(req)
-            return summary(proxy.get(eid))
-        except ProtocolError as e:
-            return _err(e)
+    async def parse(req: Request) -> M:
+        return model.model_validate_json(await req.body() or b"{}")
 
-    @r.post("/executions/{eid}/end")
-    async def end(eid: str, req: Request):
-        try:
-            await guard(req)
-            return summary(proxy.end(eid))
-        except ProtocolError as e:
-            return _err(e)
+    return parse
 
-    @r.put("/executions/{eid}/route")
-    async def route(eid: str, req: Request):
-        try:
-            body = await guard(req)
-            proxy.set_route(eid, _urls(body.get("engines"), "engines"))
-            return summary(proxy.get(eid))
-        except ProtocolError as e:
-            return _err(e)
 
-    @r.post("/executions/{eid}/export")
-    async def export_(eid: str, req: Request):
-        try:
-            body = await guard(req)
-            ex = proxy.get(eid)
-            if isinstance(ex, Execution):
-                async with ex.lock:
-                    trajs = export_trajectories(proxy, eid, body)
-            else:  # ended: its tree is reloaded from the log for this export only (off the event loop)
-                trajs = await asyncio.to_thread(export_trajectories, proxy, eid, body)
-            return {"execution_id": eid, "trajectories": trajs}
-        except ProtocolError as e:
-            return _err(e)
-        except (ValueError, TypeError) as e:
-            return _err(ProtocolError(400, "invalid_request_error", str(e)))
+Admin = Annotated[Any, Depends(admin_proxy)]
 
-    @r.get("/quarantine")
-    async def quarantine(req: Request):
-        try:
-            await guard(req)
-            return {
-                "quarantined": [
-                    {"execution_id": q.id, "group_id": q.group_id, "log": str(q.log_path), "reason": q.reason}
-                    for q in proxy.quarantined.values()
-                ]
-            }
-        except ProtocolError as e:
-            return _err(e)
 
-    @r.get("/engines")
-    async def engines(req: Request):
-        try:
-            await guard(req)
-            return {"engines": proxy.pool.engines()}
-        except ProtocolError as e:
-            return _err(e)
+def _problems(e: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, x['loc'])) or 'body'}: {x['msg']}" for x in e.errors())
 
-    @r.get("/kv/reroutes")
-    async def kv_reroutes(req: Request):
-        try:
-            await guard(req)
-            # one row per moved request or context, oldest first; served/recomputed stay null until its next call
-            return {
-                "kv_migration": dict(proxy.pool.kv_stats),
-                "reroutes": [asdict(x) for x in proxy.pool.reroutes],
-            }
-        except ProtocolError as e:
-            return _err(e)
 
-    @r.put("/routes")
-    async def routes(req: Request):
-        try:
-            body = await guard(req)
-            unknown = sorted(set(body) - {"engines"})
-            if unknown or "engines" not in body or body["engines"] is None:
-                # a misspelled or missing key must never read as "no engines" and empty the route
-                raise ProtocolError(
-                    400,
-                    "invalid_request_error",
-                    "body must be {'engines': [url, ...]}" + (f"; unknown keys {unknown}" if unknown else ""),
-                )
-            urls = _urls(body["engines"], "engines") or []
-            proxy.pool.set_engines(urls)
-            proxy.config.engines = urls
-            proxy.refresh_context_limit()
-            return {"engines": proxy.pool.engines()}
-        except ProtocolError as e:
-            return _err(e)
+class AdminRoute(APIRoute):
+    """The admin routes' one error handler: a `ProtocolError` is answered with its status, a body that does not fit
+    its model with 400 and each offending field (before: a hand check per field, and a 500 for any it missed)."""
 
-    @r.post("/engines/drain")
-    async def drain(req: Request):
-        try:
-            body = await guard(req)
-            url = body.get("engine")
-            if not isinstance(url, str):
-                raise ProtocolError(400, "invalid_request_error", "engine: required URL string")
-            timeout_s = body.get("timeout_s", 30)
-            if (
-                isinstance(timeout_s, bool)
-                or not isinstance(timeout_s, int | float)
-                or not 0 <= timeout_s <= 3600
-            ):
-                raise ProtocolError(
-                    400, "invalid_request_error", "timeout_s: must be a number of seconds in [0, 3600]"
-                )
-            abort = body.get("abort_inflight", True)
-            if not isinstance(abort, bool):
-                raise ProtocolError(400, "invalid_request_error", "abort_inflight: must be a boolean")
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handle = super().get_route_handler()
+
+        async def handler(req: Request) -> Response:
             try:
-                n = await proxy.pool.drain(url, abort, float(timeout_s))
-            except KeyError:
-                raise ProtocolError(404, "not_found_error", f"no engine {url!r}") from None
-            # kv_migration: the pool's KV-migration totals after this drain (reroutes, migrated, tokens, bytes)
-            return {
-                "engine": url.rstrip("/"),
-                "inflight_at_drain": n,
-                "kv_migration": dict(proxy.pool.kv_stats),
-            }
-        except ProtocolError as e:
-            return _err(e)
+                return await handle(req)
+            except ValidationError as e:
+                error = ProtocolError(400, "invalid_request_error", f"invalid request body: {_problems(e)}")
+            except ProtocolError as e:
+                error = e
+            body = {"type": "error", "error": {"type": error.kind, "message": error.message}}
+            return JSONResponse(body, status_code=error.status)
 
+        return handler
+
+
+def _summary(proxy, ex) -> dict[str, Any]:
+    return {
+        "execution_id": ex.id,
+        "group_id": ex.group_id,
+        "ended": ex.ended,
+        "calls": proxy.calls(ex.id),
+        "active_calls": proxy.pool.active.get(ex.id, 0),  # model calls of it running now
+        "route": ex.route,
+    }
+
+
+async def _register(proxy: Admin, body: Annotated[RegisterRequest, Depends(_body(RegisterRequest))]):
+    ex, cred = proxy.register(body.execution_id, body.group_id, body.route, body.metadata or {})
+    return _summary(proxy, ex) | {"credential": cred}
+
+
+async def _info(eid: str, proxy: Admin):
+    return _summary(proxy, proxy.get(eid))
+
+
+async def _end(eid: str, proxy: Admin):
+    return _summary(proxy, proxy.end(eid))
+
+
+async def _route(eid: str, proxy: Admin, body: Annotated[RouteRequest, Depends(_body(RouteRequest))]):
+    proxy.set_route(eid, body.engines)
+    return _summary(proxy, proxy.get(eid))
+
+
+async def _export(eid: str, proxy: Admin, body: Annotated[ExportRequest, Depends(_body(ExportRequest))]):
+    ex = proxy.get(eid)
+    try:
+        if isinstance(ex, Execution):
+            async with ex.lock:
+                trajs = export_trajectories(proxy, eid, body)
+        else:  # ended: its tree is reloaded from the log for this export only (off the event loop)
+            trajs = await asyncio.to_thread(export_trajectories, proxy, eid, body)
+    except (ValueError, TypeError) as e:  # the selection refusing this execution's tree
+        raise ProtocolError(400, "invalid_request_error", str(e)) from None
+    return {"execution_id": eid, "trajectories": trajs}
+
+
+async def _quarantine(proxy: Admin):
+    return {
+        "quarantined": [
+            {"execution_id": q.id, "group_id": q.group_id, "log": str(q.log_path), "reason": q.reason}
+            for q in proxy.quarantined.values()
+        ]
+    }
+
+
+async def _engines(proxy: Admin):
+    return {"engines": proxy.pool.engines()}
+
+
+async def _kv_reroutes(proxy: Admin):
+    # one row per moved request or context, oldest first; served/recomputed stay null until its next call
+    return {"kv_migration": dict(proxy.pool.kv_stats), "reroutes": [asdict(x) for x in proxy.pool.reroutes]}
+
+
+async def _routes(proxy: Admin, body: Annotated[RoutesRequest, Depends(_body(RoutesRequest))]):
+    proxy.pool.set_engines(body.engines)
+    proxy.config.engines = body.engines
+    proxy.refresh_context_limit()
+    return {"engines": proxy.pool.engines()}
+
+
+async def _drain(proxy: Admin, body: Annotated[DrainRequest, Depends(_body(DrainRequest))]):
+    try:
+        n = await proxy.pool.drain(body.engine, body.abort_inflight, body.timeout_s)
+    except KeyError:
+        raise ProtocolError(404, "not_found_error", f"no engine {body.engine!r}") from None
+    # kv_migration: the pool's KV-migration totals after this drain (reroutes, migrated, tokens, bytes)
+    return {
+        "engine": body.engine.rstrip("/"),
+        "inflight_at_drain": n,
+        "kv_migration": dict(proxy.pool.kv_stats),
+    }
+
+
+ROUTES = [
+    ("POST", "/executions", _register, RegisterRequest),
+    ("GET", "/executions/{eid}", _info, None),
+    ("POST", "/executions/{eid}/end", _end, None),
+    ("PUT", "/executions/{eid}/route", _route, RouteRequest),
+    ("POST", "/executions/{eid}/export", _export, ExportRequest),
+    ("GET", "/quarantine", _quarantine, None),
+    ("GET", "/engines", _engines, None),
+    ("GET", "/kv/reroutes", _kv_reroutes, None),
+    ("PUT", "/routes", _routes, RoutesRequest),
+    ("POST", "/engines/drain", _drain, DrainRequest),
+]
+"""Every admin route: method, path under /admin, handler, and its body's model (None: it reads no body)."""
+
+
+def admin_router() -> APIRouter:
+    """The admin routes under /admin, for an app whose `state.proxy` is the proxy (`gyre_tito.server.create_app`):
+    each request finds it there, through `admin_proxy`."""
+    r = APIRouter(prefix="/admin", route_class=AdminRoute, dependencies=[Depends(admin_proxy)])
+    for method, path, endpoint, model in ROUTES:
+        # the body is parsed by a dependency (`_body`), which OpenAPI cannot see: its schema is declared here
+        body = {"content": {"application/json": {"schema": model.model_json_schema()}}} if model else None
+        r.add_api_route(path, endpoint, methods=[method], openapi_extra=body and {"requestBody": body})
     return r

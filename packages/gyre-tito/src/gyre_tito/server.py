@@ -292,5 +292,5 @@ def create_app(proxy: Proxy) -> FastAPI:
         lines.append(f"# generated {time.time():.3f}")
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    app.include_router(admin_router(proxy))
+    app.include_router(admin_router())
     return app
