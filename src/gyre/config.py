@@ -173,12 +173,37 @@ class SGLangSection(_Section):
     """Further flags, as-is (never a key: the token goes by file)."""
 
 
+class VLLMSection(_Section):
+    """How each cell worker starts its vLLM server (`[rollout] engine = "vllm"`); model, port, seed, weight version
+    and the engine token come from the run. vLLM pins no KV for another engine: a call moved off it is recomputed."""
+
+    python: str | None = None
+    """Interpreter of an environment with vLLM (`gyre-cell vllm-env` makes one and prints it; None: the one running
+    Gyre)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Model dtype in vLLM (`auto`: the checkpoint's). The trainer recomputes log-probs in `[train] dtype`."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Context length (None: the model's)."""
+    cpu_kv_cache_gib: float = Field(1.0, gt=0)
+    """CPU: each server's KV cache (vLLM's default takes a share of the machine's memory)."""
+    enforce_eager: bool = False
+    """No compiled graphs: starts faster, runs slower."""
+    enable_sleep_mode: bool = False
+    """GPU: free weights and KV while the cell trains (`/sleep`); on CPU vLLM's sleep frees nothing."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, lt=1)
+    """GPU memory fraction for weights and KV (None: vLLM's default)."""
+    extra_args: list[str] = []
+    """Further flags, as-is (never a key: the token goes by environment)."""
+
+
 class RolloutConfig(_Section):
-    engine: Literal["torch", "sglang"] = "torch"
-    """Each cell's rollout engine: the torch engine inside the cell worker, or an SGLang server the worker starts,
-    watches and updates (`gyre_cell.worker_engine`); standalone engines too."""
+    engine: Literal["torch", "sglang", "vllm"] = "torch"
+    """Each cell's rollout engine: the torch engine inside the cell worker, or an SGLang or vLLM server the worker
+    starts, watches and updates (`gyre_cell.worker_engine`); standalone engines too."""
     sglang: SGLangSection = SGLangSection()
     """The SGLang server each cell starts when `engine = "sglang"`."""
+    vllm: VLLMSection = VLLMSection()
+    """The vLLM server each cell starts when `engine = "vllm"`."""
     scripted_replies: str | None = None
     """A script file (`gyre_cell.engine.script`: rules matched against each prompt) whose replies the torch engines
     produce instead of sampling, every token with the policy's own log-prob, so training stays exact: for a run
@@ -189,7 +214,7 @@ class RolloutConfig(_Section):
     def _scripted_on_torch(self) -> RolloutConfig:
         if self.scripted_replies is not None and self.engine != "torch":
             raise ValueError(
-                '[rollout] scripted_replies needs engine = "torch" (SGLang cannot force replies)'
+                '[rollout] scripted_replies needs engine = "torch" (SGLang and vLLM cannot force replies)'
             )
         return self
 
@@ -407,7 +432,7 @@ class RunConfig(_Section):
     weights: WeightsConfig = WeightsConfig()
     """How the core's new weights reach the rollout engines and joining satellites."""
     rollout: RolloutConfig = RolloutConfig()
-    """The rollout engine of every cell: in-process torch (default) or a supervised SGLang server."""
+    """The rollout engine of every cell: in-process torch (default) or a supervised SGLang or vLLM server."""
     agent: AgentConfig = AgentConfig()
     """The built-in agent's limits and every execution's deadlines."""
     dashboard: DashboardConfig = DashboardConfig()

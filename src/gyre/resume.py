@@ -91,6 +91,8 @@ class ResumePoint:
             update: dict = {"engine": engine}
             if wc.sglang is not None:
                 update["sglang"] = wc.sglang.model_copy(update={"weight_version": str(self.version)})
+            if wc.vllm is not None:
+                update["vllm"] = wc.vllm.model_copy(update={"weight_version": str(self.version)})
             if wc.training is not None and wc.cell == 0:
                 update["training"] = wc.training.model_copy(update={"resume_from": str(self.checkpoint)})
             out.append(wc.model_copy(update=update))

@@ -19,6 +19,7 @@ from gyre.launch.base import Launcher, ServiceError, free_port
 
 if TYPE_CHECKING:
     from gyre.config import RunConfig
+    from gyre_tito.engine_client import EngineAPI
 
 __all__ = ["Launcher", "ServiceError", "free_port", "make_launcher"]
 
@@ -33,10 +34,19 @@ def make_launcher(cfg: RunConfig, run_dir: Path | None = None) -> Launcher:
             run_dir,
             cell_restarts=cfg.launcher.cell_restarts,
             service_hang_s=cfg.launcher.service_hang_s,
+            engine_api=_engine_api(cfg),
             launcher=cfg.launcher,
         )
     from gyre.launch.local import LocalLauncher
 
     return LocalLauncher(
-        run_dir, cell_restarts=cfg.launcher.cell_restarts, service_hang_s=cfg.launcher.service_hang_s
+        run_dir,
+        cell_restarts=cfg.launcher.cell_restarts,
+        service_hang_s=cfg.launcher.service_hang_s,
+        engine_api=_engine_api(cfg),
     )
+
+
+def _engine_api(cfg: RunConfig) -> EngineAPI:
+    """The route the proxy calls the run's engines by: vLLM's own, or SGLang's (SGLang, Gyre's torch engine)."""
+    return "vllm" if cfg.rollout.engine == "vllm" else "sglang"

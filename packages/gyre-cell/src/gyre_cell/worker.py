@@ -49,7 +49,7 @@ from gyre_cell.engine.server import create_app, require_token
 from gyre_cell.engine.weights import WeightError
 from gyre_cell.ports import free_port
 from gyre_cell.roles import CellRoleManager, CellRoleManagerConfig, IllegalRoleTransition, RoleSwitchError
-from gyre_cell.worker_engine import InProcessEngine, RolloutSide, SupervisedSGLang
+from gyre_cell.worker_engine import InProcessEngine, RolloutSide, SupervisedSGLang, SupervisedVLLM
 from gyre_cell.worker_types import (
     CellEvent,
     CellWorkerConfig,
@@ -141,11 +141,12 @@ class CellWorkerProcess:
         self.api_key = api_key  # the run's engine token: engine and /cell commands need it (not /health)
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.events = EventLog()
+        logs = Path(cfg.run_dir) / "logs"
         self.rollout: RolloutSide = (
-            InProcessEngine(cfg, self.url, api_key)
-            if cfg.sglang is None
-            else SupervisedSGLang(cfg, api_key, Path(cfg.run_dir) / "logs" / f"{_name(cfg)}.sglang.log")
-        )
+            SupervisedSGLang(cfg, api_key, logs / f"{_name(cfg)}.sglang.log") if cfg.sglang is not None
+            else SupervisedVLLM(cfg, api_key, logs / f"{_name(cfg)}.vllm.log") if cfg.vllm is not None
+            else InProcessEngine(cfg, self.url, api_key)
+        )  # fmt: skip
         self.training = None  # CellTraining, built in the background (gloo waits for every cell)
         self.error: str | None = None
         self._ready = threading.Event()
@@ -154,7 +155,7 @@ class CellWorkerProcess:
         self.server: uvicorn.Server | None = None
         if isinstance(self.rollout, InProcessEngine):  # the engine's protocol at the root, next to /cell
             self.app = create_app(self.rollout.engine, api_key=api_key)
-        else:  # an SGLang server serves the engine protocol itself (`WorkerStatus.engine_url`): /cell only
+        else:  # an SGLang or vLLM server serves the engine protocol itself (`WorkerStatus.engine_url`): /cell only
             self.app = FastAPI()
             require_token(self.app, api_key)
             self.app.add_api_route("/health", lambda: Response(status_code=200), methods=["GET"])

@@ -18,6 +18,7 @@ from gyre_cell.sglang_launch import SGLangLaunchConfig
 from gyre_cell.stop_gate import StopGate  # re-exported: apart, a run config embeds it without torch
 from gyre_cell.switch_report import SwitchReport
 from gyre_cell.transfer.mooncake import MooncakeConfig
+from gyre_cell.vllm_launch import VLLMLaunchConfig
 from gyre_train.loss_config import LossConfig
 
 __all__ = [
@@ -133,11 +134,15 @@ class CellWorkerConfig(_Wire):
     port: int = Field(ge=1)
     """HTTP port."""
     engine: EngineConfig
-    """The in-process torch rollout engine (not built when `sglang` is set)."""
+    """The in-process torch rollout engine (not built when `sglang` or `vllm` is set)."""
     sglang: SGLangLaunchConfig | None = None
     """Set: rollout runs on an SGLang server this worker starts with the run's engine token (by file), waits for,
     and watches (it exits if the server dies), on `sglang.host:sglang.port`: `WorkerStatus.engine_url`. Published
     weights are pushed to it over HTTP. Its log: RUN/logs/<cell>.sglang.log."""
+    vllm: VLLMLaunchConfig | None = None
+    """Set: rollout runs on a vLLM server this worker starts (from `vllm.python`, the token by environment), waits
+    for until it generates, and watches, on `vllm.host:vllm.port`. Published weights go in by a safetensors file
+    loaded in place. Its log: RUN/logs/<cell>.vllm.log."""
     training: CellTrainingConfig | None = None
     """None for standalone workers."""
     weights: Literal["mooncake", "http", "disk"] = "mooncake"

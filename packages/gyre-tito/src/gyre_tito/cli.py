@@ -26,6 +26,7 @@ def _serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     from gyre_sched.secret import read_secret
+    from gyre_tito.engine_client import EnginePoolConfig
     from gyre_tito.proxy import Proxy, ProxyConfig
     from gyre_tito.server import create_app
 
@@ -57,6 +58,7 @@ def _serve(a: argparse.Namespace) -> int:
         admin_token = legacy
     cfg = ProxyConfig(
         engines=a.engine,
+        engine=EnginePoolConfig(api=a.engine_api),
         tokenizer=str(Path(a.tokenizer).resolve()),
         store=str(Path(a.store).resolve()),
         model_name=a.model_name,
@@ -124,6 +126,10 @@ def _export(a: argparse.Namespace) -> int:
     return 0
 
 
+ENGINE_APIS = ["sglang", "vllm"]
+"""`gyre_tito.engine_client.EngineAPI`'s values, spelled here so that parsing imports nothing (a test checks)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="gyre-tito", description="Token-in-token-out proxy for agent harnesses."
@@ -131,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run the proxy (Anthropic + OpenAI APIs over /generate engines)")
     s.add_argument("--engine", action="append", default=[], help="engine base URL (repeatable)")
+    s.add_argument(
+        "--engine-api",
+        choices=ENGINE_APIS,
+        default="sglang",
+        help="the engines' token-in/token-out route: sglang (SGLang's /generate: SGLang, Gyre's engine) or vllm "
+        "(vLLM's /inference/v1/generate; start vLLM with --enable-scale-out)",
+    )
     s.add_argument("--tokenizer", required=True, help="tokenizer directory (tokenizer.json + chat template)")
     s.add_argument("--store", required=True, help="directory for records, executions and config.json")
     s.add_argument("--port", type=int, default=8787)

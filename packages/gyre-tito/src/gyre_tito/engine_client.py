@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import sys
 import time
@@ -32,15 +33,17 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import orjson
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
+from gyre_tito import vllm_wire
 from gyre_tito.kv_moves import KVMoves, Reroute
 
 __all__ = [
+    "EngineAPI",
     "EngineError",
     "EnginePool",
     "EnginePoolConfig",
@@ -51,9 +54,17 @@ __all__ = [
 ]
 
 
+EngineAPI = Literal["sglang", "vllm"]
+
+
 class EnginePoolConfig(BaseModel):
     engines: list[str] = Field(
         default_factory=list, description="engine base URLs (SGLang-compatible /generate)"
+    )
+    api: EngineAPI = Field(
+        "sglang",
+        description="the engines' token-in/token-out route: SGLang's `/generate` (SGLang, Gyre's torch engine) or "
+        "vLLM's `/inference/v1/generate` (a vLLM server started with `--enable-scale-out`)",
     )
     stream: bool = Field(True, description="stream from the engine so partial output survives a failure")
     max_attempts: int = Field(8, description="engine attempts per call before giving up")
@@ -62,7 +73,8 @@ class EnginePoolConfig(BaseModel):
     request_timeout_s: float = Field(600.0, description="per-attempt timeout")
     kv_migration: bool = Field(
         True,
-        description="on drain, pin in-flight requests' KV at the source and have the destination take it over",
+        description="on drain, pin in-flight requests' KV at the source and have the destination take it over "
+        "(off with api = vllm: vLLM pins no KV)",
     )
     kv_takeover_timeout_s: float = Field(
         30.0, description="how long a destination may take to read pinned KV"
@@ -71,6 +83,14 @@ class EnginePoolConfig(BaseModel):
         10.0,
         description="at drain, how long moving idle executions' cached contexts may take (the rest recompute)",
     )
+
+    @model_validator(mode="after")
+    def _no_kv_pins_on_vllm(self) -> EnginePoolConfig:
+        # vLLM has no endpoint that pins one request's KV for another engine: a call moved off a vLLM engine is
+        # recomputed where it goes, as on SGLang
+        if self.api == "vllm":
+            object.__setattr__(self, "kv_migration", False)
+        return self
 
 
 class EngineError(Exception):
@@ -165,6 +185,9 @@ def _error_message(raw: bytes) -> str:
         return raw[:500].decode(errors="replace")
 
 
+_JSON = {"content-type": "application/json"}  # vLLM refuses a body without it (415)
+
+
 class EnginePool(KVMoves):
     """Least-loaded routing and retrying `/generate` calls over a set of engines."""
 
@@ -197,6 +220,8 @@ class EnginePool(KVMoves):
             for _ in range(self.HTTP_POOLS - 1)
         ]  # fmt: skip
         self.retries = 0  # attempts beyond the first, over the pool's life (for /metrics)
+        # vLLM: the weight version each engine last reported (it says only at a request's end)
+        self._versions: dict[str, str] = {}
         # key (execution) -> its calls running now: what a stall watchdog counts as progress besides finished calls
         self.active: Counter[str] = Counter()
         self._pins: dict[str, asyncio.Future[dict[str, Any] | None]] = {}  # attempt rid -> KV export (drain)
@@ -447,16 +472,26 @@ class EnginePool(KVMoves):
     async def _call(
         self, url: str, ids: list[int], sp: dict[str, Any], rid: str, att: _Attempt, res, on_accept=None
     ) -> None:
-        body = {
-            "rid": rid,
-            "input_ids": ids,
-            "sampling_params": sp,
-            "return_logprob": True,
-            "logprob_start_len": -1,
-            "stream": self.config.stream,
-        }
+        if self.config.api == "vllm":
+            path, body = vllm_wire.GENERATE_PATH, vllm_wire.generate_body(rid, ids, sp, self.config.stream)
+            version = self._versions.get(url, "default")
+
+            def apply(obj: dict[str, Any]) -> None:
+                vllm_wire.apply_chunk(att, obj, version)
+                if att.finish is not None and att.versions:
+                    self._versions[url] = att.versions[-1]
+        else:
+            path, apply = "/generate", functools.partial(_apply, att)
+            body = {
+                "rid": rid,
+                "input_ids": ids,
+                "sampling_params": sp,
+                "return_logprob": True,
+                "logprob_start_len": -1,
+                "stream": self.config.stream,
+            }
         client = self._streams[hash(rid) % len(self._streams)]
-        async with client.stream("POST", f"{url}/generate", content=orjson.dumps(body)) as r:
+        async with client.stream("POST", f"{url}{path}", content=orjson.dumps(body), headers=_JSON) as r:
             if r.status_code in (400, 422):
                 raise EngineRejected(_error_message(await r.aread()))
             if r.status_code >= 400:
@@ -467,7 +502,7 @@ class EnginePool(KVMoves):
             if on_accept is not None:
                 on_accept()
             if "text/event-stream" not in r.headers.get("content-type", ""):
-                _apply(att, orjson.loads(await r.aread()))
+                apply(orjson.loads(await r.aread()))
                 att.first_at = time.time() if att.ids else None
                 return
             async for payload in _sse_data(r):
@@ -475,7 +510,7 @@ class EnginePool(KVMoves):
                     # read on to the end of the response: one left unread closes its connection instead of going
                     # back to the pool (a new TCP connection per call was a tenth of the proxy's CPU, py-spy)
                     continue
-                _apply(att, orjson.loads(payload))
+                apply(orjson.loads(payload))
                 if att.ids and att.first_at is None:
                     att.first_at = time.time()
                 if att.ids and res.first_token_at is None:
@@ -484,12 +519,19 @@ class EnginePool(KVMoves):
                 raise httpx.RemoteProtocolError("stream ended early")
 
     async def context_length(self, url: str, timeout_s: float = 10.0) -> int | None:
-        """The engine's context length from `GET /server_info` (`context_length`; SGLang reports it when set),
-        or None when the engine does not say or cannot be reached."""
+        """The engine's context length from `GET /server_info` (`context_length`; SGLang reports it when set) or,
+        from vLLM, `GET /v1/models` (`max_model_len`); None when the engine does not say or cannot be reached."""
+        vllm = self.config.api == "vllm"
         try:
-            r = await self._client.get(f"{url.rstrip('/')}/server_info", timeout=timeout_s)
-            value = r.json().get("context_length") if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
+            r = await self._client.get(
+                f"{url.rstrip('/')}{'/v1/models' if vllm else '/server_info'}", timeout=timeout_s
+            )
+            body = r.json() if r.status_code == 200 else None
+            if vllm:
+                value = body["data"][0].get("max_model_len") if body else None
+            else:
+                value = body.get("context_length") if body else None
+        except (httpx.HTTPError, ValueError, AttributeError, KeyError, IndexError, TypeError):
             return None
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 

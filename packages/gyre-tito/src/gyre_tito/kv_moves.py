@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import orjson
 
+from gyre_tito import vllm_wire
+
 if TYPE_CHECKING:
     from gyre_tito.engine_client import EnginePoolConfig, _EngineState
 
@@ -75,6 +77,7 @@ class KVMoves:
         fut: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
         self._pins[rid] = fut  # registered first: the retry may see the abort before the pin's answer arrives
         export = None
+        vllm = self.config.api == "vllm"
         if self.config.kv_migration:
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 r = await self._client.post(f"{url}/kv/pin", json={"rid": rid}, timeout=5.0)
@@ -84,10 +87,10 @@ class KVMoves:
             fut.set_result(export)
         if export is None:
             self._pins.pop(rid, None)
+            path, body = (vllm_wire.ABORT_PATH, vllm_wire.abort_body(rid)) if vllm else (
+                "/abort_request", {"rid": rid, "abort_all": False})  # fmt: skip
             with contextlib.suppress(httpx.HTTPError):
-                await self._client.post(
-                    f"{url}/abort_request", json={"rid": rid, "abort_all": False}, timeout=5.0
-                )
+                await self._client.post(f"{url}{path}", json=body, timeout=5.0)
 
     def _claim(self, key: str) -> asyncio.Future[None]:
         """Mark `key`'s context as being moved: its next call waits until the future is done (see `_follow`)."""
