@@ -284,7 +284,7 @@ def build_tokenizer(out: Path, corpus: list[str], vocab_size: int) -> None:
     """A byte-level BPE with the Qwen special tokens and gyre-tito's Qwen3 chat template, trained on `corpus`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from gyre_tito.tiny_tokenizer import _CORPUS, QWEN3_CHAT_TEMPLATE, SPECIAL_TOKENS
+    from gyre_tito.tiny_tokenizer import CORPUS, QWEN3_CHAT_TEMPLATE, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -294,7 +294,7 @@ def build_tokenizer(out: Path, corpus: list[str], vocab_size: int) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )  # fmt: skip
     template_text = agent.SYSTEM_PROMPT + "\n" + QWEN3_CHAT_TEMPLATE + json.dumps(agent.TOOLS)
-    tok.train_from_iterator(list(_CORPUS) + [template_text] * 8 + corpus, trainer=trainer)
+    tok.train_from_iterator(list(CORPUS) + [template_text] * 8 + corpus, trainer=trainer)
     if tok.get_vocab_size(with_added_tokens=True) > vocab_size:
         raise RuntimeError(f"demo tokenizer has more than {vocab_size} ids")
     out.mkdir(parents=True, exist_ok=True)

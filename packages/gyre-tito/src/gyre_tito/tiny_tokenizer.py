@@ -125,8 +125,9 @@ QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
 {%- endif %}"""
 
 # Fixed training corpus: the kinds of text an agent transcript holds (chat scaffolding, JSON tool calls, shell,
-# Python, prose). Its content only shapes the merges; byte-level BPE encodes any string.
-_CORPUS: tuple[str, ...] = (
+# Python, prose). Its content only shapes the merges; byte-level BPE encodes any string. Public: the demo model's
+# tokenizer (gyre.demo_model) trains on it too.
+CORPUS: tuple[str, ...] = (
     "system\nYou are a helpful assistant. You are an interactive agent that helps users with software engineering tasks.",
     "user\nPlease write a file named hello.txt that contains the text hello world, then list the directory.",
     "assistant\nI will create the file and then list the directory to check that it is there.",
@@ -163,7 +164,7 @@ def _train() -> Tokenizer:
         show_progress=False,
     )
     # Repeat the corpus so merge counts are well separated; ordering is fixed, so training is deterministic.
-    tok.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
+    tok.train_from_iterator(list(CORPUS) * 4, trainer=trainer)
     return tok
 
 
