@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["gyre-tito", "gyre-sched", "gyre-eval", "gyre-train", "gyre-cell"]
 # docs/design/architecture.md#packages: who may depend on whom (direct edges among Gyre packages).
 ALLOWED_EDGES = {
-    "gyre-tito": set(),
+    "gyre-tito": {"gyre-sched"},  # the one service-token reader (gyre_sched.secret); gyre-sched is light
     "gyre-eval": {"gyre-sched"},  # the execution outcome type only: the runner produces it
     "gyre-sched": set(),
     "gyre-train": {"gyre-tito"},

@@ -83,8 +83,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from gyre_sched.secret import SecretError, read_secret
+
     from .engine import EngineConfig
-    from .secret import SecretError, read_secret
 
     if not Path(args.model).is_dir():
         print(f"gyre-cell: --model {args.model!r} is not a directory", file=sys.stderr)

@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"gyre-cell worker: {args.config}: {exc}", file=sys.stderr)
         return 2
-    from gyre_cell.secret import SecretError, read_secret
+    from gyre_sched.secret import SecretError, read_secret
 
     try:  # by file or inherited fd only: argv and the environment are readable through /proc
         api_key = read_secret(args.api_key_file, args.api_key_fd)
