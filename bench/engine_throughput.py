@@ -4,8 +4,13 @@ process (as in production: clients never share its GIL); real HTTP on loopback; 
 Each figure is the best of `--repeats` runs (the CI machines are shared and noisy).
 
     uv run python bench/engine_throughput.py [--quick]
+    uv run python bench/engine_throughput.py --vllm [--quick]
 
-Last line: one JSON object. Baseline = sequential requests measured in the same run.
+`--vllm`: Gyre's engine (baseline) against vLLM (`gyre_cell.vllm_env`'s environment) on the same model (head_dim
+32, which vLLM's CPU attention needs), both called through gyre-tito's engine pool as the proxy calls them, 1 and 8
+concurrent requests, alternated A B A B; medians, spread and the vLLM/Gyre ratio.
+
+Last line: one JSON object. Baseline = sequential requests measured in the same run (`--vllm`: Gyre's engine).
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ import argparse
 import asyncio
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
@@ -98,6 +105,90 @@ async def _run(url: str, quick: bool, repeats: int) -> dict:
     }
 
 
+async def _pool_rate(pool, n: int, max_new: int, offset: int) -> float:
+    """Tokens a second for `n` concurrent calls through gyre-tito's engine pool."""
+    sp = {"max_new_tokens": max_new, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True}
+    t0 = time.perf_counter()
+    calls = [pool.generate(_body(offset + i, max_new)["input_ids"], sp) for i in range(n)]
+    toks = sum(len(r.output_ids) for r in await asyncio.gather(*calls))
+    return toks / (time.perf_counter() - t0)
+
+
+async def _compare(urls: dict[str, tuple[str, str | None]], quick: bool, repeats: int) -> dict:
+    from gyre_tito.engine_client import EnginePool, EnginePoolConfig
+
+    max_new = 64 if quick else 128
+    pools = {name: EnginePool(EnginePoolConfig(engines=[url], api=name), api_key=key)
+             for name, (url, key) in urls.items()}  # fmt: skip
+    rates: dict[tuple[str, int], list[float]] = {(e, n): [] for e in pools for n in (1, 8)}
+    try:
+        for pool in pools.values():  # warm-up
+            await _pool_rate(pool, 2, 4, 0)
+        for r in range(repeats):  # A B A B: each engine measured between the other's runs
+            for n in (1, 8):
+                for e, pool in pools.items():
+                    rates[e, n].append(await _pool_rate(pool, n, max_new, 100 * r + 10 * n))
+    finally:
+        for pool in pools.values():
+            await pool.aclose()
+    out: dict = {"bench": "engine_throughput_vllm", "max_new_tokens": max_new, "repeats": repeats}
+    for (e, n), xs in rates.items():
+        out[f"{e}_{n}_tok_s"] = {"median": round(statistics.median(xs), 1), "min": round(min(xs), 1),
+                                 "max": round(max(xs), 1)}  # fmt: skip
+    for n in (1, 8):
+        out[f"ratio_vllm_over_gyre_{n}"] = round(
+            statistics.median(rates["vllm", n]) / statistics.median(rates["sglang", n]), 2
+        )
+    return out
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("engine server did not start")
+        time.sleep(0.3)
+
+
+def _vllm_main(quick: bool, repeats: int, cpu_threads: int) -> dict:
+    from gyre_cell.tiny_model import TinyModelConfig
+    from gyre_cell.vllm_adapter import VLLMServer
+    from gyre_cell.vllm_env import ensure_vllm_env
+    from gyre_cell.vllm_launch import VLLMLaunchConfig
+
+    python = ensure_vllm_env(log=lambda line: print(line, file=sys.stderr, flush=True))
+    with tempfile.TemporaryDirectory() as d:
+        model = build_tiny_model(d, TinyModelConfig(head_dim=32))
+        port = _free_port()
+        cmd = [sys.executable, "-m", "gyre_cell.cli", "engine", "serve", "--model", str(model), "--port", str(port),
+               "--cpu-threads", str(cpu_threads)]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        vllm = VLLMServer(VLLMLaunchConfig(model_path=str(model), python=str(python), port=_free_port(),
+                                           dtype="float32", max_model_len=4096))  # fmt: skip
+        t0 = time.monotonic()
+        vllm.start(log_path=str(Path(d) / "vllm.log"))
+        try:
+            asyncio.run(vllm.wait_ready(timeout_s=900))
+            vllm_start_s = time.monotonic() - t0
+            torch_url = f"http://127.0.0.1:{port}"
+            _wait_healthy(torch_url, proc, 180)
+            print(json.dumps({"quick": quick, "repeats": repeats, "vllm_start_s": round(vllm_start_s, 1)}))
+            result = asyncio.run(_compare({"sglang": (torch_url, None), "vllm": (vllm.base_url, None)}, quick,
+                                          repeats))  # fmt: skip
+            result["vllm_start_s"] = round(vllm_start_s, 1)
+        finally:
+            vllm.stop()
+            proc.terminate()
+            proc.wait(timeout=30)
+    result["baseline"] = "gyre torch engine (api sglang)"
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="shorter requests, fewer repeats")
@@ -108,8 +199,12 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="engine's torch intra-op threads (1: best for the tiny model)",
     )
+    ap.add_argument("--vllm", action="store_true", help="Gyre's engine against vLLM on the same model")
     args = ap.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 3)
+    if args.vllm:
+        print(json.dumps(_vllm_main(args.quick, max(repeats, 3), args.cpu_threads)))
+        return
     with tempfile.TemporaryDirectory() as d:
         model = build_tiny_model(d)
         port = _free_port()
@@ -130,16 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("engine server did not start")
-                time.sleep(0.3)
+            _wait_healthy(url, proc, 180)
             result = asyncio.run(_run(url, args.quick, repeats))
             result["cpu_threads"] = args.cpu_threads
         finally:

@@ -137,6 +137,12 @@ async def _run_until_signal(cfg: RunConfig, command: str, resume=None) -> int:
             cfg, note = resolve_transports(cfg)
             if note is not None:
                 logging.getLogger("gyre").warning(note)
+        if cfg.rollout.engine != "torch":  # what the run does without Gyre's KV pins, said once at start
+            logging.getLogger("gyre").warning(
+                "rollout on %s: its servers pin no KV for another engine, so a call moved off one (a role switch) "
+                "is recomputed where it goes",
+                {"sglang": "SGLang", "vllm": "vLLM"}[cfg.rollout.engine],
+            )
     except ConfigError as exc:
         print(f"gyre {command}: {exc}", file=sys.stderr)
         return 2

@@ -184,8 +184,8 @@ class VLLMSection(_Section):
     """Model dtype in vLLM (`auto`: the checkpoint's). The trainer recomputes log-probs in `[train] dtype`."""
     max_model_len: int | None = Field(None, ge=1)
     """Context length (None: the model's)."""
-    cpu_kv_cache_gib: float = Field(1.0, gt=0)
-    """CPU: each server's KV cache (vLLM's default takes a share of the machine's memory)."""
+    cpu_kv_cache_gib: int = Field(1, ge=1)
+    """CPU: each server's KV cache in whole GiB (vLLM's default takes a share of the machine's memory)."""
     enforce_eager: bool = False
     """No compiled graphs: starts faster, runs slower."""
     enable_sleep_mode: bool = False

@@ -60,8 +60,9 @@ class VLLMLaunchConfig(BaseModel):
     """GPU: `/sleep` frees weights and KV while the cell trains (on CPU sleep is a no-op that frees nothing)."""
     enforce_eager: bool = False
     """No compiled graphs: starts faster, runs slower."""
-    cpu_kv_cache_gib: float = Field(1.0, gt=0)
-    """CPU: KV cache size (`VLLM_CPU_KVCACHE_SPACE`); vLLM's default takes a share of the machine's memory."""
+    cpu_kv_cache_gib: int = Field(1, ge=1)
+    """CPU: KV cache size in whole GiB (`VLLM_CPU_KVCACHE_SPACE`, which vLLM reads as an integer); vLLM's default
+    takes a share of the machine's memory."""
     cache_root: str | None = None
     """`VLLM_CACHE_ROOT` (compile caches); None: vLLM's default under the home directory."""
     extra_args: tuple[str, ...] = ()
@@ -104,7 +105,7 @@ def launch_env(
     env.update(
         PYTHONPATH=str(EXTENSION_DIR),
         VLLM_SERVER_DEV_MODE="1",
-        VLLM_CPU_KVCACHE_SPACE=f"{cfg.cpu_kv_cache_gib:g}",
+        VLLM_CPU_KVCACHE_SPACE=str(cfg.cpu_kv_cache_gib),
         VLLM_NO_USAGE_STATS="1",
         VLLM_DO_NOT_TRACK="1",
         HF_HUB_OFFLINE="1",
