@@ -18,6 +18,7 @@ from gyre_sched.events import (
     GroupAssigned,
     GroupDropped,
     Launch,
+    MicrostepClaimed,
     OpenBatch,
     Reroute,
     StepDone,
@@ -95,6 +96,26 @@ def test_elastic_prefix_skips_the_lost_cell(driver):
     assert joined == [0, 2]
     assert d.policy.roles == [CellRole.TRAINING, CellRole.LOST, CellRole.TRAINING]
     assert d.send(TransitionDone(1)) == []  # a lost cell's late report is ignored
+
+
+def test_a_claim_heard_after_its_cells_loss_is_ignored(driver):
+    """CI's interleaving (ci-17, test_a_cell_lost_for_good_does_not_block_another_cells_rejoin): a training satellite
+    claims a micro-step and dies; the core's report of the claim reaches the policy after the satellite's own stream
+    ended in its loss. The claim is history from before the loss (the trainer requeues it), not a broken invariant:
+    before, the guard sat below the claim's own case and the run failed with 'cell 2 claimed a micro-step while
+    lost'."""
+    d = driver(make_policy(params(phi=0.0), deep_checks=True))
+    for eid in list(d.running):  # both groups ready: the core joins, then cell 1
+        d.finish(eid)
+        d.finish_transitions()
+    for _ in range(3):
+        d.send(Tick(), dt=1.0)
+        d.finish_transitions()
+    assert d.policy.roles[1] is CellRole.TRAINING and d.policy.batch == []
+    gid = sorted(d.policy.ledger.ready)[0]
+    d.send(GroupAssigned(gid))
+    d.send(CellLost(1), dt=1.0)
+    assert d.send(MicrostepClaimed(1, gid)) == [] and d.policy.roles[1] is CellRole.LOST
 
 
 def test_a_restored_cell_serves_again_and_trains_only_once_trainable(driver):

@@ -1,9 +1,12 @@
 """An engine server's process as a cell worker owns it (SGLang's, vLLM's): started so that it dies with the thread
-that started it, stopped with a grace period."""
+that started it, stopped with a grace period (with what it started, for a server in a session of its own)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+import signal
 import subprocess
 
 __all__ = ["die_with_parent", "stop_process"]
@@ -14,20 +17,27 @@ except OSError:  # not Linux
     _prctl = None
 
 
-def die_with_parent() -> None:
-    """In the server's child before exec: SIGKILL it when the thread that started it ends (a killed cell worker leaves
-    no server holding the GPU). Its own subprocesses watch their parent themselves."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In the server's child before exec: send it `sig` when the thread that started it ends (a killed cell worker
+    leaves no server holding the GPU). SIGKILL for a server whose subprocesses watch their parent themselves
+    (SGLang's); SIGTERM for one whose subprocesses outlive a killed parent (vLLM's engine core and workers did, each
+    holding its memory): its own shutdown then ends them."""
     if _prctl is not None:
-        _prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+        _prctl(1, int(sig))  # PR_SET_PDEATHSIG
 
 
-def stop_process(proc: subprocess.Popen | None, timeout_s: float) -> None:
-    """SIGTERM, then SIGKILL after `timeout_s`; nothing if it is not running."""
-    if proc is None or proc.poll() is not None:
+def stop_process(proc: subprocess.Popen | None, timeout_s: float, *, group: bool = False) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`; nothing if it is not running. `group`: the process leads a session
+    of its own (`start_new_session`), and whatever of that group is left once it has stopped is killed too."""
+    if proc is None:
         return
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if group:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)

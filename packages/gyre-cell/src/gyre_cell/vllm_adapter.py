@@ -20,7 +20,9 @@ around it) shows in their `weight_versions` spans, which the proxy records per t
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import signal
 import subprocess
 import tempfile
 from collections.abc import Iterable
@@ -56,7 +58,10 @@ class VLLMServer:
             env=launch_env(self.cfg, self.api_key),
             stdout=out,
             stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
+            # its own session, so that stop() can end its engine core and workers too; its parent's death asks it
+            # to shut down (SIGTERM), which ends them: a SIGKILLed API server left both running, holding memory
+            start_new_session=True,
+            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
         )
 
     async def wait_ready(self, timeout_s: float = 900.0, poll_s: float = 1.0) -> None:
@@ -89,7 +94,7 @@ class VLLMServer:
         return VLLMEngine(self.base_url, api_key=self.api_key, sleep_mode=self.cfg.enable_sleep_mode)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        stop_process(self.proc, timeout_s)
+        stop_process(self.proc, timeout_s, group=True)
 
 
 class VLLMEngine(RolloutEngine):

@@ -153,12 +153,14 @@ class PolicyCore:
                 out += self.ledger.assessed(eid, status)
             case GroupAssigned(gid):
                 self._assign(gid)
+            case TransitionDone(cell) | MicrostepClaimed(cell, _) if cell in self.lost:
+                # reported just before the cell died, and heard after its loss (the core reports claims, the loss
+                # comes from the cell's own stream): its claims are requeued by the trainer
+                pass
             case MicrostepClaimed(cell, gid):
                 self._claim(cell, gid)
             case StepDone(version):
                 out += self._step_done(version)
-            case TransitionDone(cell) | MicrostepClaimed(cell, _) if cell in self.lost:
-                pass  # reported just before the cell died: its claims are requeued by the trainer
             case CellLost(cell):
                 out += self._cell_lost(cell)
             case CellRestored(cell, trains, _):
