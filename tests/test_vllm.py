@@ -85,9 +85,26 @@ def server(models, tmp_path_factory):
     srv.start(log_path=str(run / "vllm.log"))
     try:
         asyncio.run(srv.wait_ready(timeout_s=600))
+        group = _group(srv.proc.pid)
+        assert len(group) >= 3, group  # the API server, its engine core and its worker, in one session
         yield srv
     finally:
         srv.stop()
+    assert _group(srv.proc.pid) == []  # stopped with everything it started
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return out
 
 
 def test_an_elastic_run_rolls_out_on_vllm_servers_its_cells_supervise(models, tmp_path):
