@@ -149,7 +149,7 @@ class FaultRun:
         expect_failure: bool = False,
     ) -> dict | None:
         argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
-                str(run_dir), "--set", f"train.hold_core_for_join={hold}", "--set", "dashboard.enabled=false",
+                str(run_dir), "--set", f"debug.hold_core_for_join={hold}", "--set", "dashboard.enabled=false",
                 "--quiet", *(x for kv in sets for x in ("--set", kv))]  # fmt: skip
         proc = subprocess.Popen(
             argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE

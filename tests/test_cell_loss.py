@@ -8,7 +8,7 @@ the engine serving the version published last, executions launched on it afterwa
 version or later (their trajectories' weight-version spans); at the next burst boundary the gloo world re-formed
 (`cell_restored` with `trains`), after which cell 1 claims micro-steps of a later batch again, whose loss and summed
 gradient equal the single-process float64 replay of the dumped batch; counters recomputed from the trace equal to
-the scheduler's own. The hold gate (`train.hold_core_for_join=1`) keeps the next batch closed while cell 1 restarts
+the scheduler's own. The hold gate (`debug.hold_core_for_join=1`) keeps the next batch closed while cell 1 restarts
 (a cold Python + torch start can outlast a short run's last burst) and holds the core again once it rejoined.
 """
 
@@ -107,7 +107,7 @@ BACKENDS = {
 def test_killed_satellite_worker_is_restarted_and_the_run_completes(fault_run, tmp_path, backend):
     run_dir = tmp_path / "run"
     summary = _kill_cell1_at_its_first_claim(fault_run, tmp_path, run_dir, f"train.steps={STEPS}", *BACKENDS[backend],
-                                             f"train.dump_batches={list(range(STEPS))}")  # fmt: skip
+                                             f"debug.dump_batches={list(range(STEPS))}")  # fmt: skip
     assert summary["steps"] == STEPS
 
     lines = list(iter_trace(run_dir / "trace.jsonl"))
@@ -223,7 +223,7 @@ def test_async_training_satellite_lost_restarts_idle_and_trains_again(fault_run,
     steps, run_dir = 4, tmp_path / "run"
     summary = _kill_cell1_at_its_first_claim(fault_run, tmp_path, run_dir, "scheduler.kind=async", "scheduler.async_train_cells=2",
                                              f"train.steps={steps}", "train.dtype=float64",
-                                             f"train.dump_batches={list(range(steps))}")  # fmt: skip
+                                             f"debug.dump_batches={list(range(steps))}")  # fmt: skip
     assert summary["steps"] == steps
 
     lines = list(iter_trace(run_dir / "trace.jsonl"))
@@ -319,8 +319,8 @@ def test_a_satellite_that_hangs_inside_the_reduce_is_recomputed_by_the_core_and_
     # Cell 1 is lost once its event stream has been silent for `cell_silence_s`: 15 s here, not the 50 s default
     # the run waited out between the failed reduce and the loss (trace: collective_failed at 15.9 s, cell_lost 60.1 s).
     summary = fault_run(tmp_path, run_dir, lambda lines: True, lambda: None, f"train.steps={steps}",
-                        'train.stop_gate={"cell": 1, "at": "reduce"}', "train.collective_timeout_s=10",
-                        "launcher.cell_silence_s=15", "train.hold_timeout_s=120")  # fmt: skip
+                        'debug.stop_gate={"cell": 1, "at": "reduce"}', "train.collective_timeout_s=10",
+                        "launcher.cell_silence_s=15", "debug.hold_timeout_s=120")  # fmt: skip
     assert summary["steps"] == steps
     lines = list(iter_trace(run_dir / "trace.jsonl"))
     (failed,) = [x for x in lines if x["ev"] == "collective_failed"]
@@ -363,7 +363,7 @@ def test_a_satellite_that_hangs_inside_the_re_form_is_lost_and_the_world_is_form
     steps = 8
     run_dir = tmp_path / "run"
     summary = _kill_cell1_at_its_first_claim(fault_run, tmp_path, run_dir, f"train.steps={steps}",
-                                             'train.stop_gate={"cell": 2, "at": "reform"}',
+                                             'debug.stop_gate={"cell": 2, "at": "reform"}',
                                              "launcher.reform_timeout_s=10")  # fmt: skip
     assert summary["steps"] == steps
     err = (tmp_path / "controller.log").read_text()

@@ -50,7 +50,7 @@ def test_help_and_config_do_not_import_torch():
     assert out["rc"] == 0 and out["config"]["train"]["loss"]["weight_cap"] == 5.0
     assert (
         out["config"]["weights"]["mooncake"]["protocol"] == "tcp"
-        and out["config"]["train"]["stop_gate"] is None
+        and out["config"]["debug"]["stop_gate"] is None
     )
     assert out["help_rc"] == 0 and "usage: gyre" in out["help"] and "--version" in out["help"]
 

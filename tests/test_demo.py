@@ -210,7 +210,7 @@ def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
     # in 8 of its first 24 steps, none before step 16). The gate holds the core at a batch's second micro-step (30 s
     # at most, until it has once) so that the rollouts finish and cell 1 joins and claims.
     proc = subprocess.run(
-        [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--set", "train.hold_core_for_join=1"],
+        [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--set", "debug.hold_core_for_join=1"],
         capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

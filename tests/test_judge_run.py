@@ -86,7 +86,7 @@ def test_gyre_run_scores_judge_tasks_through_the_judge_section(tmp_path):
                 "--set", f"tasks.file={task_file}", "--set", "dashboard.enabled=false",
                 "--set", "scheduler.N=2", "--set", "scheduler.B=2",
                 "--set", f"judge.base_url={judge.base_url}", "--set", "judge.api_key_env=GYRE_TEST_JUDGE_KEY",
-                "--set", "judge.model=scripted-judge", "--set", "train.dump_batches=[0]"]  # fmt: skip
+                "--set", "judge.model=scripted-judge", "--set", "debug.dump_batches=[0]"]  # fmt: skip
         env = os.environ | {"GYRE_TEST_JUDGE_KEY": "judge-secret"}
         t0 = time.monotonic()
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=420, cwd=tmp_path, env=env)

@@ -248,7 +248,7 @@ def test_a_placed_controller_whose_node_is_lost_is_resumed_and_every_step_matche
     run_dir, steps = tmp_path / "run", 3
     argv = [sys.executable, "-m", "gyre.cli", "demo", "--ray", one_node, "--run-dir", str(run_dir), "--steps",
             str(steps), "--set", "dashboard.enabled=false", "--set", "launcher.controller_resources={}",
-            "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
+            "--set", "train.dtype=float64", "--set", "debug.dump_batches=[0,1]",
             "--set", "launcher.proxy_resources={}", "--set", 'launcher.eval_resources={"CPU":1}', "--quiet"]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, **RAY_ENV})  # fmt: skip
@@ -543,8 +543,8 @@ def test_two_hosts_elastic_run_crosses_hosts_and_a_killed_remote_cell_trains_aga
             "--set", 'launcher.proxy_resources={"host_a":0.5}',
             "--set", 'launcher.eval_resources={"host_a":0.5}',
             "--set", 'launcher.controller_resources={"host_b":0.5}',
-            "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
-            "--set", "train.hold_core_for_join=1", "--set", "dashboard.enabled=false",
+            "--set", "train.dtype=float64", "--set", "debug.dump_batches=[0,1]",
+            "--set", "debug.hold_core_for_join=1", "--set", "dashboard.enabled=false",
             "--set", "scheduler.mu=1", "--set", "scheduler.B=2"]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env={**os.environ, **RAY_ENV})  # fmt: skip
@@ -624,7 +624,7 @@ def test_two_hosts_a_pipelined_cell_spans_both_hosts(two_hosts, tmp_path):
                     "--set", "train.lr_warmup_steps=0", "--set", "launcher.bundles_per_cell=2",
                     "--set", "launcher.cell_strategy=STRICT_SPREAD",
                     "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
-                    "--set", "train.dump_batches=[0,1]", "--set", "train.hold_core_for_join=1",
+                    "--set", "debug.dump_batches=[0,1]", "--set", "debug.hold_core_for_join=1",
                     "--set", "dashboard.enabled=false", "--set", "scheduler.mu=1", "--set", "scheduler.B=2",
                     prefix=["ip", "netns", "exec", NS[0]], timeout=900)  # fmt: skip
     assert summary["steps"] == 2

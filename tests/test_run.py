@@ -82,8 +82,8 @@ def _check_common(run_dir: Path, steps: int) -> dict:
 
 def test_elastic_three_cells_join_mid_batch_and_match_the_reference(tmp_path):
     run_dir = tmp_path / "run"
-    _run("elastic-k3.toml", run_dir, "train.dtype=float64", "train.dump_batches=[0,1,2,3]",
-         "train.hold_core_for_join=1")  # fmt: skip
+    _run("elastic-k3.toml", run_dir, "train.dtype=float64", "debug.dump_batches=[0,1,2,3]",
+         "debug.hold_core_for_join=1")  # fmt: skip
     _check_common(run_dir, 4)
     rows = _steps(run_dir)
     multi = [r for r in rows if len([c for c, n in r["microsteps_by_cell"].items() if n > 0]) >= 2]

@@ -49,7 +49,7 @@ def test_a_cuda_run_without_gpus_ends_with_one_line_naming_the_cell(tmp_path):
 @pytest.mark.gpu
 def test_the_demo_trains_and_serves_on_cuda_two_cells_sharing_one_gpu(tmp_path):
     run_dir = tmp_path / "run"
-    done = _demo(run_dir, "train.steps=2", "launcher.gpus_per_cell=0.5", "train.hold_core_for_join=1",
+    done = _demo(run_dir, "train.steps=2", "launcher.gpus_per_cell=0.5", "debug.hold_core_for_join=1",
                  env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.splitlines()[-1])

@@ -29,8 +29,8 @@ pytestmark = pytest.mark.slow
 def test_gyre_run_with_tp2_pp2_cells_matches_the_reference(tmp_path):
     run_dir = tmp_path / "run"
     sets = [
-        "train.steps=2", "train.dump_batches=[0,1]",
-        "train.hold_core_for_join=1", "train.checkpoint_keep=0", "train.tensor_parallel=2",
+        "train.steps=2", "debug.dump_batches=[0,1]",
+        "debug.hold_core_for_join=1", "train.checkpoint_keep=0", "train.tensor_parallel=2",
     ]  # fmt: skip
     argv = [
         sys.executable,

@@ -28,7 +28,7 @@ def test_an_elastic_run_serves_rollout_from_sglang_servers_its_cells_supervise(t
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
             str(run_dir), "--steps", "4", "--quiet", "--set", "dashboard.enabled=false",
-            "--set", "train.hold_core_for_join=1", "--set", "rollout.engine=sglang",
+            "--set", "debug.hold_core_for_join=1", "--set", "rollout.engine=sglang",
             "--set", "rollout.sglang.module=gyre_cell.sglang_stand_in"]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -61,7 +61,7 @@ def test_every_tail_in_one_run(tmp_path):
     argv = [sys.executable, "-m", "gyre.cli", "demo", "--steps", "1", "--run-dir", str(run_dir), "--quiet",
             "--set", f"tasks.file={task_file}", "--set", "dashboard.enabled=false",
             "--set", "scheduler.N=3", "--set", "scheduler.B=2", "--set", "scheduler.k_spare=1",
-            "--set", "train.dump_batches=[0]", "--set", f"rollout.scripted_replies={script}"]  # fmt: skip
+            "--set", "debug.dump_batches=[0]", "--set", f"rollout.scripted_replies={script}"]  # fmt: skip
     env = os.environ | {"PYTHONPATH": str(ROOT / "tests")}  # gyre-eval imports tails_evaluators
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -63,8 +63,8 @@ def _run(run_dir: Path, hide: bool) -> tuple[subprocess.CompletedProcess, dict]:
     published weights); the satellite joins the first batch mid-way (the core holds its second micro-step for it)."""
     argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
             str(run_dir), "--steps", "2", "--set", "cluster.cells=2", "--set", "scheduler.mu=1",
-            "--set", "train.dtype=float64", "--set", "train.dump_batches=[0,1]",
-            "--set", "train.hold_core_for_join=1"]  # fmt: skip
+            "--set", "train.dtype=float64", "--set", "debug.dump_batches=[0,1]",
+            "--set", "debug.hold_core_for_join=1"]  # fmt: skip
     proc = subprocess.run(
         _hidden(argv) if hide else argv, capture_output=True, text=True, timeout=900, cwd=ROOT
     )

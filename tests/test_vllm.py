@@ -125,7 +125,7 @@ def test_an_elastic_run_rolls_out_on_vllm_servers_its_cells_supervise(models, tm
     python = ensure_vllm_env(log=print)
     argv = [sys.executable, "-m", "gyre.cli", "run", str(root / "configs" / "elastic-k3.toml"), "--run-dir",
             str(run_dir), "--steps", "4", "--quiet", "--set", "dashboard.enabled=false", "--set", "cluster.cells=2",
-            "--set", "train.hold_core_for_join=1", "--set", "train.hold_timeout_s=300",
+            "--set", "debug.hold_core_for_join=1", "--set", "debug.hold_timeout_s=300",
             "--set", f"model.path={models['a']}", "--set", "rollout.engine=vllm",
             "--set", f"rollout.vllm.python={python}", "--set", "rollout.vllm.dtype=float32",
             "--set", "rollout.vllm.max_model_len=2048"]  # fmt: skip

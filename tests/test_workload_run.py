@@ -89,7 +89,7 @@ def test_a_run_plays_its_workload_definition(tmp_path):
         "--set",
         "assessment.retry_wait_max_s=0",
         "--set",
-        "train.dump_batches=[0]",
+        "debug.dump_batches=[0]",
     ]
     for s in sets:
         argv += ["--set", s]

@@ -138,10 +138,10 @@ class CellLosses:
         raise CellCommandError(f"cell {cell} was lost while the call was under way")
 
     async def open_batch(self, version: int, final: bool) -> None:
-        """The core opens the policy's batch; with the `train.hold_core_for_join` test gate, once every restart
+        """The core opens the policy's batch; with the `debug.hold_core_for_join` test gate, once every restart
         under way ended (so a short run surely sees a restarted cell rejoin, or one left out, before its last
         burst)."""
-        if self.c.cfg.train.hold_core_for_join is not None:
+        if self.c.cfg.debug.hold_core_for_join is not None:
             while pending := [e for e in self.restarting.values() if not e.is_set()]:
                 await pending[0].wait()
         await self.c.cells[0].open_batch(version, final)

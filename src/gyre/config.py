@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -73,7 +73,18 @@ class ClusterConfig(_Section):
         return self
 
 
+_MOVED_TO_DEBUG = ("dump_batches", "hold_core_for_join", "hold_timeout_s", "stop_gate")
+
+
 class TrainConfig(_Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _gates_moved(cls, data: Any) -> Any:
+        moved = [k for k in _MOVED_TO_DEBUG if isinstance(data, dict) and k in data]
+        if moved:
+            raise ValueError(f"train.{moved[0]} moved to [debug]: set debug.{moved[0]}")
+        return data
+
     steps: int = Field(40, ge=1)
     """Optimizer steps to run (the demo's 40 take a few minutes on 2 cores and show its reward rising)."""
     lr: float = Field(1e-3, gt=0)
@@ -102,25 +113,11 @@ class TrainConfig(_Section):
     them at once; one that hangs (a stopped host) fails them after this long. Either way the core runs the
     satellites' micro-steps of that batch itself and updates alone, and the world is re-formed at the next burst
     boundary. It must exceed the core's optimizer update, which satellites staying for the next batch wait for."""
-    dump_batches: list[int] = []
-    """Batches whose micro-steps, weights and summed gradients are written to RUN/metrics/batches (checks)."""
     checkpoint_keep: int = Field(2, ge=0)
     """Step checkpoints kept under RUN/checkpoints/trainer (weights, optimizer, HF policy; one per step, the
     last this many): what `gyre run --resume RUN` continues from. 0: only the final save."""
     loss: LossConfig = LossConfig()
     """The GSPO objective; the loss and its metrics read this one config."""
-    hold_core_for_join: int | None = None
-    """Test gate: before its second micro-step of a batch the core waits (at most `hold_timeout_s`) for this
-    satellite to join and claim an item, until it has once; makes a mid-batch join that trains certain in short
-    runs. While any satellite's worker restarts no batch opens, and the wait applies again once this cell
-    rejoined."""
-    hold_timeout_s: float = Field(30.0, gt=0)
-    """How long the `hold_core_for_join` gate holds the core before it goes on alone (a loaded machine can take
-    longer to move a restarted cell back into training)."""
-    stop_gate: StopGate | None = None
-    """Test gate: satellite `cell` stops itself (SIGSTOP) the first time it reaches `at`: right before its
-    end-of-batch reduce (`reduce`) or when asked to re-form the world (`reform`), as a host that stops answering
-    there does (`gyre_cell.worker_types.StopGate`)."""
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend of every cell: Hugging Face torch, or megatron-core (`gyre-train[megatron]`)."""
     tensor_parallel: int = Field(1, ge=1)
@@ -418,6 +415,26 @@ class AssessmentSection(_Section):
         return self
 
 
+class DebugConfig(_Section):
+    """Test gates and checks: what makes a timing-dependent scenario certain in a short run, or dumps what a check
+    compares. None of it belongs in a production run."""
+
+    dump_batches: list[int] = []
+    """Batches whose micro-steps, weights and summed gradients are written to RUN/metrics/batches (checks)."""
+    hold_core_for_join: int | None = None
+    """Test gate: before its second micro-step of a batch the core waits (at most `hold_timeout_s`) for this
+    satellite to join and claim an item, until it has once; makes a mid-batch join that trains certain in short
+    runs. While any satellite's worker restarts no batch opens, and the wait applies again once this cell
+    rejoined."""
+    hold_timeout_s: float = Field(30.0, gt=0)
+    """How long the `hold_core_for_join` gate holds the core before it goes on alone (a loaded machine can take
+    longer to move a restarted cell back into training)."""
+    stop_gate: StopGate | None = None
+    """Test gate: satellite `cell` stops itself (SIGSTOP) the first time it reaches `at`: right before its
+    end-of-batch reduce (`reduce`) or when asked to re-form the world (`reform`), as a host that stops answering
+    there does (`gyre_cell.worker_types.StopGate`)."""
+
+
 class RunConfig(_Section):
     run_dir: str | None = None
     """None: runs/<UTC timestamp>. Where config.json, trace.jsonl, records/, assessments.sqlite, trajectories/, checkpoints/, report.html go."""
@@ -449,6 +466,8 @@ class RunConfig(_Section):
     """Scores judge-rubric tasks: the run's proxy (its own execution, never trained) or another endpoint."""
     assessment: AssessmentSection = AssessmentSection()
     """gyre-eval's service: concurrency, retries, the built-in checks' limits."""
+    debug: DebugConfig = DebugConfig()
+    """Test gates and checks (holding the core for a join, stopping a satellite at a point, dumping batches)."""
 
     @model_validator(mode="after")
     def _policy_valid(self) -> RunConfig:

@@ -154,7 +154,7 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
     # A worker takes a transport, never "auto": `gyre run` resolved it at start (and said so); direct callers here.
     if "auto" in (cfg.weights.transport, cfg.weights.snapshot):
         cfg, _ = resolve_transports(cfg)
-    c, s, t = cfg.cluster, cfg.scheduler, cfg.train
+    c, s, t, dbg = cfg.cluster, cfg.scheduler, cfg.train, cfg.debug
     workers = c.cells + c.standalone_engines
     server = (
         cfg.rollout.engine != "torch"
@@ -180,8 +180,8 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
                 max_grad_norm=t.max_grad_norm, tokens_per_shard=t.tokens_per_shard,
                 temperature=cfg.model.temperature, loss=t.loss, master_port=master, coordinator_port=coordinator,
                 claim_timeout_s=t.claim_timeout_s, collective_timeout_s=t.collective_timeout_s,
-                snapshot=cfg.weights.snapshot, dump_batches=t.dump_batches,
-                hold_core_for_join=t.hold_core_for_join, hold_timeout_s=t.hold_timeout_s, stop_gate=t.stop_gate,
+                snapshot=cfg.weights.snapshot, dump_batches=dbg.dump_batches,
+                hold_core_for_join=dbg.hold_core_for_join, hold_timeout_s=dbg.hold_timeout_s, stop_gate=dbg.stop_gate,
                 backend=t.backend, device=c.device, tensor_parallel=t.tensor_parallel,
                 pipeline_parallel=t.pipeline_parallel, context_parallel=t.context_parallel,
                 expert_parallel=t.expert_parallel, checkpoint_keep=t.checkpoint_keep,
