@@ -44,10 +44,10 @@ from gyre_tito.kv_moves import KVMoves, Reroute
 
 __all__ = [
     "EngineAPI",
-    "EngineError",
     "EnginePool",
     "EnginePoolConfig",
     "EngineRejected",
+    "EnginesExhausted",
     "GenerateResult",
     "Reroute",
     "Segment",
@@ -93,8 +93,9 @@ class EnginePoolConfig(BaseModel):
         return self
 
 
-class EngineError(Exception):
-    """No engine could finish the call within the configured attempts."""
+class EnginesExhausted(Exception):
+    """No engine could finish the call within the configured attempts (the proxy answers 529). Not
+    `gyre_cell.client.EngineError`, which is one engine's error answer to one request."""
 
 
 class EngineRejected(Exception):
@@ -467,7 +468,7 @@ class EnginePool(KVMoves):
                 res.finish = "length"
                 return res
             # aborted, killed or unreachable: continue from input + what was produced, on the current route
-        raise EngineError(f"no engine finished the call after {self.config.max_attempts} attempts")
+        raise EnginesExhausted(f"no engine finished the call after {self.config.max_attempts} attempts")
 
     async def _call(
         self, url: str, ids: list[int], sp: dict[str, Any], rid: str, att: _Attempt, res, on_accept=None

@@ -32,7 +32,7 @@ from gyre_tito.conversation import (
     Sampling,
     ToolCall,
 )
-from gyre_tito.engine_client import EngineError, EnginePool, EngineRejected
+from gyre_tito.engine_client import EnginePool, EngineRejected, EnginesExhausted
 from gyre_tito.execution import (
     EndedExecution,
     Execution,
@@ -477,7 +477,7 @@ class Proxy:
             res = await self.pool.generate(  # the route is re-read on every retry
                 ids, sp, route=lambda: ex.route, on_accept=call.accepted.set, key=ex.id
             )  # key: where the execution's context lives (its prefix moves with it when that engine drains)
-        except EngineError as e:
+        except EnginesExhausted as e:
             raise ProtocolError(529, "overloaded_error", f"no engine available: {e}") from e
         except EngineRejected as e:
             raise ProtocolError(400, "invalid_request_error", f"the engine rejected the request: {e}") from e
