@@ -9,6 +9,7 @@ Colocate with phi > 0 and no standalone pool) are refused here, naming the field
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -338,7 +339,8 @@ class HarnessConfig(_Section):
     kind: Literal["builtin", "command", "claude-code"] = "builtin"
     """The run's harness (gyre_sched.harness); a task's own `harness` field overrides it for that task."""
     command: list[str] | None = None
-    """`command`: argv template ({workspace}, {task}, {base_url}, {model}); base URL and key in the environment."""
+    """`command`: argv template ({workspace}, {task}, {base_url}, {model}; a leading `~/` in the program is the home
+    directory); base URL and key in the environment."""
     binary: str | None = None
     """`claude-code`: the CLI (default: the repository's pinned node_modules/.bin/claude)."""
     allowed_tools: list[str] = ["Bash", "Read", "Write", "Edit", "Glob", "Grep"]
@@ -354,6 +356,9 @@ class HarnessConfig(_Section):
     CLAUDE_CODE_AUTO_COMPACT_WINDOW); the proxy's address and the execution's key are always Gyre's own."""
     sandbox: bool = False
     """Run each harness in the launch sandbox (gyre_sched.sandbox: own namespaces, network only to the proxy, limits)."""
+    ro_paths: list[str] = []
+    """Further host paths the sandboxed harness sees read-only, beside Gyre's own interpreter and packages: a harness
+    from an environment of its own (mini-swe-agent's, say) needs that environment."""
     sandbox_runtime: Literal["bubblewrap", "oci"] = "bubblewrap"
     """What makes the sandbox: bubblewrap, or the OCI container runtime `oci_runtime` (needs root)."""
     oci_runtime: str = "runc"
@@ -362,7 +367,10 @@ class HarnessConfig(_Section):
     def spec(self) -> dict:
         """The gyre_sched.harness.make_harness spec of the run's harness (None for the built-in agent's argv)."""
         if self.kind == "command":
-            return {"kind": "command", "command": list(self.command or []), "extra_env": dict(self.env)}
+            argv = list(self.command or [])
+            if argv:  # `~/...` as a shell would read it: a program in the user's own environment
+                argv[0] = os.path.expanduser(argv[0])
+            return {"kind": "command", "command": argv, "extra_env": dict(self.env)}
         if self.kind == "claude-code":
             out = {"kind": "claude-code", "allowed_tools": tuple(self.allowed_tools), "max_turns": self.max_turns,
                    "max_output_tokens": self.max_output_tokens, "extra_env": dict(self.env),

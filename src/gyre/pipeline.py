@@ -35,7 +35,7 @@ from gyre_eval.config import PluginConfig, ServiceConfig
 from gyre_eval.exec_check import ExecCheckConfig
 from gyre_sched.policies import make_policy
 from gyre_sched.runner import ExecutionRunner
-from gyre_sched.sandbox import LaunchSandbox
+from gyre_sched.sandbox import LaunchSandbox, default_ro_paths
 from gyre_sched.trace import TraceWriter, policy_header
 
 log = logging.getLogger("gyre")
@@ -55,7 +55,10 @@ def _launch_sandbox(cfg: HarnessConfig) -> LaunchSandbox | None:
     """The run's execution sandbox, or None when `[harness] sandbox` is off."""
     if not cfg.sandbox:
         return None
-    return LaunchSandbox(runtime=cfg.sandbox_runtime, oci_runtime=cfg.oci_runtime)
+    extra = [str(Path(p).expanduser().resolve()) for p in cfg.ro_paths]
+    return LaunchSandbox(
+        runtime=cfg.sandbox_runtime, oci_runtime=cfg.oci_runtime, ro_paths=[*default_ro_paths(), *extra]
+    )
 
 
 def _assessment_config(
