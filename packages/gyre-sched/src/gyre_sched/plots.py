@@ -9,8 +9,15 @@ from gyre_sched.trace import TraceSummary
 ROLE_COLORS = {"rollout": "#4c9be8", "to_training": "#f5b041", "training": "#c0392b", "to_rollout": "#58d68d"}
 
 
+class PlotsUnavailable(ImportError):
+    """matplotlib is not installed: plots are the optional extra `gyre-sched[plot]`."""
+
+
 def _plt():  # imported lazily: plotting is optional and slow to import
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotsUnavailable("plots need matplotlib: pip install 'gyre-sched[plot]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
