@@ -155,7 +155,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
         time.sleep(0.3)
 
 
-def _vllm_main(quick: bool, repeats: int, cpu_threads: int) -> dict:
+def _vllm_main(quick: bool, repeats: int, cpu_threads: int, vllm_args: list[str]) -> dict:
     from gyre_cell.tiny_model import TinyModelConfig
     from gyre_cell.vllm_adapter import VLLMServer
     from gyre_cell.vllm_env import ensure_vllm_env
@@ -169,7 +169,7 @@ def _vllm_main(quick: bool, repeats: int, cpu_threads: int) -> dict:
                "--cpu-threads", str(cpu_threads)]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         vllm = VLLMServer(VLLMLaunchConfig(model_path=str(model), python=str(python), port=_free_port(),
-                                           dtype="float32", max_model_len=4096))  # fmt: skip
+                                           dtype="float32", max_model_len=4096, extra_args=tuple(vllm_args)))  # fmt: skip
         t0 = time.monotonic()
         vllm.start(log_path=str(Path(d) / "vllm.log"))
         try:
@@ -200,10 +200,12 @@ def main(argv: list[str] | None = None) -> None:
         help="engine's torch intra-op threads (1: best for the tiny model)",
     )
     ap.add_argument("--vllm", action="store_true", help="Gyre's engine against vLLM on the same model")
+    ap.add_argument("--vllm-arg", action="append", default=[], help="a flag for the vLLM server (repeatable)")
     args = ap.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 3)
     if args.vllm:
-        print(json.dumps(_vllm_main(args.quick, max(repeats, 3), args.cpu_threads)))
+        result = _vllm_main(args.quick, max(repeats, 3), args.cpu_threads, args.vllm_arg)
+        print(json.dumps(result | {"vllm_args": args.vllm_arg}))
         return
     with tempfile.TemporaryDirectory() as d:
         model = build_tiny_model(d)

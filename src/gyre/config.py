@@ -186,6 +186,8 @@ class VLLMSection(_Section):
     """CPU: each server's KV cache in whole GiB (vLLM's default takes a share of the machine's memory)."""
     enforce_eager: bool = False
     """No compiled graphs: starts faster, runs slower."""
+    stream_interval: int = Field(16, ge=1)
+    """Tokens per streamed chunk: one event per token held 8 concurrent calls on 2 cores to a sixth of the rate."""
     enable_sleep_mode: bool = False
     """GPU: free weights and KV while the cell trains (`/sleep`); on CPU vLLM's sleep frees nothing."""
     gpu_memory_utilization: float | None = Field(None, gt=0, lt=1)

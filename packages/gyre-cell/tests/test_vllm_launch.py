@@ -19,6 +19,7 @@ def test_the_command_runs_the_api_server_module_with_scale_out_and_the_extension
     assert cmd[:5] == ["/py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
     assert "--enable-scale-out" in cmd and cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION_CLASS
     assert cmd[cmd.index("--port") + 1] == "9001" and cmd[cmd.index("--max-model-len") + 1] == "2048"
+    assert cmd[cmd.index("--stream-interval") + 1] == "16"  # one event per token starved concurrent calls
     assert (EXTENSION_DIR / (EXTENSION_CLASS.split(".")[0] + ".py")).is_file()
 
 

@@ -252,6 +252,7 @@ def _vllm_launch(cfg: RunConfig, model_dir: Path, port: int, seed: int) -> VLLML
     return VLLMLaunchConfig(
         model_path=str(model_dir), python=v.python or sys.executable, host="127.0.0.1", port=port, dtype=v.dtype,
         max_model_len=v.max_model_len, weight_version="0", seed=seed, enforce_eager=v.enforce_eager,
+        stream_interval=v.stream_interval,
         enable_sleep_mode=v.enable_sleep_mode, gpu_memory_utilization=v.gpu_memory_utilization,
         cpu_kv_cache_gib=v.cpu_kv_cache_gib,
         extra_args=tuple(v.extra_args),
