@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -186,10 +187,10 @@ SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [2]
 PROMPT = [1, 17, 99, 250, 3, 42, 7]
 
 
-async def _pool_call(server: VLLMServer, sampling: dict, **kw):
+async def _pool_call(server: VLLMServer, sampling: dict, prompt: list[int] = PROMPT, **kw):
     pool = EnginePool(EnginePoolConfig(engines=[server.base_url], api="vllm"), api_key=server.api_key)
     try:
-        return await pool.generate(PROMPT, sampling, **kw), await pool.context_length(server.base_url)
+        return await pool.generate(prompt, sampling, **kw), await pool.context_length(server.base_url)
     finally:
         await pool.aclose()
 
@@ -205,25 +206,46 @@ def test_the_pool_records_what_vllm_sampled_with_the_models_own_logprobs(server,
     _assert_close(first.logprobs, _reference(models["a"], PROMPT + first.output_ids, 24))
 
 
-def test_an_aborted_call_continues_from_its_tokens_and_every_logprob_is_the_models(server, models):
-    """The abort a drain sends (`/inference/v1/abort_requests`) ends the call where it is; the pool sends the call
-    again from prompt + tokens so far. Gate: the engine is paused (`keep`) once it accepted the call, so the abort
-    always meets it running, however fast the machine."""
+def test_an_aborted_call_ends_where_it_is_and_its_continuation_matches_the_model(server, models):
+    """The abort a drain sends (`/inference/v1/abort_requests`, by the pool's request id) ends a running call with
+    finish `abort` and the tokens it had; the pool then sends prompt + those tokens again. Gate: the call's first
+    streamed chunk has arrived (it runs), then the engine is frozen (`/pause?mode=keep`) before the abort; the call
+    asks for about 2,000 tokens, seconds of generation, so it cannot have finished (ci-19's 64-token call through the
+    pool's accept callback had)."""
+    import orjson
+
+    from gyre_tito import vllm_wire
+
+    n = 2048 - len(PROMPT) - 16
+    sp = dict(SAMPLING, max_new_tokens=n, ignore_eos=True, stop_token_ids=[])
+    body = vllm_wire.generate_body("held", PROMPT, sp, stream=True)
 
     async def run():
-        async with server.client() as engine:
-            accepted = asyncio.Event()
-            sp = dict(SAMPLING, max_new_tokens=64, ignore_eos=True)
-            call = asyncio.create_task(_pool_call(server, sp, rid="held", on_accept=accepted.set))
-            await accepted.wait()
-            await engine.pause("keep")
-            await engine.abort("held-0")  # the pool's first attempt of call "held"
-            await engine.continue_generation()
-            return await call
+        got = SimpleNamespace(ids=[], logprobs=[], versions=[], finish=None, matched=None, cached_tokens=None)
+        headers = {"authorization": f"Bearer {server.api_key}"}
+        async with server.client() as engine, httpx.AsyncClient(timeout=120, headers=headers) as http:
+            url = server.base_url + vllm_wire.GENERATE_PATH
+            async with http.stream("POST", url, json=body) as r:
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        vllm_wire.apply_chunk(got, orjson.loads(line[6:]), "0")
+                        if got.ids:
+                            break  # it runs: freeze it and abort it
+                await engine.pause("keep")
+                await engine.abort("held")
+                await engine.continue_generation()
+                async for line in lines:
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        vllm_wire.apply_chunk(got, orjson.loads(line[6:]), "0")
+        rest, _ = await _pool_call(server, dict(sp, max_new_tokens=n - len(got.ids)), prompt=PROMPT + got.ids)
+        return got, rest
 
-    (res, _) = asyncio.run(run())
-    assert res.attempts == 2 and res.finish == "length" and len(res.output_ids) == 64
-    _assert_close(res.logprobs, _reference(models["a"], PROMPT + res.output_ids, 64))
+    got, rest = asyncio.run(run())
+    assert got.finish == "abort" and 0 < len(got.ids) < n, (got.finish, len(got.ids))
+    assert rest.finish == "length" and len(got.ids) + len(rest.output_ids) == n
+    ids = PROMPT + got.ids + rest.output_ids
+    _assert_close(got.logprobs + rest.logprobs, _reference(models["a"], ids, n))
 
 
 def test_published_weights_load_in_place_and_each_token_names_the_weights_that_sampled_it(

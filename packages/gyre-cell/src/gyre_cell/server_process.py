@@ -8,6 +8,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import time
 
 __all__ = ["die_with_parent", "stop_process"]
 
@@ -41,3 +42,6 @@ def stop_process(proc: subprocess.Popen | None, timeout_s: float, *, group: bool
     if group:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+            for _ in range(200):  # SIGKILL lands at once, but the group is gone only once each one has exited
+                os.killpg(proc.pid, 0)  # raises ProcessLookupError when none is left
+                time.sleep(0.01)
