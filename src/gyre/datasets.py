@@ -378,6 +378,15 @@ def validate_main(path: str) -> int:
     folder that checks could not read)."""
     import sys
 
+    from gyre.harbor_tasks import is_harbor_path, load_harbor_tasks
+
+    if is_harbor_path(path):  # Harbor task folders: refused ones name their reason
+        try:
+            print(f"{path}: {len(load_harbor_tasks(path))} Harbor tasks OK")
+        except TaskFileError as e:
+            print(str(e), file=sys.stderr)
+            return 1
+        return 0
     try:
         tasks = load_tasks(path)
     except TaskFileError as e:
@@ -414,8 +423,12 @@ class TaskQuery:
         return evaluator_config(self.task)
 
 
-def task_queries(path: str | Path, limit: int | None = None) -> list[TaskQuery]:
-    """The run's queries from a task file (the first `limit`)."""
+def task_queries(path: str | Path, limit: int | None = None) -> list[Any]:
+    """The run's queries from a task file (the first `limit`), or from Harbor task folders (gyre.harbor_tasks)."""
+    from gyre.harbor_tasks import harbor_queries, is_harbor_path
+
+    if is_harbor_path(path):
+        return harbor_queries(path, limit)
     tasks = load_tasks(path)[:limit]
     for warning in unreadable_check_files(tasks):
         log.warning("%s", warning)
