@@ -203,6 +203,10 @@ def main(argv: list[str]) -> int:
     if root:  # the logs folder itself stays root's: the verifier cannot swap "verifier" for a link
         _give(workspace, SANDBOX_UID)
     done = subprocess.run(bwrap_argv(spec, workspace, tests, logs, root), stdin=subprocess.DEVNULL)
+    who = f"uid {SANDBOX_UID}, no capabilities" if root else "the operator's uid in a user namespace"
+    print(
+        f"harbor verifier: bubblewrap root, no network, own PID namespace, {who}; test.sh exited {done.returncode}"
+    )
     sys.stdout.write(_output_tail(logs))
     try:
         reward = read_reward(logs)
