@@ -1,4 +1,4 @@
-"""A call to a satellite whose port never answers gives up once the cell is found lost (gyre.cell_loss).
+"""A call to a satellite whose port never answers gives up once the cell is found lost (gyre.cell_effects).
 
 A killed cell's port taken by a listener that never answers (or a host gone quiet) keeps an HTTP call open for the
 client's whole timeout (600 s); a publication waiting on such a load held stop 32's CI run for good. Here the
@@ -10,47 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from pathlib import Path
 
 import pytest
 
-import gyre.cell_loss as cell_loss
-from gyre.cell_loss import CellLosses
+import gyre.cell_effects as cell_effects
+from gyre.cell_effects import CellEffects
 from gyre.engine_routes import EngineRoutes
 from gyre_cell.worker_client import CellCommandError, CellWorkerClient
 from gyre_cell.worker_types import PublishedWeights
+from gyre_sched import events as ev
 from gyre_sched.types import CellRole
 
 
-class _Runner:
-    """The proxy's admin API as the loss path uses it: the routes it was told."""
-
-    def __init__(self) -> None:
-        self.routes: list[dict] = []
-
-    async def admin_call(self, method: str, path: str, body: dict) -> None:
-        self.routes.append(body)
-
-
-class _Policy:
-    def __init__(self) -> None:
-        self.roles = [CellRole.TRAINING, CellRole.ROLLOUT]
-
-
-class _Controller:
-    """What `CellLosses` reads of the controller: its cells, event queue, proxy runner, policy and run directory."""
-
-    def __init__(self, cells: list[CellWorkerClient], run_dir: Path) -> None:
-        self.cells, self.standalone, self.run_dir = cells, [], run_dir
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.runner, self.policy = _Runner(), _Policy()
-        self.losses: CellLosses | None = None
-        self.routes = EngineRoutes(self.runner.admin_call, cells, [], lambda: self.policy.roles,
-                                   lambda: self.losses.lost)  # fmt: skip
+async def _no_admin(method: str, path: str, body: dict) -> None:
+    raise AssertionError(
+        "the loss itself calls no proxy: the controller puts the routes when the policy heard it"
+    )
 
 
 def test_a_load_to_a_silent_cell_ends_when_the_cell_is_found_lost(tmp_path, monkeypatch):
-    monkeypatch.setattr(cell_loss, "STATUS_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(cell_effects, "STATUS_TIMEOUT_S", 0.5)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen()  # accepts into its backlog, never reads or answers
@@ -58,18 +37,29 @@ def test_a_load_to_a_silent_cell_ends_when_the_cell_is_found_lost(tmp_path, monk
     async def body() -> None:
         core = CellWorkerClient("http://127.0.0.1:9")  # never called: the core is never lost
         cell = CellWorkerClient(f"http://127.0.0.1:{silent.getsockname()[1]}")
-        controller = _Controller([core, cell], tmp_path)
-        losses = controller.losses = CellLosses(controller)  # type: ignore[arg-type]
-        load = asyncio.create_task(losses.unless_lost(1, cell.load_weights(PublishedWeights(version=3))))
-        assert await losses.absorb(1, CellCommandError("its event stream ended"))
+        reported: list = []
+        down: set[int] = set()  # the policy's view: it has not heard of the loss yet
+        effects = CellEffects([core, cell], reported.append, lambda: PublishedWeights(version=3), lambda: down,
+                              tmp_path, reform_timeout_s=5.0)  # fmt: skip
+        routes = EngineRoutes(_no_admin, [core, cell], [], lambda: [CellRole.TRAINING, CellRole.ROLLOUT],
+                              effects.unreachable)  # fmt: skip
+        assert routes.engines() == [cell.engine_url]
+        load = asyncio.create_task(effects.unless_lost(1, cell.load_weights(PublishedWeights(version=3))))
+        assert await effects.absorb(1, CellCommandError("its event stream ended"))
         with pytest.raises(CellCommandError, match="cell 1 was lost while the call was under way"):
             await asyncio.wait_for(load, 5)
-        assert losses.lost == {1} and isinstance(controller.events.get_nowait().cell, int)
-        assert controller.runner.routes == [{"engines": []}]  # no engine of a lost cell is routed to
+        assert reported == [ev.CellLost(1)]
+        assert routes.engines() == []  # no engine of a cell found dead is routed to, before the policy hears
+        assert await effects.absorb(
+            1, CellCommandError("a second failed call")
+        )  # found already: no 2nd report
+        down.add(1)
+        effects.heard(1)
+        assert reported == [ev.CellLost(1)] and effects.unreachable() == {1}
         # Lost already: a later call to it gives up at once; a call to the core is never cut.
         with pytest.raises(CellCommandError):
-            await asyncio.wait_for(losses.unless_lost(1, cell.load_weights(PublishedWeights(version=3))), 5)
-        assert await losses.unless_lost(0, asyncio.sleep(0, result="core")) == "core"
+            await asyncio.wait_for(effects.unless_lost(1, cell.load_weights(PublishedWeights(version=3))), 5)
+        assert await effects.unless_lost(0, asyncio.sleep(0, result="core")) == "core"
         await cell.aclose()
         await core.aclose()
 

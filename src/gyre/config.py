@@ -300,7 +300,7 @@ class LauncherConfig(_Section):
     start_timeout_s: float = Field(300.0, gt=0)
     """Ray: how long the placement groups may wait for resources."""
     cell_restarts: int = Field(1, ge=0)
-    """Restarts of one satellite cell's worker after it died mid-run (gyre.cell_loss); past them it stays lost."""
+    """Restarts of one satellite cell's worker after it died mid-run (gyre.cell_effects); past them it stays lost."""
     service_hang_s: float = Field(30.0, gt=0)
     """The proxy or gyre-eval answering no health probe (every 5 s) for this long is hung: killed, then handled as a
     dead one (gyre-eval restarted on its port; the proxy's death ends the run with one line naming it)."""

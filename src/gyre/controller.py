@@ -22,7 +22,7 @@ from pathlib import Path
 
 import orjson
 
-from gyre.cell_loss import CellLosses
+from gyre.cell_effects import CellEffects, Restart, rejoin_refused
 from gyre.config import RunConfig
 from gyre.engine_routes import EngineRoutes
 from gyre.tasks import Query
@@ -74,9 +74,17 @@ class Controller:
         self.steps_done = 0
         self.target_steps = 0
         self.on_step: Callable[[dict], None] | None = None  # the run monitor: metrics, dashboard, progress
-        self.losses = CellLosses(self)  # satellites whose worker died (gyre.cell_loss)
+        policy.health.rejoin_refused = rejoin_refused(cfg.train)
+        self.effects = CellEffects(cells, self.events.put_nowait, lambda: self.published, lambda: policy.lost,
+                                   run_dir / "logs", cfg.launcher.reform_timeout_s)  # fmt: skip
         self.routes = EngineRoutes(runner.admin_call, cells, standalone, lambda: self.policy.roles,
-                                   lambda: self.losses.lost)  # fmt: skip
+                                   self.effects.unreachable)  # fmt: skip
+        self._handled = asyncio.Event()  # set (and replaced) after each event the policy took
+
+    def enable_restarts(self, restart: Restart) -> None:
+        """A lost satellite is restarted by `restart` (the launcher's), and the policy plans for it."""
+        self.effects.restart = restart
+        self.policy.health.restarts = True
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -88,12 +96,9 @@ class Controller:
         for i, cell in enumerate(self.cells):
             self._spawn(self._pump_cell_events(i, cell), cell=i)
         await self._initial_roles()
-        self._apply(self.policy.now, start)  # 0, or where a resumed run's trace left off
+        self._apply(self.policy.now, start)  # 0, or where a resumed run's trace left off (Async: its joins)
         if ready := [gid for gid in self.carried if gid in self.policy.ledger.ready]:
             self._spawn(self._send_groups(ready))
-        for i in range(1, len(self.cells)):
-            if self.policy.roles[i] is CellRole.TRAINING:
-                self._spawn(self.cells[i].join(), cell=i)
         last_progress = 0.0
         while self.steps_done < steps:
             item = await self._next_event(idle_timeout_s)
@@ -120,15 +125,16 @@ class Controller:
         return item
 
     def _handle(self, t: float, item: ev.Event) -> None:
-        if isinstance(item, ev.CellRestored) and not self.losses.restored(item):
-            return  # a publication moved on while the restarted cell loaded: it loads again first
         if not isinstance(item, ev.MicrostepClaimed):  # claims are traced with their micro-step by the pump
             self.trace.event(t, item, version=self.policy.version)
         self.steps_done += isinstance(item, ev.StepDone)
         decisions = self.policy.handle(item, t)
+        if isinstance(item, ev.CellLost):
+            self.effects.heard(item.cell)
+            self._spawn(self.routes.put())  # the proxy stops routing to its engine; a refusal stops the run
         self._apply(t, decisions)
-        if isinstance(item, ev.TransitionDone):
-            self._after_transition(item.cell, decisions)
+        handled, self._handled = self._handled, asyncio.Event()
+        handled.set()
 
     def scheduler_state(self) -> dict:
         """The policy's own counters and staleness (the trace must recompute the same)."""
@@ -193,7 +199,7 @@ class Controller:
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # surfaces in run(): a failed part must stop the run loudly
-                if not await self.losses.absorb(cell, exc):
+                if not await self.effects.absorb(cell, exc):
                     self.events.put_nowait(exc)
 
         def finished(task: asyncio.Task) -> None:
@@ -233,11 +239,42 @@ class Controller:
                     self.steps_done < self.target_steps
                 ):  # none after the run's last step
                     final = self.policy.step_in_burst == self.policy.params.mu - 1
-                    self._spawn(self.losses.open_batch(version, final))
+                    self._spawn(self._open_batch(version, final))
                 case ev.GroupReady(gid):
                     self._spawn(self._send_group(gid))
+                case ev.Join(cell):
+                    self._spawn(self.cells[cell].join(), cell=cell)
                 case _:
-                    pass
+                    self._apply_health(d)
+
+    def _apply_health(self, d: ev.Decision) -> None:
+        """The cell-health machine's decisions (gyre_sched.health), carried out by `gyre.cell_effects`."""
+        match d:
+            case ev.RestartCell(cell):
+                self._spawn(self.effects.restart_cell(cell))
+            case ev.LoadWeights(cell, _version, after_s):
+                self._spawn(self.effects.load_weights(cell, after_s, lambda i: self.routes.put(also=i)))
+            case ev.CellRestored(cell, False, _):  # serves again: its event stream is read again
+                self._spawn(self._pump_cell_events(cell, self.cells[cell]), cell=cell)
+            case ev.CellGone(cell, reason):
+                log.warning("cell %d stays lost (%s); later worlds leave it out", cell, reason)
+            case ev.ReformWorld():
+                self._spawn(self.effects.reform(d))
+            case ev.RejoinRefused(cells, why):
+                log.warning("restarted cell(s) %s serve rollout only: training rejoin is not done when %s",
+                            list(cells), why)  # fmt: skip
+            case ev.CompletePublish(version):
+                self.events.put_nowait(ev.PublishDone(version))
+            case _:
+                pass
+
+    async def _open_batch(self, version: int, final: bool) -> None:
+        """The core opens the policy's batch; with the `debug.hold_core_for_join` test gate, once no restart is under
+        way (so a short run surely sees a restarted cell rejoin, or one left out, before its last burst)."""
+        if self.cfg.debug.hold_core_for_join is not None:
+            while self.policy.health.restarting():
+                await self._handled.wait()
+        await self.cells[0].open_batch(version, final)
 
     def _url(self, engine: str) -> str:
         if engine == STANDALONE:
@@ -347,34 +384,25 @@ class Controller:
                         self.events.put_nowait(ev.MicrostepClaimed(f["cell"], groups[0]))
                     case "step_end":
                         if failed := f["report"].get("collective_failed"):
-                            self.losses.collective_failed(f["report"]["step"], failed)
+                            self._collective_failed(f["report"]["step"], failed)
                         self._record_step(f["report"])
                         self.events.put_nowait(ev.StepDone(f["report"]["policy_version"]))
                     case "satellite_done":
-                        if f["result"] == "burst_end" and self.policy.roles[index] is CellRole.TRAINING:
-                            await self._rejoin(index)
+                        if f["result"] == "burst_end":  # the policy decides whether it joins the next batch
+                            self.events.put_nowait(ev.SatelliteBurstEnded(index))
                     case "error":
                         raise RunFailed(
                             f"cell {index}: {f['where']}: {f['message']}; see {self.run_dir}/logs"
                         )
 
-    async def _rejoin(self, index: int) -> None:
-        """A satellite the policy keeps in training (Async) joins the next burst's batches.
-
-        Its burst may end before the core's step_end reaches the policy; if the policy then sends it back to
-        rollout, `to_rollout` makes the waiting join leave (it holds no claim), so joining early is harmless. Under
-        Async it may also end after: the policy's burst end (publication) keeps it in training, so it joins then
-        too and waits for the next batch (else it would never train again).
-        """
-        roles, policy = self.policy.roles, self.policy
-        if roles[index] is CellRole.TRAINING and (not policy.burst_ending or policy.kind == "async"):
-            await self.cells[index].join()
-
-    def _after_transition(self, cell: int, decisions: list[ev.Decision]) -> None:
-        leaving = any(isinstance(d, ev.BeginTransition) and d.cell == cell for d in decisions)
-        if cell > 0 and self.policy.roles[cell] is CellRole.TRAINING and not leaving:
-            # after TransitionDone: its claims find it in training
-            self._spawn(self.cells[cell].join(), cell=cell)
+    def _collective_failed(self, version: int, cells: list[int]) -> None:
+        """The core's end-of-batch reduce or broadcast of batch `version` failed with `cells` (one died or hangs in
+        it): the core ran their micro-steps itself and updated alone. They train again once the world is re-formed
+        (the policy decides when)."""
+        self.trace.write(self.now(), "collective_failed", version=version, cells=cells)
+        log.warning("batch %d: the end-of-batch collective with cell(s) %s failed; the core ran their micro-steps "
+                    "and updated alone; they train again once the world is re-formed", version, cells)  # fmt: skip
+        self.events.put_nowait(ev.CollectiveFailed(version, tuple(cells)))
 
     async def _transition(self, cell: int, dst: CellRole, reroutes: Awaitable) -> None:
         client = self.cells[cell]
@@ -416,8 +444,9 @@ class Controller:
 
     async def _publish(self, version: int) -> None:
         await self._publish_to_engines(version)
-        await self.losses.rejoin_training()  # a burst boundary: restarted cells take their training rank
-        self.events.put_nowait(ev.PublishDone(version))
+        self.events.put_nowait(
+            ev.EnginesLoaded(version)
+        )  # the boundary: the policy may re-form the world first
 
     async def _publish_to_engines(self, version: int) -> None:
         """Core -> every rollout engine (cells in rollout and the standalone pool); cells in training load later."""
@@ -426,10 +455,10 @@ class Controller:
         targets = [c for i, c in enumerate(self.cells) if self._serving(i)] + self.standalone
         index = {id(c): i for i, c in enumerate(self.cells)}  # a standalone engine: no cell, never lost
         loads = await asyncio.gather(
-            *(self.losses.unless_lost(index.get(id(c)), c.load_weights(ref)) for c in targets),
+            *(self.effects.unless_lost(index.get(id(c)), c.load_weights(ref)) for c in targets),
             return_exceptions=True,
         )
-        loads = await self.losses.check(targets, loads)  # a satellite that died meanwhile: left out
+        loads = await self.effects.check(targets, loads)  # a satellite that died meanwhile: left out
         self.published = ref
         row = {"version": version, "transport": self.cfg.weights.transport, "core_s": round(ref.seconds, 4),
                "load_s": [round(x.seconds, 4) for x in loads], "engines": len(loads),

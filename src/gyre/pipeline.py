@@ -176,7 +176,7 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
             resume.carry_into(controller)
         monitor = RunMonitor(cfg, run_dir, controller)  # metrics sink, live dashboard, progress bar
         controller.on_step = monitor.on_step
-        controller.losses.restart = services.restart_cell  # a dead satellite starts again (gyre.cell_loss)
+        controller.enable_restarts(services.restart_cell)  # a dead satellite starts again (gyre.cell_effects)
         await monitor.start()
         log.info("running %d optimizer steps (policy %s, K=%d, N=%d, B=%d, phi=%g, mu=%d)", cfg.train.steps,
                  params.kind, params.K, params.N, params.B, params.phi, params.mu)  # fmt: skip

@@ -12,6 +12,7 @@ from gyre_sched.config import PolicyParams
 from gyre_sched.events import (
     BeginTransition,
     CellLost,
+    CellRestarted,
     CellRestored,
     CellUntrained,
     Dispatch,
@@ -25,6 +26,7 @@ from gyre_sched.events import (
     StepRecorded,
     Tick,
     TransitionDone,
+    WeightsLoaded,
 )
 from gyre_sched.ledger import CarriedGroup, InvariantError
 from gyre_sched.policies import make_policy
@@ -35,6 +37,23 @@ from gyre_sched.types import CellRole, TraceLine
 def params(**kw) -> PolicyParams:
     base = dict(kind="elastic", K=3, C_e=2, N=2, B=2, phi=0.5, mu=1, rho_min=0.5, tau_s=0.0)
     return PolicyParams(**{**base, **kw})
+
+
+def restartable(policy):
+    policy.health.restarts = True
+    return policy
+
+
+def restore(d, cell: int) -> list:
+    """The restart and the load the cell-health machine decides, reported done: the cell serves, rollout-only."""
+    d.send(CellRestarted(cell), dt=1.0)
+    return d.send(WeightsLoaded(cell, d.policy.ledger.published), dt=1.0)
+
+
+def facts(d, *found) -> list:
+    """What the cell-health machine finds at a boundary (a re-form formed or failed), applied to the roles; the
+    machine's own path there is tested in test_health.py and test_faults_sim.py."""
+    return d._apply(d.policy._health_facts(list(found))) + d.send(Tick())
 
 
 def test_lost_rollout_cell_moves_its_executions_to_free_slots(driver):
@@ -119,11 +138,11 @@ def test_a_claim_heard_after_its_cells_loss_is_ignored(driver):
 
 
 def test_a_restored_cell_serves_again_and_trains_only_once_trainable(driver):
-    d = driver(make_policy(params(phi=1.0), deep_checks=True))  # 8 executions, 6 slots: all full
+    d = driver(restartable(make_policy(params(phi=1.0), deep_checks=True)))  # 8 executions, 6 slots: all full
     d.send(CellLost(1), dt=1.0)
     d.settle_cancels()  # its executions were cancelled (no free slot); their groups' refills queue
     assert d.policy.capacity() == 4 and d.policy.ledger.queued > 0
-    out = d.send(CellRestored(1), dt=1.0)  # rollout-only: back in the capacity, queued work launches on it
+    out = restore(d, 1)  # rollout-only: back in the capacity, queued work launches on it
     assert d.policy.roles[1] is CellRole.ROLLOUT and d.policy.capacity() == 6
     assert [x.spec.engine for x in out if isinstance(x, Launch)] == ["cell:1", "cell:1"]
     assert d.policy.trainable() == [0, 2]
@@ -135,20 +154,21 @@ def test_a_restored_cell_serves_again_and_trains_only_once_trainable(driver):
         d.finish_transitions()
     joined = [x.cell for x in d.of(BeginTransition) if x.to_role is CellRole.TO_TRAINING]
     assert 1 not in joined
-    d.send(CellRestored(1, trains=True), dt=1.0)  # its training side rejoined: trainable once cell 2 is out
+    facts(d, CellRestored(1, trains=True))  # its training side rejoined: trainable once cell 2 is out
     assert d.policy.trainable() == [0, 2] and d.policy.roles[2] is CellRole.TRAINING
     d.send(CellLost(2), dt=1.0)
     assert d.policy.trainable() == [0, 1]
     with pytest.raises(InvariantError, match="restored"):
-        d.send(CellRestored(0))  # never lost
+        facts(d, CellRestored(0))  # never lost
+    with pytest.raises(InvariantError, match="restarted while serving"):
+        d.send(CellRestarted(0))  # never lost
 
 
 def test_live_satellites_without_a_training_world_serve_and_train_again_after_the_next_reform(driver):
     """A re-form of the gloo world failed (a cell never arrived): the live satellites keep serving rollout but no
     decision sends them to training until `CellRestored(trains=True)` (the next re-form); the core trains alone."""
     d = driver(make_policy(params(phi=0.0), deep_checks=True))
-    d.send(CellUntrained(1), dt=1.0)
-    d.send(CellUntrained(2), dt=1.0)
+    facts(d, CellUntrained(1), CellUntrained(2))
     assert d.policy.roles == [CellRole.ROLLOUT] * 3 and d.policy.capacity() == 6
     assert d.policy.trainable() == [0]
     for eid in list(d.running):
@@ -158,36 +178,35 @@ def test_live_satellites_without_a_training_world_serve_and_train_again_after_th
         d.send(Tick(), dt=1.0)
         d.finish_transitions()
     assert [x.cell for x in d.of(BeginTransition) if x.to_role is CellRole.TO_TRAINING] == [0]
-    d.send(CellRestored(1, trains=True), dt=1.0)
-    d.send(CellRestored(2, trains=True), dt=1.0)
+    facts(d, CellRestored(1, trains=True), CellRestored(2, trains=True))
     assert d.policy.trainable() == [0, 1, 2]
     with pytest.raises(InvariantError, match="core or lost"):
-        d.send(CellUntrained(0))
+        facts(d, CellUntrained(0))
     d.send(CellLost(2), dt=1.0)
     with pytest.raises(InvariantError, match="core or lost"):
-        d.send(CellUntrained(2))
+        facts(d, CellUntrained(2))
 
 
 def test_async_keeps_its_split_a_restored_training_satellite_idles_then_trains_again(driver):
     """Async, K=3, cells 0 and 1 train: cell 1 lost and restarted takes no rollout work (eq. 3's capacity leaves it
     out) until its training side is back, then switches to training again; a failed re-form sends a training
     satellite out of training to wait the same way."""
-    d = driver(make_policy(params(kind="async", async_train_cells=2, phi=1.0), deep_checks=True))
+    d = driver(restartable(make_policy(params(kind="async", async_train_cells=2, phi=1.0), deep_checks=True)))
     assert d.policy.roles == [CellRole.TRAINING, CellRole.TRAINING, CellRole.ROLLOUT]
     assert d.policy.capacity() == 2
     d.send(CellLost(1), dt=1.0)
-    d.send(CellRestored(1), dt=1.0)  # serving the published weights, no training side yet
+    restore(d, 1)  # serving the published weights, no training side yet
     assert d.policy.roles[1] is CellRole.ROLLOUT and d.policy.capacity() == 2
     for eid in list(d.running)[:1]:  # a slot frees: the launch goes to cell 2, never to the waiting cell 1
         d.finish(eid)
     assert {x.spec.engine for x in d.of(Launch)} == {"cell:2"}
     assert not d.of(BeginTransition)
-    out = d.send(CellRestored(1, trains=True), dt=1.0)  # the world re-formed with it
+    out = facts(d, CellRestored(1, trains=True))  # the world re-formed with it
     assert [(x.cell, x.to_role) for x in out if isinstance(x, BeginTransition)] == [(1, CellRole.TO_TRAINING)]
     d.finish_transitions()
     assert d.policy.roles == [CellRole.TRAINING, CellRole.TRAINING, CellRole.ROLLOUT]
     assert d.policy.trainable() == [0, 1, 2] and d.policy.capacity() == 2
-    out = d.send(CellUntrained(1), dt=1.0)  # a later re-form failed: no world to reduce in
+    out = facts(d, CellUntrained(1))  # a later re-form failed: no world to reduce in
     assert [(x.cell, x.to_role) for x in out if isinstance(x, BeginTransition)] == [(1, CellRole.TO_ROLLOUT)]
     d.finish_transitions()
     assert d.policy.roles[1] is CellRole.ROLLOUT and d.policy.capacity() == 2
@@ -217,7 +236,7 @@ def test_trace_counts_the_resume_settlement_and_the_lost_cell():
     w.write(1.0, "dispatch", group="g0", executions=["g0.e0", "g0.e1"], v_d=0)
     w.write(1.0, "launch", execution="g0.e0")
     w.event(2.0, CellLost(1))
-    w.event(2.5, CellRestored(1))
+    w.decisions(2.5, [CellRestored(1)])
     w.event(2.6, CellLost(1))
     appended = TraceWriter.append_to(buf)
     appended.write(3.0, "resume", version=1, cancelled=["g0.e0"], withdrawn=["g0.e1"], roles=["rollout"] * 2)

@@ -74,31 +74,82 @@ class PublishDone:
 
 @dataclass(frozen=True, slots=True)
 class CellLost:
-    """A satellite cell's worker died. Its executions are rerouted (or cancelled when no engine is free), its claimed
-    micro-steps are requeued by the trainer's coordinator, and it is out of every later role decision."""
+    """A satellite cell's worker died (or hangs: it does not answer its status). Its executions are rerouted (or
+    cancelled when no engine is free), its claimed micro-steps are requeued by the trainer's coordinator, it is out of
+    every later role decision, and the cell-health machine decides its restart (``RestartCell``)."""
 
     cell: int
 
 
 @dataclass(frozen=True, slots=True)
-class CellRestored:
-    """A lost satellite's worker was restarted and serves the current policy version: it takes rollout work again.
-
-    ``trains``: it may also train (its training side rejoined the gloo world). While False the cell is rollout-only:
-    no role decision sends it to training (the training set stays a prefix of the cells that can train). Sent again
-    with ``trains=True`` for a cell restored rollout-only, it makes that cell trainable."""
+class CellRestarted:
+    """The launcher started a lost satellite's worker again and it is ready (rollout side only, no training side)."""
 
     cell: int
-    trains: bool = False
-    version: int | None = None
-    """The published policy version its engine serves (traced; the policy does not use it)."""
 
 
 @dataclass(frozen=True, slots=True)
-class CellUntrained:
-    """A live satellite, in rollout, lost its training side's world (a re-form of the gloo world failed because
-    another cell never arrived): it stays in rollout and is rollout-only, like a restored cell, until
-    ``CellRestored(cell, trains=True)`` after the next re-form."""
+class CellRestartFailed:
+    """A lost satellite's restart failed, or its restarts are spent: it is lost for good."""
+
+    cell: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsLoaded:
+    """A restarted cell's engine loaded published weights and serves ``version`` (its routes are back)."""
+
+    cell: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsLoadFailed:
+    """Loading the published weights into a restarted cell failed (e.g. a publication refreshed the core's buffer
+    meanwhile)."""
+
+    cell: int
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveFailed:
+    """The end-of-batch reduce or broadcast of batch ``version`` failed with ``cells`` (one died or hangs in it): the
+    core ran their micro-steps itself and updated alone. Reported before that batch's ``StepDone``."""
+
+    version: int
+    cells: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EnginesLoaded:
+    """The publication of ``version`` is in every rollout engine: the burst boundary, where the training world may be
+    re-formed before the publication completes (``CompletePublish``)."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorldFormed:
+    """Every member of ``ReformWorld(generation)`` joined the new gloo world."""
+
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorldFailed:
+    """The re-form of ``generation`` failed at its bounded rendezvous (the cells found dead in it were reported lost
+    first): no satellite has a training world until the next re-form."""
+
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SatelliteBurstEnded:
+    """A training satellite's worker ended its burst (the core's last batch of it); it joins again if it stays."""
 
     cell: int
 
@@ -118,8 +169,15 @@ Event = (
     | TransitionDone
     | PublishDone
     | CellLost
-    | CellRestored
-    | CellUntrained
+    | CellRestarted
+    | CellRestartFailed
+    | WeightsLoaded
+    | WeightsLoadFailed
+    | CollectiveFailed
+    | EnginesLoaded
+    | WorldFormed
+    | WorldFailed
+    | SatelliteBurstEnded
     | Tick
 )
 
@@ -239,6 +297,86 @@ class StepRecorded:
     staleness: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Join:
+    """A satellite in training joins the open (or next) batch's micro-steps (its worker waits for the batch)."""
+
+    cell: int
+
+
+@dataclass(frozen=True, slots=True)
+class RestartCell:
+    """Start a lost satellite's worker again; the caller reports ``CellRestarted`` or ``CellRestartFailed``."""
+
+    cell: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadWeights:
+    """Load the published weights into a restarted cell (after ``after_s``: a back-off); the caller reports
+    ``WeightsLoaded`` with the version it serves, or ``WeightsLoadFailed``."""
+
+    cell: int
+    version: int
+    after_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CellRestored:
+    """A lost satellite serves the published version again: back in rollout (its event stream is read again).
+
+    ``trains``: its training side rejoined the world (after ``WorldFormed``). While False it is rollout-only: no role
+    decision sends it to training (the training set stays a prefix of the cells that can train)."""
+
+    cell: int
+    trains: bool = False
+    version: int | None = None
+    """The published policy version its engine serves (traced)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CellUntrained:
+    """A live satellite has no training world (a re-form failed, or its end-of-batch collective did): it is
+    rollout-only until ``CellRestored(cell, trains=True)`` after the next re-form."""
+
+    cell: int
+
+
+@dataclass(frozen=True, slots=True)
+class CellGone:
+    """A lost satellite stays lost for good (its restart failed or its restarts are spent): later worlds leave it
+    out."""
+
+    cell: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReformWorld:
+    """Every member re-forms the gloo world as ``generation`` (``rejoining``: restored cells that take their training
+    rank again; ``members``: one rank per remaining cell when a cell is gone, else None: all K). The caller reports
+    ``WorldFormed`` or ``WorldFailed`` (and ``CellLost`` first for a member found dead)."""
+
+    generation: int
+    rejoining: tuple[int, ...]
+    members: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RejoinRefused:
+    """Restored cells serve rollout only: this run's training backend cannot re-form its groups (said once)."""
+
+    cells: tuple[int, ...]
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class CompletePublish:
+    """The boundary's work is done: the caller reports ``PublishDone(version)``."""
+
+    version: int
+
+
 Decision = (
     Dispatch
     | Launch
@@ -254,6 +392,15 @@ Decision = (
     | AssessmentRecorded
     | StepRecorded
     | BurstPlanned
+    | Join
+    | RestartCell
+    | LoadWeights
+    | CellRestored
+    | CellUntrained
+    | CellGone
+    | ReformWorld
+    | RejoinRefused
+    | CompletePublish
 )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gyre_sched.config import PolicyParams
-from gyre_sched.events import Decision
+from gyre_sched.events import Decision, Join
 from gyre_sched.policy import PolicyCore, cell_engine
 from gyre_sched.types import CellRole
 
@@ -58,7 +58,7 @@ class AsyncPolicy(PolicyCore):
             self.roles[i] = CellRole.TRAINING
         out: list[Decision] = []
         self._open_batch(out)
-        return out
+        return out + [Join(i) for i in range(1, self.params.async_train_cells)]
 
     def _returning(self) -> list[int]:
         """Satellites of the training split back from a loss (or a failed re-form), in rollout: no rollout work."""

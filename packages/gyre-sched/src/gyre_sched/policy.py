@@ -17,12 +17,17 @@ from gyre_sched.events import (
     BeginTransition,
     BurstPlanned,
     CellLost,
+    CellRestarted,
+    CellRestartFailed,
     CellRestored,
     CellUntrained,
+    CollectiveFailed,
     Decision,
     EndTransition,
+    EnginesLoaded,
     Event,
     GroupAssigned,
+    Join,
     Launch,
     Launched,
     MicrostepClaimed,
@@ -30,12 +35,18 @@ from gyre_sched.events import (
     Publish,
     PublishDone,
     Reroute,
+    SatelliteBurstEnded,
     StepDone,
     StepRecorded,
     Terminated,
     Tick,
     TransitionDone,
+    WeightsLoaded,
+    WeightsLoadFailed,
+    WorldFailed,
+    WorldFormed,
 )
+from gyre_sched.health import CellHealth
 from gyre_sched.launch_order import DurationPredictor
 from gyre_sched.launch_order import install as install_predicted_order
 from gyre_sched.ledger import CarriedGroup, ExecState, Group, InvariantError, Ledger
@@ -89,8 +100,8 @@ class PolicyCore:
         self.staleness_refill: list[bool] = []
         self.claims_while_running = 0  # micro-steps claimed while an execution ran on an elastic cell
         self.started = False
-        self.lost: set[int] = set()  # satellites whose worker died (CellLost)
-        self.rollout_only: set[int] = set()  # restarted satellites that serve but cannot train (CellRestored)
+        self.health = CellHealth(params.K)  # the caller sets its restarts and rejoin rule before start
+        self.rollout_only: set[int] = set()  # restored satellites that serve but may not train (CellRestored)
         self._trainable_pending: set[int] = set()  # rollout-only, may train once no later cell trains
         self._carried_dispatches: list[
             Decision
@@ -163,10 +174,41 @@ class PolicyCore:
                 out += self._step_done(version)
             case CellLost(cell):
                 out += self._cell_lost(cell)
-            case CellRestored(cell, trains, _):
-                self._cell_restored(cell, trains)
-            case CellUntrained(cell):
-                out += self._cell_untrained(cell)
+            case CellRestarted(cell):
+                out += self.health.restarted(
+                    cell, publishing=self.publishing, published=self.ledger.published
+                )
+            case CellRestartFailed(cell, reason):
+                out += self.health.restart_failed(cell, reason)
+            case WeightsLoaded(cell, version):
+                facts = self.health.weights_loaded(
+                    cell, version, publishing=self.publishing, published=self.ledger.published
+                )
+                out += self._health_facts(facts)
+            case WeightsLoadFailed(cell, version, reason):
+                out += self.health.load_failed(
+                    cell, version, reason, publishing=self.publishing, published=self.ledger.published
+                )
+            case CollectiveFailed(_version, cells):
+                self.health.collective_failed(cells)
+            case EnginesLoaded(version):
+                if not self.publishing or version != self.version:
+                    raise InvariantError(f"engines loaded {version} with publishing={self.publishing}")
+                trains_through = any(self._stays_in_training(i) for i in range(1, self.params.K))
+                out += self._health_facts(
+                    self.health.boundary(version, self.roles, trains_through=trains_through)
+                )
+            case WorldFormed(generation):
+                out += self._health_facts(self.health.world_formed(generation))
+            case WorldFailed(generation, _reason):
+                out += self._health_facts(self.health.world_failed(generation))
+            case SatelliteBurstEnded(cell):
+                # Its burst may end before the core's step end reaches the policy (a join then waits harmlessly:
+                # a switch to rollout makes it leave) or after (a cell that stays in training joins the next burst).
+                if self.roles[cell] is CellRole.TRAINING and (
+                    not self.burst_ending or self._stays_in_training(cell)
+                ):
+                    out.append(Join(cell))
             case TransitionDone(cell):
                 out += self._transition_done(cell)
             case PublishDone(version):
@@ -176,7 +218,8 @@ class PolicyCore:
             case _:
                 raise InvariantError(f"unknown event {event!r}")
         self._progress(out)
-        return out
+        # A cell sent back out of training in the same event joins nothing.
+        return [d for d in out if not (isinstance(d, Join) and self.roles[d.cell] is not CellRole.TRAINING)]
 
     def next_wakeup(self) -> float | None:
         """When the supply-check timer expires (the caller sends Tick then), or None."""
@@ -194,6 +237,11 @@ class PolicyCore:
     def _roles_changed(self) -> None:
         self._k = sum(r not in (CellRole.ROLLOUT, CellRole.LOST) for r in self.roles)
         self._dest = self._destinations()
+
+    @property
+    def lost(self) -> set[int]:
+        """Satellites that serve nothing (lost, restarting, or gone): ``health``'s view."""
+        return self.health.down
 
     @property
     def live_cells(self) -> int:
@@ -280,11 +328,10 @@ class PolicyCore:
             raise InvariantError("the core cell cannot be lost (it holds the optimizer): the run must stop")
         if cell in self.lost:
             return []
-        self.lost.add(cell)
+        out: list[Decision] = self.health.lost(cell)
         self.rollout_only.discard(cell)
         self.roles[cell] = CellRole.LOST
         self._roles_changed()
-        out: list[Decision] = []
         engine = cell_engine(cell)
         for eid in sorted(self.load[engine]):
             dest = self._free_engine()
@@ -299,20 +346,34 @@ class PolicyCore:
         self._maybe_publish(out)  # a burst end may have waited for this cell's transition
         return out
 
-    def _cell_restored(self, cell: int, trains: bool) -> None:
-        """A lost satellite's worker runs again with the current weights: back in rollout (launches fill it).
+    def _health_facts(self, decisions: list[Decision]) -> list[Decision]:
+        """What the cell-health machine found, applied to roles: a restored cell serves again, an untrained one is
+        rollout-only."""
+        out: list[Decision] = []
+        for d in decisions:
+            out.append(d)
+            match d:
+                case CellRestored(cell, trains, _):
+                    self._cell_restored(cell, trains)
+                case CellUntrained(cell):
+                    out += self._cell_untrained(cell)
+                case _:
+                    pass
+        return out
 
-        ``trains`` False: rollout-only (out of every training decision, like a lost cell there); an already restored
-        rollout-only cell with ``trains`` True becomes trainable (its training side rejoined) as soon as no later
+    def _cell_restored(self, cell: int, trains: bool) -> None:
+        """A restarted satellite serves the published version: back in rollout (launches fill it), rollout-only.
+
+        ``trains``: its training side rejoined the world; a rollout-only cell becomes trainable as soon as no later
         cell trains (the training set stays a prefix)."""
-        if cell not in self.lost:
-            if trains and cell in self.rollout_only:
-                self._trainable_pending.add(cell)
-                return
+        if trains:
+            if cell not in self.rollout_only:
+                raise InvariantError(f"cell {cell} rejoined training, but it is not rollout-only")
+            self._trainable_pending.add(cell)
+            return
+        if self.roles[cell] is not CellRole.LOST:
             raise InvariantError(f"cell {cell} restored, but it is {self.roles[cell].value}")
-        self.lost.discard(cell)
-        if not trains:
-            self.rollout_only.add(cell)
+        self.rollout_only.add(cell)
         self.roles[cell] = CellRole.ROLLOUT
         self._roles_changed()
         self._reset_supply()
@@ -320,7 +381,9 @@ class PolicyCore:
     def _cell_untrained(self, cell: int) -> list[Decision]:
         """A live satellite's training world is gone (a failed re-form, at a burst boundary): rollout-only."""
         if cell == 0 or cell in self.lost:
-            raise InvariantError(f"cell {cell} cannot become rollout-only (core or lost)")
+            raise InvariantError(
+                f"cell {cell} cannot become rollout-only (core or lost)"
+            )  # health never says so
         if self.roles[cell] is not CellRole.ROLLOUT:
             raise InvariantError(f"cell {cell} lost its training world while {self.roles[cell].value}")
         self.rollout_only.add(cell)
@@ -415,7 +478,7 @@ class PolicyCore:
         self.publishing = self.burst_ending = False
         self.ledger.published = version
         self.step_in_burst = 0
-        p, out = self.params, []
+        p, out = self.params, self.health.publish_done(version)
         plan = self.planner.next(self) if p.dispatch == "boundary" else None
         pending = plan.dispatch * (p.N + plan.k_spare) if plan else 0
         stay = self._core_persists(pending)  # eq. 6 is evaluated before the new dispatch lands
@@ -452,6 +515,8 @@ class PolicyCore:
                 self._begin([cell], out)  # too late for this burst: straight back
             else:
                 self._on_training(cell, out)
+                if cell:
+                    out.append(Join(cell))  # its claims find it in training
         self._maybe_publish(out)
         return out
 

@@ -94,10 +94,6 @@ class TraceWriter:
                 self.write(t, "publish", version=v)
             case CellLost(cell):
                 self.write(t, "cell_lost", cell=cell)
-            case CellRestored(cell, trains, served):
-                self.write(t, "cell_restored", cell=cell, trains=trains, serves=served)
-            case CellUntrained(cell):
-                self.write(t, "cell_untrained", cell=cell)
             case _:
                 pass
 
@@ -138,6 +134,10 @@ class TraceWriter:
                     self.write(t, "group_ready", group=gid)
                 case GroupDropped(gid):
                     self.write(t, "group_dropped", group=gid)
+                case CellRestored(cell, trains, served):  # the cell-health machine's findings
+                    self.write(t, "cell_restored", cell=cell, trains=trains, serves=served)
+                case CellUntrained(cell):
+                    self.write(t, "cell_untrained", cell=cell)
                 case AssessmentRecorded(eid, status):
                     self.write(t, "assessed", execution=eid, status=status)
                 case BurstPlanned(v, mu, n, k):
