@@ -150,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(python)
         return 0
+    if args.cmd in ("worker", "engine"):
+        # A worker or an engine imports ~3,500 modules: write the bytecode of those that have none, so that the next
+        # start reads it instead of compiling them again (PYTHONDONTWRITEBYTECODE, set on some machines, stops that;
+        # a package installed without --compile-bytecode then compiled from source at every start).
+        sys.dont_write_bytecode = False
     if args.cmd == "worker":
         from .worker import main as worker_main
 

@@ -39,6 +39,8 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
+from gyre_train.hf_import import import_transformers
+
 __all__ = ["WORKER_MODULES", "ForkedProcess", "Zygote", "ZygoteError"]
 
 WORKER_MODULES = (
@@ -146,6 +148,8 @@ def serve(sock: socket.socket, preload: Sequence[str]) -> int:
     """The zygote's loop: import `preload`, then fork a child per request until the socket closes."""
     for name in preload:
         try:
+            if name.split(".")[0] == "transformers":  # its import skips the installed-files scan (hf_import)
+                import_transformers()
             importlib.import_module(name)
         except BaseException as exc:  # reported to the launcher, which then starts workers plainly
             _send(sock, {"ready": False, "error": f"import {name}: {type(exc).__name__}: {exc}"})
@@ -334,6 +338,7 @@ def _wait_gone(pid: int, timeout_s: float = 5.0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    sys.dont_write_bytecode = False  # what it preloads keeps its bytecode for the next start (gyre_cell.cli)
     sock = socket.socket(fileno=int(argv[0]))
     return serve(sock, argv[1:])
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gyre_train.hf_import import import_transformers
+
 
 def _as_ids(eos: Any) -> list[int]:
     return list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
@@ -12,6 +14,7 @@ def _as_ids(eos: Any) -> list[int]:
 
 def eos_token_ids(path: str, hf_cfg: Any) -> set[int]:
     """EOS ids from config.json and, when present, generation_config.json (requests stop on them)."""
+    import_transformers()
     from transformers import GenerationConfig
 
     ids = set(_as_ids(getattr(hf_cfg, "eos_token_id", None)))
@@ -26,6 +29,7 @@ def load_tokenizer(path: str) -> Any | None:
     p = Path(path)
     if not (p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists():
         return None
+    import_transformers()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

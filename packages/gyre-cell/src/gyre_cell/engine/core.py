@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from gyre_train.hf_import import import_transformers
+
 from .checkpoint import eos_token_ids, load_tokenizer
 from .config import EngineConfig
 from .kv_cache import KVCacheFullError, PagedKVCache
@@ -46,6 +48,7 @@ class TorchEngine:
     """Token-in/token-out generation engine for a local HF causal LM."""
 
     def __init__(self, config: EngineConfig) -> None:
+        import_transformers()  # without its scan of the installed files (2 s of a worker's start)
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.config = config

@@ -60,6 +60,9 @@ class TorchBackend:
     def __init__(self, cfg: TorchBackendConfig) -> None:
         # transformers' modeling takes seconds to import: paid by the process that loads a model, not by every
         # importer of this module (the launcher, the tests' collection).
+        from gyre_train.hf_import import import_transformers
+
+        import_transformers()  # without its scan of the installed files
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
