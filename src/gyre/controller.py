@@ -257,7 +257,7 @@ class Controller:
             case ev.CellRestored(cell, False, _):  # serves again: its event stream is read again
                 self._spawn(self._pump_cell_events(cell, self.cells[cell]), cell=cell)
             case ev.CellGone(cell, reason):
-                log.warning("cell %d stays lost (%s); later worlds leave it out", cell, reason)
+                log.warning("cell %d: %s: it stays lost; later worlds leave it out", cell, reason)
             case ev.ReformWorld():
                 self._spawn(self.effects.reform(d))
             case ev.RejoinRefused(cells, why):

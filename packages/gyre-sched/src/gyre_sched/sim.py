@@ -18,9 +18,11 @@ from gyre_sched.events import (
     Assessed,
     BeginTransition,
     Cancel,
+    CompletePublish,
     Decision,
     Dispatch,
     EndTransition,
+    EnginesLoaded,
     Event,
     GroupAssigned,
     GroupReady,
@@ -37,6 +39,7 @@ from gyre_sched.events import (
     Tick,
     TransitionDone,
 )
+from gyre_sched.faults import FaultPlan, FaultPlaying
 from gyre_sched.policies import make_policy
 from gyre_sched.policy import PolicyCore
 from gyre_sched.trace import TraceWriter, policy_header
@@ -86,8 +89,9 @@ class _Batch:
     finishing: bool = False
 
 
-class Simulator:
-    """``Simulator(cfg).run()``; ``trace_stream`` records trace.jsonl, ``deep_checks`` recounts after each event."""
+class Simulator(FaultPlaying):
+    """``Simulator(cfg).run()``; ``trace_stream`` records trace.jsonl, ``deep_checks`` recounts after each event,
+    ``faults`` plays cell faults and their recovery (``gyre_sched.faults``)."""
 
     def __init__(
         self,
@@ -96,6 +100,7 @@ class Simulator:
         trace_stream: IO[bytes] | None = None,
         deep_checks: bool = False,
         record_samples: bool = False,
+        faults: FaultPlan | None = None,
     ) -> None:
         self.cfg = cfg
         self.params = cfg.policy_params()
@@ -125,11 +130,12 @@ class Simulator:
         self._step_ends: list[float] = []
         self._events = 0
         self._role_since = [0.0] * self.params.K
-        # Simulated cells never die: no LOST share.
-        self._role_time = {r.value: 0.0 for r in CellRole if r is not CellRole.LOST}
+        # Without faults no cell dies: no LOST share.
+        self._role_time = {r.value: 0.0 for r in CellRole if r is not CellRole.LOST or faults is not None}
         self.costs = cfg.costs()
         self._ms_s = self.costs.microstep_s
         self.bursts = BurstLog(self.params.K, self.params.C_e)
+        self._init_faults(faults)
 
     def header(self) -> dict[str, Any]:
         return {
@@ -188,14 +194,18 @@ class Simulator:
                         cost = c.switch_to_training_s + (c.satellite_join_s if cell else 0.0)
                     else:
                         cost = c.switch_to_rollout_s
-                    self._at(self.now + cost, TransitionDone(cell))
+                    self._at(self.now + cost, ("switched", cell, self._epoch[cell]))
                 case EndTransition(cell, _, to):
                     self._role_change(cell)
                     if to is CellRole.TRAINING:
                         led = self.policy.ledger
                         self.bursts.joined_training(self.now, cell, led.running, len(led.ready))
                 case Publish(v):
-                    self._at(self.now + c.publish_s, PublishDone(v))
+                    self._fault_decision(d)
+                    self._at(self.now + c.publish_s, EnginesLoaded(v))
+                case CompletePublish(v):
+                    self.bursts.published(self.now, v)
+                    self._deliver(PublishDone(v))
                 case OpenBatch(v):
                     self._batch = _Batch(v, final=self.policy.step_in_burst == self.policy.mu_now - 1)
                 case StepRecorded(v, groups, _):
@@ -203,7 +213,7 @@ class Simulator:
                     self._step_ends.append(self.now)
                     self.bursts.step(self.now, v, list(groups))
                 case _:
-                    pass
+                    self._fault_decision(d)
 
     def _arm(self, eid: str, end: float) -> None:
         tok = self._token.get(eid, 0) + 1
@@ -222,7 +232,7 @@ class Simulator:
         if b is None or b.finishing:
             return
         for cell in range(p.K):
-            if cell in self._busy or self.policy.roles[cell] is not CellRole.TRAINING:
+            if cell in self._busy or cell in self._dead or self.policy.roles[cell] is not CellRole.TRAINING:
                 continue
             if cell not in self._warm and (b.todo or self.policy.ledger.ready):
                 self._warm.add(
@@ -252,10 +262,15 @@ class Simulator:
             b.participants.add(cell)
             self._busy.add(cell)
             self.bursts.trained(dur)
-            self._at(self.now + dur, ("ms", cell, b.version))
+            self._at(self.now + dur, ("ms", cell, b.version, self._epoch[cell]))
+            if not self._claimed(cell, gid):
+                continue  # it died right after its claim
 
-    def _ms_done(self, cell: int, version: int) -> None:
+    def _ms_done(self, cell: int, version: int, epoch: int) -> None:
+        if self._epoch[cell] != epoch:
+            return  # it died meanwhile: the micro-step was requeued
         self._busy.discard(cell)
+        self._doing.pop(cell, None)
         b = self._batch
         if b is None or b.version != version:
             return
@@ -264,6 +279,7 @@ class Simulator:
             b.finishing = True
             c = self.costs
             extra = c.broadcast_s if (not b.final and len(b.participants) > 1) else 0.0
+            extra += self._reduce_hangs(version, b.participants)
             self.bursts.trained(len(b.participants) * (c.pipeline_drain_s + c.optimizer_s + extra))
             self._at(self.now + c.pipeline_drain_s + c.optimizer_s + extra, StepDone(version + 1))
 
@@ -295,9 +311,14 @@ class Simulator:
                 elif kind == "cancelled":
                     self._deliver(Terminated(item[1], "cancelled"))
                 elif kind == "ms":
-                    self._ms_done(item[1], item[2])
+                    self._ms_done(item[1], item[2], item[3])
                 elif kind == "warm":
                     self._busy.discard(item[1])
+                elif kind == "switched":
+                    if self._epoch[item[1]] == item[2] and item[1] not in self._dead:
+                        self._deliver(TransitionDone(item[1]))
+                else:
+                    self._fault_item(item)
             elif isinstance(item, Assessed):
                 g = self.policy.ledger.groups[self.policy.ledger.execs[item.execution_id].group]
                 if g.state.value == "open":  # an evaluator result for a settled group changes nothing
@@ -307,9 +328,6 @@ class Simulator:
                 self._deliver(item)
             elif isinstance(item, Tick):
                 self._tick_at = None
-                self._deliver(item)
-            elif isinstance(item, PublishDone):
-                self.bursts.published(self.now, item.version)
                 self._deliver(item)
             else:
                 self._deliver(item)
