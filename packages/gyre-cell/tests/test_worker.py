@@ -21,8 +21,8 @@ from gyre_cell.engine.config import EngineConfig
 from gyre_cell.ports import free_port, free_ports
 from gyre_cell.worker_client import CellCommandError, CellWorkerClient
 from gyre_cell.worker_types import CellEvent, CellTrainingConfig, CellWorkerConfig, PublishedWeights
+from gyre_eval.groups import group_advantages
 from gyre_tito.export import write_trajectories
-from gyre_train.advantages import group_advantages
 from gyre_train.synthetic import build_tiny_model, make_groups
 from gyre_train.types import ReadyGroupMessage
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from gyre_train.advantages import group_advantages
+from gyre_eval.groups import group_advantages
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.packing import PackingConfig, StreamPackingBuffer, materialize, pack_rows
 from gyre_train.queue import MicroStepQueue

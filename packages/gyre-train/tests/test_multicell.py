@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from gyre_train.advantages import group_advantages
+from gyre_eval.groups import group_advantages
 from gyre_train.localrun import LocalRunSpec, launch
 from gyre_train.loss import LossConfig
 from gyre_train.loss_reference import RefExecution, reference_loss, trajectory_target_logprobs

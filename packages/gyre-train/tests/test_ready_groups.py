@@ -9,8 +9,8 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
+from gyre_eval.groups import group_advantages
 from gyre_tito.export import write_trajectories
-from gyre_train.advantages import group_advantages
 from gyre_train.buffer import ExecutionEntry, TrajectoryBuffer
 from gyre_train.packing import PackingConfig, StreamPackingBuffer
 from gyre_train.synthetic import make_trajectory, placeholder

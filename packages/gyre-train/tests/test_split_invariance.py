@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from gyre_train.advantages import group_advantages
+from gyre_eval.groups import group_advantages
 from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker

@@ -17,9 +17,15 @@ GRPO_EPS = 1e-6
 
 
 def group_advantages(rewards: Sequence[float], mode: AdvantageMode = "grpo") -> list[float]:
-    """GRPO: ``(r - mean) / (std + 1e-6)`` with the population std; ``mean``: ``r - mean``."""
+    """The one advantage formula of Gyre (gyre-train's buffer uses it too), aligned with ``rewards``.
+
+    GRPO: ``(r - mean) / (std + 1e-6)`` with the **population** std over the group (ddof = 0); ``mean``: ``r - mean``.
+    A group whose rewards are all equal gets all-zero advantages (its executions still count in the batch's N*B
+    normalization)."""
     if not rewards:
         return []
+    if any(not math.isfinite(r) for r in rewards):
+        raise ValueError(f"rewards must be finite, got {list(rewards)}")
     mean = math.fsum(rewards) / len(rewards)
     centered = [r - mean for r in rewards]
     if mode == "mean":

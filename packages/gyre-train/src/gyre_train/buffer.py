@@ -12,7 +12,7 @@ Two ways in:
   membership). :meth:`TrajectoryBuffer.add_group_message` does the same from a
   :class:`~gyre_train.types.ReadyGroupMessage` whose trajectories are files written by ``gyre_tito.export``.
 - :meth:`TrajectoryBuffer.add_execution` (tests, ``gyre_train.synthetic``, benchmarks): one execution at a time; the
-  execution that completes the group fills every advantage with :func:`gyre_train.advantages.group_advantages`
+  execution that completes the group fills every advantage with :func:`gyre_eval.groups.group_advantages` (the one formula)
   (``advantage_mode`` of the buffer). An incomplete group is never handed out; one that can no longer complete is
   removed with :meth:`TrajectoryBuffer.drop_group`.
 
@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gyre_eval.groups import group_advantages
+from gyre_eval.types import AdvantageMode
 from gyre_tito.types import Trajectory
-from gyre_train.advantages import AdvantageMode, group_advantages
 from gyre_train.types import ReadyGroupMessage
 
 
@@ -179,7 +180,7 @@ class TrajectoryBuffer:
         """Record one assessed execution; returns the group if this execution completed it.
 
         A convenience for tests, ``gyre_train.synthetic`` and benchmarks: the completing execution fills the
-        group's advantages with :func:`gyre_train.advantages.group_advantages` (``self.advantage_mode``). The real
+        group's advantages with :func:`gyre_eval.groups.group_advantages` (the one formula) (``self.advantage_mode``). The real
         run hands complete groups with their advantages to :meth:`add_group`.
         """
         with self._lock:
