@@ -1,6 +1,7 @@
 """Group accounting: when a rollout group is ready, when it is dropped, and its advantages (docs/design/scheduling.md#equations, docs/design/assessments.md, docs/design/training.md#objective).
 
-Selection is by dispatch index, never by completion order: walking the group's executions in dispatch order and skipping
+The rule is the scheduler's (`gyre_sched.ledger.settle_group`), applied here to designated assessments. Selection is
+by dispatch index, never by completion order: walking the group's executions in dispatch order and skipping
 excluded ones, the first N form the group. The group is ready once all of those have valid rewards (``no_work``
 placeholders count as valid zeros), and dropped once more executions were excluded than there are spares
 (``excluded > dispatched - N``). Faster executions therefore never displace slower ones that are still running.
@@ -12,6 +13,8 @@ import math
 from collections.abc import Iterable, Sequence
 
 from gyre_eval.types import AdvantageMode, Assessment, GroupStatus, MemberReward
+from gyre_sched.ledger import settle_group
+from gyre_sched.types import AssessedStatus
 
 GRPO_EPS = 1e-6
 
@@ -36,6 +39,12 @@ def group_advantages(rewards: Sequence[float], mode: AdvantageMode = "grpo") -> 
     return [c / (std + GRPO_EPS) for c in centered]
 
 
+def _settled(a: Assessment | None) -> AssessedStatus | None:
+    if a is None or (a.status == "unresolved" and not a.excluded):
+        return None
+    return "excluded" if a.excluded else a.status
+
+
 def group_status(
     group_id: str,
     size: int,
@@ -55,22 +64,17 @@ def group_status(
     excluded = sum(1 for a in by_index.values() if a.excluded)
     pending = dispatched - valid - excluded
     common = dict(group_id=group_id, size=size, dispatched=dispatched, valid=valid, excluded=excluded)
-    if excluded > dispatched - size:
+    statuses = [_settled(by_index.get(index)) for index in range(dispatched)]
+    state, indices = settle_group(statuses, size)  # the scheduler's own rule (gyre_sched.ledger)
+    if state == "dropped":
         reason = (
             f"{excluded} of {dispatched} executions excluded; at most {dispatched - size} may be (N={size})"
         )
         return GroupStatus(**common, pending=pending, state="dropped", advantage_mode=mode, reason=reason)
-    chosen: list[Assessment] = []
-    for index in range(dispatched):
-        a = by_index.get(index)
-        if a is not None and a.excluded:
-            continue
-        if a is None or a.status == "unresolved":
-            # The earliest live execution has no reward yet: a later one may not jump ahead of it.
-            return GroupStatus(**common, pending=pending, state="pending", advantage_mode=mode)
-        chosen.append(a)
-        if len(chosen) == size:
-            break
+    # Pending: the earliest live execution has no reward yet, and a later one may not jump ahead of it.
+    if state == "pending":
+        return GroupStatus(**common, pending=pending, state="pending", advantage_mode=mode)
+    chosen = [by_index[i] for i in indices]
     rewards = [float(a.score) for a in chosen]  # valid and no_work scores are never None
     advantages = group_advantages(rewards, mode)
     members = [

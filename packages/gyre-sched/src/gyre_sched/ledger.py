@@ -16,7 +16,7 @@ launch or completion order, only on dispatch index.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -34,6 +34,19 @@ class ExecState(Enum):
     RUNNING = "running"
     TERMINATED = "terminated"
     WITHDRAWN = "withdrawn"
+
+
+def settle_group(statuses: Sequence[AssessedStatus | None], N: int) -> tuple[str, list[int]]:
+    """The one readiness rule (the ledger's and gyre-eval's ``group_status``): ``statuses`` per dispatch index
+    (None: no designated result yet). Returns ``("dropped", [])`` when more executions are excluded than there are
+    spares, else the first N non-excluded indices with ``"ready"`` when all of them are valid or no_work, ``"pending"``
+    otherwise: a later execution never takes the place of an earlier one still running."""
+    excluded = sum(s == "excluded" for s in statuses)
+    if excluded > len(statuses) - N:
+        return "dropped", []
+    needed = [i for i, s in enumerate(statuses) if s != "excluded"][:N]
+    ready = all(statuses[i] in ("valid", "no_work") for i in needed)
+    return ("ready" if ready else "pending"), needed
 
 
 class GroupState(Enum):
@@ -279,12 +292,14 @@ class Ledger:
     def _settle(self, g: Group) -> list[Decision]:
         """Ready when the first N non-excluded executions (index order) are all valid; dropped when impossible."""
         execs = [self.execs[i] for i in g.execs]
-        excluded = sum(e.status == "excluded" for e in execs)
-        if excluded > g.n_d - self.N:
+        state, indices = settle_group([e.status for e in execs], self.N)
+        if state == "dropped":
             return self._drop(g)
-        needed = [e for e in execs if e.status != "excluded"][: self.N]
-        if not all(e.status in ("valid", "no_work") for e in needed):
-            if self.idle_spares and excluded:  # a spare now counts: it launches next, like a refill
+        needed = [execs[i] for i in indices]
+        if state == "pending":
+            if self.idle_spares and any(
+                e.status == "excluded" for e in execs
+            ):  # a spare now counts: launch it next
                 for e in needed:
                     if e.index >= self.N and e.state is ExecState.QUEUED and e.id not in self._promoted:
                         self._promoted.add(e.id)
