@@ -98,8 +98,11 @@ def _npm_ci() -> None:
         return
     proc = subprocess.run(
         ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         print(f"\n`npm ci` failed ({last}): the Claude Code tests need `npm ci` at the repo root")
@@ -148,9 +151,21 @@ class FaultRun:
         hold: int = 1,
         expect_failure: bool = False,
     ) -> dict | None:
-        argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
-                str(run_dir), "--set", f"debug.hold_core_for_join={hold}", "--set", "dashboard.enabled=false",
-                "--quiet", *(x for kv in sets for x in ("--set", kv))]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "gyre.cli",
+            "run",
+            str(ROOT / "configs" / "elastic-k3.toml"),
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"debug.hold_core_for_join={hold}",
+            "--set",
+            "dashboard.enabled=false",
+            "--quiet",
+            *(x for kv in sets for x in ("--set", kv)),
+        ]
         proc = subprocess.Popen(
             argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )

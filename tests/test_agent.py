@@ -95,12 +95,22 @@ def test_context_reset_keeps_the_task_and_the_notes(tmp_path):
 
 
 def test_agent_starts_without_site_packages(tmp_path):
-    proc = subprocess.run([sys.executable, "-I", "-S", agent.__file__, "--workspace", str(tmp_path), "--task", "t"],
-                          capture_output=True, text=True, env={}, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", agent.__file__, "--workspace", str(tmp_path), "--task", "t"],
+        capture_output=True,
+        text=True,
+        env={},
+        timeout=60,
+    )
     assert proc.returncode == 2 and "OPENAI_BASE_URL and OPENAI_API_KEY must be set" in proc.stderr
     env = {"OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "OPENAI_API_KEY": "k"}  # nothing listens on port 9
-    proc = subprocess.run([sys.executable, "-I", "-S", agent.__file__, "--workspace", str(tmp_path), "--task", "t"],
-                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", agent.__file__, "--workspace", str(tmp_path), "--task", "t"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 3 and "model endpoint failed" in proc.stderr
 
 
@@ -130,8 +140,11 @@ def test_http_complete_posts_to_the_endpoint_and_names_its_refusal(tmp_path):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append((self.path, self.headers["Authorization"], body))
             refused = self.headers["Authorization"] != "Bearer right"
-            reply = b'{"error": "no such key"}' if refused else json.dumps(
-                {"choices": [{"message": {"role": "assistant", "content": "pink"}}]}).encode()  # fmt: skip
+            reply = (
+                b'{"error": "no such key"}'
+                if refused
+                else json.dumps({"choices": [{"message": {"role": "assistant", "content": "pink"}}]}).encode()
+            )
             self.send_response(401 if refused else 200)
             self.send_header("Content-Length", str(len(reply)))
             self.end_headers()

@@ -62,8 +62,11 @@ def _requeued(lines: list[dict], lost: dict) -> int:
     claims = [x for x in lines[: lines.index(lost)] if x["ev"] == "microstep_claim" and x["cell"] == 1]
     died_in = max(x["batch"] for x in claims)
     mine = {x["index"] for x in claims if x["batch"] == died_in}
-    again = {x["index"] for x in lines[lines.index(claims[-1]) + 1 :]
-             if x["ev"] == "microstep_claim" and x["batch"] == died_in and x["cell"] != 1}  # fmt: skip
+    again = {
+        x["index"]
+        for x in lines[lines.index(claims[-1]) + 1 :]
+        if x["ev"] == "microstep_claim" and x["batch"] == died_in and x["cell"] != 1
+    }
     assert mine <= again, (mine, again)
     return died_in
 
@@ -111,8 +114,14 @@ BACKENDS = {
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_killed_satellite_worker_is_restarted_and_the_run_completes(fault_run, tmp_path, backend):
     run_dir = tmp_path / "run"
-    summary = _kill_cell1_at_its_first_claim(fault_run, tmp_path, run_dir, f"train.steps={STEPS}", *BACKENDS[backend],
-                                             f"debug.dump_batches={list(range(STEPS))}")  # fmt: skip
+    summary = _kill_cell1_at_its_first_claim(
+        fault_run,
+        tmp_path,
+        run_dir,
+        f"train.steps={STEPS}",
+        *BACKENDS[backend],
+        f"debug.dump_batches={list(range(STEPS))}",
+    )
     assert summary["steps"] == STEPS
 
     lines = list(iter_trace(run_dir / "trace.jsonl"))
@@ -135,11 +144,18 @@ def test_killed_satellite_worker_is_restarted_and_the_run_completes(fault_run, t
     on_it = [x["execution"] for x in lines[back:] if x["ev"] == "launch" and x["engine"] == "cell:1"]
     assert on_it, "the restarted cell took no rollout work"
     url = json.loads((run_dir / "services.json").read_text())["cells"][1]
-    served = [s for e in on_it if (run_dir / "trajectories" / f"{e}.parquet").exists()
-              for s in _spans(run_dir / "trajectories" / f"{e}.parquet") if s["engine_id"] == url]  # fmt: skip
+    served = [
+        s
+        for e in on_it
+        if (run_dir / "trajectories" / f"{e}.parquet").exists()
+        for s in _spans(run_dir / "trajectories" / f"{e}.parquet")
+        if s["engine_id"] == url
+    ]
     assert served and all(int(s["weight_version"]) >= restored["serves"] for s in served), served
-    print(f"restored at t={restored['t']:.1f} s (lost at {lost['t']:.1f} s), serving v{restored['serves']}; "
-          f"{len(on_it)} executions launched on it, {len(served)} spans served by it")  # fmt: skip
+    print(
+        f"restored at t={restored['t']:.1f} s (lost at {lost['t']:.1f} s), serving v{restored['serves']}; "
+        f"{len(on_it)} executions launched on it, {len(served)} spans served by it"
+    )
     # Its claims of the batch it died in were requeued: each (batch, index) claimed again by a live cell.
     died_in = _requeued(lines, lost)
     # Every step done, with B groups each; steps after the loss summed no micro-step of cell 1.
@@ -161,8 +177,10 @@ def test_killed_satellite_worker_is_restarted_and_the_run_completes(fault_run, t
     # That step (cells 0 and 1, maybe 2) equals the single-process reference on the same batch.
     batch = later[0]
     _equals_replay(run_dir, batch, rows[batch], backend)
-    print(f"rejoined at t={rejoined['t']:.1f} s; cell 1 claimed in batches {later}; "
-          f"batch {batch} by cell {rows[batch]['microsteps_by_cell']}, loss {rows[batch]['loss']:.6f} = replay")  # fmt: skip
+    print(
+        f"rejoined at t={rejoined['t']:.1f} s; cell 1 claimed in batches {later}; "
+        f"batch {batch} by cell {rows[batch]['microsteps_by_cell']}, loss {rows[batch]['loss']:.6f} = replay"
+    )
     # The trace still recomputes the scheduler's counters; the final weights are saved.
     trace = _counters_recompute(run_dir)
     assert trace.steps == json.loads((run_dir / "metrics" / "scheduler.json").read_text())["version"] == STEPS
@@ -176,9 +194,16 @@ def test_async_training_satellite_lost_restarts_idle_and_trains_again(fault_run,
     world re-forms at the publication (the core and cell 1 re-form from training), cell 1 switches back to training
     and claims micro-steps of a later batch, whose step equals the single-process float64 reference."""
     steps, run_dir = 4, tmp_path / "run"
-    summary = _kill_cell1_at_its_first_claim(fault_run, tmp_path, run_dir, "scheduler.kind=async", "scheduler.async_train_cells=2",
-                                             f"train.steps={steps}", "train.dtype=float64",
-                                             f"debug.dump_batches={list(range(steps))}")  # fmt: skip
+    summary = _kill_cell1_at_its_first_claim(
+        fault_run,
+        tmp_path,
+        run_dir,
+        "scheduler.kind=async",
+        "scheduler.async_train_cells=2",
+        f"train.steps={steps}",
+        "train.dtype=float64",
+        f"debug.dump_batches={list(range(steps))}",
+    )
     assert summary["steps"] == steps
 
     lines = list(iter_trace(run_dir / "trace.jsonl"))
@@ -194,8 +219,13 @@ def test_async_training_satellite_lost_restarts_idle_and_trains_again(fault_run,
     assert back and back[0]["to"] == "to_training", back
     # Its claims of the batch it died in were claimed again; after the rejoin it claims in a later batch.
     died_in = _requeued(lines, lost)
-    later = sorted({x["batch"] for x in lines[lines.index(rejoined) :]
-                    if x["ev"] == "microstep_claim" and x["cell"] == 1})  # fmt: skip
+    later = sorted(
+        {
+            x["batch"]
+            for x in lines[lines.index(rejoined) :]
+            if x["ev"] == "microstep_claim" and x["cell"] == 1
+        }
+    )
     assert later and min(later) > died_in, "cell 1 claimed no micro-step after rejoining"
     rows = [json.loads(x) for x in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
@@ -255,8 +285,10 @@ def test_a_satellite_that_stops_answering_is_lost_restarted_and_trains_again(fau
     assert {e.split(".")[0] for e in cancelled} <= settled and trained <= settled
     assert len(trained) == 2 * steps  # B = 2 groups a step
     _counters_recompute(run_dir)
-    print(f"stopped at t={t_stop:.1f} s, lost at {lost['t']:.1f} s, rejoined at {lines[rejoined]['t']:.1f} s; "
-          f"{len(cancelled)} executions cancelled")  # fmt: skip
+    print(
+        f"stopped at t={t_stop:.1f} s, lost at {lost['t']:.1f} s, rejoined at {lines[rejoined]['t']:.1f} s; "
+        f"{len(cancelled)} executions cancelled"
+    )
 
 
 def test_a_satellite_that_hangs_inside_the_reduce_is_recomputed_by_the_core_and_the_satellites_train_again(
@@ -273,9 +305,17 @@ def test_a_satellite_that_hangs_inside_the_reduce_is_recomputed_by_the_core_and_
     run_dir = tmp_path / "run"
     # Cell 1 is lost once its event stream has been silent for `cell_silence_s`: 15 s here, not the 50 s default
     # the run waited out between the failed reduce and the loss (trace: collective_failed at 15.9 s, cell_lost 60.1 s).
-    summary = fault_run(tmp_path, run_dir, lambda lines: True, lambda: None, f"train.steps={steps}",
-                        'debug.stop_gate={"cell": 1, "at": "reduce"}', "train.collective_timeout_s=10",
-                        "launcher.cell_silence_s=15", "debug.hold_timeout_s=120")  # fmt: skip
+    summary = fault_run(
+        tmp_path,
+        run_dir,
+        lambda lines: True,
+        lambda: None,
+        f"train.steps={steps}",
+        'debug.stop_gate={"cell": 1, "at": "reduce"}',
+        "train.collective_timeout_s=10",
+        "launcher.cell_silence_s=15",
+        "debug.hold_timeout_s=120",
+    )
     assert summary["steps"] == steps
     lines = list(iter_trace(run_dir / "trace.jsonl"))
     (failed,) = [x for x in lines if x["ev"] == "collective_failed"]
@@ -287,8 +327,11 @@ def test_a_satellite_that_hangs_inside_the_reduce_is_recomputed_by_the_core_and_
     batches_of_cell_1 = {x["batch"] for x in lines[:at] if x["ev"] == "microstep_claim" and x["cell"] == 1}
     assert min(batches_of_cell_1) == failed["version"], (batches_of_cell_1, failed)
     # the failed batch's step counts the core's micro-steps only: it ran the satellites' again
-    (report,) = [json.loads(r) for r in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()
-                 if json.loads(r)["step"] == failed["version"]]  # fmt: skip
+    (report,) = [
+        json.loads(r)
+        for r in (run_dir / "metrics" / "steps.jsonl").read_text().splitlines()
+        if json.loads(r)["step"] == failed["version"]
+    ]
     assert report["collective_failed"] == cells
     assert set(report["microsteps_by_cell"]) == {"0"} and report["num_microsteps"] >= 2
     (lost,) = [x for x in lines if x["ev"] == "cell_lost"]
@@ -303,5 +346,7 @@ def test_a_satellite_that_hangs_inside_the_reduce_is_recomputed_by_the_core_and_
     claims = {x["cell"] for x in lines[rejoined:] if x["ev"] == "microstep_claim"}
     assert 1 in claims, f"after the re-form only cells {claims} claimed micro-steps"
     _counters_recompute(run_dir)
-    print(f"collective with cells {cells} failed at t={failed['t']:.1f} s, cell 1 lost at {lost['t']:.1f} s, "
-          f"re-formed at {lines[rejoined]['t']:.1f} s")  # fmt: skip
+    print(
+        f"collective with cells {cells} failed at t={failed['t']:.1f} s, cell 1 lost at {lost['t']:.1f} s, "
+        f"re-formed at {lines[rejoined]['t']:.1f} s"
+    )

@@ -39,10 +39,17 @@ def test_a_load_to_a_silent_cell_ends_when_the_cell_is_found_lost(tmp_path, monk
         cell = CellWorkerClient(f"http://127.0.0.1:{silent.getsockname()[1]}")
         reported: list = []
         down: set[int] = set()  # the policy's view: it has not heard of the loss yet
-        effects = CellEffects([core, cell], reported.append, lambda: PublishedWeights(version=3), lambda: down,
-                              tmp_path, reform_timeout_s=5.0)  # fmt: skip
-        routes = EngineRoutes(_no_admin, [core, cell], [], lambda: [CellRole.TRAINING, CellRole.ROLLOUT],
-                              effects.unreachable)  # fmt: skip
+        effects = CellEffects(
+            [core, cell],
+            reported.append,
+            lambda: PublishedWeights(version=3),
+            lambda: down,
+            tmp_path,
+            reform_timeout_s=5.0,
+        )
+        routes = EngineRoutes(
+            _no_admin, [core, cell], [], lambda: [CellRole.TRAINING, CellRole.ROLLOUT], effects.unreachable
+        )
         assert routes.engines() == [cell.engine_url]
         load = asyncio.create_task(effects.unless_lost(1, cell.load_weights(PublishedWeights(version=3))))
         assert await effects.absorb(1, CellCommandError("its event stream ended"))

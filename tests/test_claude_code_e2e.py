@@ -37,8 +37,12 @@ def _run_claude(base_url: str, credential: str, home: Path, cwd: Path, prompt: s
     env.pop("ANTHROPIC_AUTH_TOKEN", None)
     return subprocess.run(
         [str(CLAUDE), "-p", prompt, "--allowedTools", tools, "--output-format", "json"],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def _call(name: str, args: dict) -> str:

@@ -71,10 +71,21 @@ def test_claude_code_session_past_100k_tokens(tmp_path, overflow):
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             }
             proc = subprocess.run(
-                [str(CLAUDE), "-p", "Print the numbers three times.", "--allowedTools", "Bash",
-                 "--output-format", "json"],
-                cwd=work, env=env, capture_output=True, text=True, timeout=240,
-            )  # fmt: skip
+                [
+                    str(CLAUDE),
+                    "-p",
+                    "Print the numbers three times.",
+                    "--allowedTools",
+                    "Bash",
+                    "--output-format",
+                    "json",
+                ],
+                cwd=work,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
             assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
             result = json.loads(proc.stdout)
             assert result["is_error"] is False and result["result"] == "Done: long context handled."

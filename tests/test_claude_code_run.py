@@ -27,8 +27,20 @@ def test_gyre_run_with_claude_code_on_cpu_engines(tmp_path):
     if not CLAUDE.exists():
         pytest.fail(f"Claude Code CLI not installed at {CLAUDE}: run `npm ci` at the repo root")
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "gyre.cli", "run", "configs/claude-code.toml", "--steps", "1",
-            "--run-dir", str(run_dir), "--quiet", "--set", "dashboard.enabled=false"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "run",
+        "configs/claude-code.toml",
+        "--steps",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--set",
+        "dashboard.enabled=false",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 1

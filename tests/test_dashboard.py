@@ -46,44 +46,119 @@ def _lines(path: Path, rows: list[dict]) -> None:
 
 
 STEP_ROW = {
-    "schema_version": 1, "step": 0, "policy_version": 1, "loss": -0.25, "surrogate": -0.125, "grad_norm": 0.5,
-    "num_groups": 1, "num_executions": 2, "num_target_tokens": 9, "num_microsteps": 2,
-    "microsteps_by_cell": {"0": 2}, "group_ids": ["g0"], "staleness": [0],
-    "metrics": {"clip_frac_all": 0.5, "clip_frac_d0": 0.5, "clip_frac_pos": 0.0, "clip_frac_neg": 1.0,
-                "mean_log_ratio_d0": -0.01, "ratio_dev_mean": 0.1, "ratio_dev_max": 0.2, "capped_frac": 0.0,
-                "weight_mean": 1.0, "weight_max": 1.5},
-    "seconds": 0.75, "mean_reward": 0.25, "reward_std": 0.25, "training_cells": 1, "t": 6.0,
-}  # fmt: skip
+    "schema_version": 1,
+    "step": 0,
+    "policy_version": 1,
+    "loss": -0.25,
+    "surrogate": -0.125,
+    "grad_norm": 0.5,
+    "num_groups": 1,
+    "num_executions": 2,
+    "num_target_tokens": 9,
+    "num_microsteps": 2,
+    "microsteps_by_cell": {"0": 2},
+    "group_ids": ["g0"],
+    "staleness": [0],
+    "metrics": {
+        "clip_frac_all": 0.5,
+        "clip_frac_d0": 0.5,
+        "clip_frac_pos": 0.0,
+        "clip_frac_neg": 1.0,
+        "mean_log_ratio_d0": -0.01,
+        "ratio_dev_mean": 0.1,
+        "ratio_dev_max": 0.2,
+        "capped_frac": 0.0,
+        "weight_mean": 1.0,
+        "weight_max": 1.5,
+    },
+    "seconds": 0.75,
+    "mean_reward": 0.25,
+    "reward_std": 0.25,
+    "training_cells": 1,
+    "t": 6.0,
+}  # fmt: skip (an aligned table)
 
 
 def make_run(run_dir: Path) -> dict:
     """Two groups of two executions; g0 finished and trained on (step 1), g1 running/queued. Returns expectations."""
     (run_dir / "metrics").mkdir(parents=True)
     (run_dir / "config.json").write_text(json.dumps({"train": {"steps": 2}, "model": {"path": None}}))
-    header = {"t": 0.0, "ev": "header", "schema_version": 1, "K": 2, "C_e": 2, "C_s": 0, "N": 2, "B": 1,
-              "phi": 0.0, "mu": 1, "policy": "elastic", "real": True}  # fmt: skip
-    _lines(run_dir / "trace.jsonl", [
-        header,
-        {"t": 0.0, "ev": "dispatch", "group": "g0", "query": "q0", "executions": ["g0.e0", "g0.e1"], "v_d": 0},
-        {"t": 0.0, "ev": "launch", "execution": "g0.e0", "group": "g0", "engine": "cell:0"},
-        {"t": 0.0, "ev": "launch", "execution": "g0.e1", "group": "g0", "engine": "cell:1"},
-        {"t": 2.0, "ev": "terminate", "execution": "g0.e0", "outcome": "completed"},
-        {"t": 2.5, "ev": "terminate", "execution": "g0.e1", "outcome": "timeout"},
-        {"t": 3.0, "ev": "assessed", "execution": "g0.e0", "status": "valid"},
-        {"t": 3.0, "ev": "assessed", "execution": "g0.e1", "status": "valid"},
-        {"t": 3.0, "ev": "group_ready", "group": "g0"},
-        {"t": 3.0, "ev": "transition_begin", "cell": 0, "from": "rollout", "to": "to_training"},
-        {"t": 3.5, "ev": "transition_end", "cell": 0, "from": "to_training", "to": "training"},
-        {"t": 6.0, "ev": "step_end", "version": 1, "groups": ["g0"], "staleness": [0]},
-        {"t": 6.5, "ev": "publish", "version": 1},
-        {"t": 6.5, "ev": "dispatch", "group": "g1", "query": "q1", "executions": ["g1.e0", "g1.e1"], "v_d": 1},
-        {"t": 6.5, "ev": "launch", "execution": "g1.e0", "group": "g1", "engine": "cell:1"},
-    ])  # fmt: skip
+    header = {
+        "t": 0.0,
+        "ev": "header",
+        "schema_version": 1,
+        "K": 2,
+        "C_e": 2,
+        "C_s": 0,
+        "N": 2,
+        "B": 1,
+        "phi": 0.0,
+        "mu": 1,
+        "policy": "elastic",
+        "real": True,
+    }
+    _lines(
+        run_dir / "trace.jsonl",
+        [
+            header,
+            {
+                "t": 0.0,
+                "ev": "dispatch",
+                "group": "g0",
+                "query": "q0",
+                "executions": ["g0.e0", "g0.e1"],
+                "v_d": 0,
+            },
+            {"t": 0.0, "ev": "launch", "execution": "g0.e0", "group": "g0", "engine": "cell:0"},
+            {"t": 0.0, "ev": "launch", "execution": "g0.e1", "group": "g0", "engine": "cell:1"},
+            {"t": 2.0, "ev": "terminate", "execution": "g0.e0", "outcome": "completed"},
+            {"t": 2.5, "ev": "terminate", "execution": "g0.e1", "outcome": "timeout"},
+            {"t": 3.0, "ev": "assessed", "execution": "g0.e0", "status": "valid"},
+            {"t": 3.0, "ev": "assessed", "execution": "g0.e1", "status": "valid"},
+            {"t": 3.0, "ev": "group_ready", "group": "g0"},
+            {"t": 3.0, "ev": "transition_begin", "cell": 0, "from": "rollout", "to": "to_training"},
+            {"t": 3.5, "ev": "transition_end", "cell": 0, "from": "to_training", "to": "training"},
+            {"t": 6.0, "ev": "step_end", "version": 1, "groups": ["g0"], "staleness": [0]},
+            {"t": 6.5, "ev": "publish", "version": 1},
+            {
+                "t": 6.5,
+                "ev": "dispatch",
+                "group": "g1",
+                "query": "q1",
+                "executions": ["g1.e0", "g1.e1"],
+                "v_d": 1,
+            },
+            {"t": 6.5, "ev": "launch", "execution": "g1.e0", "group": "g1", "engine": "cell:1"},
+        ],
+    )
     _lines(run_dir / "metrics" / "steps.jsonl", [STEP_ROW])
-    _lines(run_dir / "metrics" / "switches.jsonl", [{"cell": "0", "from_role": "rollout", "to_role": "training",
-                                                      "phases": [], "total_s": 0.4, "weight_version": None}])  # fmt: skip
-    _lines(run_dir / "metrics" / "publish.jsonl", [{"version": 1, "transport": "mooncake", "core_s": 0.01,
-                                                     "load_s": [0.02], "engines": 1, "total_s": 0.05, "t": 6.5}])  # fmt: skip
+    _lines(
+        run_dir / "metrics" / "switches.jsonl",
+        [
+            {
+                "cell": "0",
+                "from_role": "rollout",
+                "to_role": "training",
+                "phases": [],
+                "total_s": 0.4,
+                "weight_version": None,
+            }
+        ],
+    )
+    _lines(
+        run_dir / "metrics" / "publish.jsonl",
+        [
+            {
+                "version": 1,
+                "transport": "mooncake",
+                "core_s": 0.01,
+                "load_s": [0.02],
+                "engines": 1,
+                "total_s": 0.05,
+                "t": 6.5,
+            }
+        ],
+    )
     (run_dir / "metrics" / "clock.json").write_text(json.dumps({"unix_t0": 1000.0}))
 
     # g0.e0: a tree with a branch (two leaves), recorded through gyre-tito's own durable log.
@@ -102,15 +177,42 @@ def make_run(run_dir: Path) -> dict:
 
     store = AssessmentStore(run_dir)
     for i, eid in enumerate(["g0.e0", "g0.e1"]):
-        sub = Submission(execution_id=eid, group_id="g0", group_size=2, dispatch_index=i, launched_at=1000.0,
-                         budget_s=300.0, evaluator="task-q0", artifact_ref=str(run_dir / "workspaces" / eid))  # fmt: skip
+        sub = Submission(
+            execution_id=eid,
+            group_id="g0",
+            group_size=2,
+            dispatch_index=i,
+            launched_at=1000.0,
+            budget_s=300.0,
+            evaluator="task-q0",
+            artifact_ref=str(run_dir / "workspaces" / eid),
+        )
         prov = Provenance(evaluator="task-q0", kind="exec")
         a, _ = store.submit(sub, "unresolved", None, False, prov, now=1003.0)
         if eid == "g0.e0":  # a failed attempt first: the history keeps it
-            store.record_attempt(AttemptRecord(assessment_id=a.id, number=1, started_at=1003.0, finished_at=1003.5,
-                                               ok=False, score=None, error="sandbox timeout"), prov)  # fmt: skip
-        store.record_attempt(AttemptRecord(assessment_id=a.id, number=2 if eid == "g0.e0" else 1, started_at=1004.0,
-                                           finished_at=1004.2, ok=True, score=0.5 * (1 - i)), prov)  # fmt: skip
+            store.record_attempt(
+                AttemptRecord(
+                    assessment_id=a.id,
+                    number=1,
+                    started_at=1003.0,
+                    finished_at=1003.5,
+                    ok=False,
+                    score=None,
+                    error="sandbox timeout",
+                ),
+                prov,
+            )
+        store.record_attempt(
+            AttemptRecord(
+                assessment_id=a.id,
+                number=2 if eid == "g0.e0" else 1,
+                started_at=1004.0,
+                finished_at=1004.2,
+                ok=True,
+                score=0.5 * (1 - i),
+            ),
+            prov,
+        )
         store.finalize(a.id, "valid", 0.5 * (1 - i), prov, now=1004.2)
     store.close()
     return {"targets": sum(t.num_targets for t in trajectories), "trajectories": len(trajectories)}
@@ -166,7 +268,9 @@ def test_view_reads_every_part_of_a_run(run):
     (assessment,) = detail["assessments"]
     assert assessment["status"] == "valid" and assessment["score"] == 0.5
     assert [(h["number"], h["ok"], h["error"]) for h in assessment["history"]] == [
-        (1, False, "sandbox timeout"), (2, True, None)]  # fmt: skip
+        (1, False, "sandbox timeout"),
+        (2, True, None),
+    ]
     assert view.execution("nope") is None
     view.close()
 
@@ -309,13 +413,34 @@ def test_dashboard_of_a_live_demo_run_in_chromium(tmp_path):
     run_dir = tmp_path / "run"
     err = (tmp_path / "stderr.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--steps", "3",
-         "--set", "dashboard.linger_s=300", "--set", "dashboard.refresh_s=0.5", "--set", "metrics.interval_s=1"],
-        stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "gyre.cli",
+            "demo",
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            "3",
+            "--set",
+            "dashboard.linger_s=300",
+            "--set",
+            "dashboard.refresh_s=0.5",
+            "--set",
+            "metrics.interval_s=1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        url = _wait(lambda: (run_dir / "dashboard.url").exists() and (run_dir / "dashboard.url").read_text().strip(),
-                    300, "the dashboard URL", proc)  # fmt: skip
+        url = _wait(
+            lambda: (run_dir / "dashboard.url").exists() and (run_dir / "dashboard.url").read_text().strip(),
+            300,
+            "the dashboard URL",
+            proc,
+        )
         assert url.startswith("http://127.0.0.1:")  # loopback by default, so no token
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -343,8 +468,13 @@ def test_dashboard_of_a_live_demo_run_in_chromium(tmp_path):
 
             _wait(finished, 300, "the page to show the finished run", proc, poll_s=0.5)
             assert seen[0] < 3 and sorted(seen) == seen, seen  # it updated live, step by step
-            _wait(lambda: page.evaluate("window.gyreState.series.steps.length === 3"), 30, "3 steps drawn", proc,
-                  poll_s=0.2)  # fmt: skip
+            _wait(
+                lambda: page.evaluate("window.gyreState.series.steps.length === 3"),
+                30,
+                "3 steps drawn",
+                proc,
+                poll_s=0.2,
+            )
 
             steps = _jsonl(run_dir / "metrics" / "steps.jsonl")
             assert [s["policy_version"] for s in steps] == [1, 2, 3]
@@ -397,8 +527,12 @@ def test_dashboard_of_a_live_demo_run_in_chromium(tmp_path):
 
             # one execution's view shows its target spans: the highlighted tokens are its trajectories' targets
             eid = next(e for e in rows if (run_dir / "trajectories" / f"{e}.parquet").exists())
-            targets = sum(sum(m) for m in pq.read_table(run_dir / "trajectories" / f"{eid}.parquet")
-                          .column("target_mask").to_pylist())  # fmt: skip
+            targets = sum(
+                sum(m)
+                for m in pq.read_table(run_dir / "trajectories" / f"{eid}.parquet")
+                .column("target_mask")
+                .to_pylist()
+            )
             assert targets > 0
             page.click(f'#executions tr[data-execution="{eid}"]')
             page.wait_for_selector("#execution-view:not([hidden]) .tok.target")
@@ -426,9 +560,11 @@ def test_dashboard_of_a_live_demo_run_in_chromium(tmp_path):
             [s["loss"] for s in steps], rel=1e-5
         )
         assert [e.value for e in acc.Scalars("reward/mean")] == pytest.approx(
-            [s["mean_reward"] for s in steps], rel=1e-5, abs=1e-7)  # fmt: skip
-        assert [e.value for e in acc.Scalars("microsteps/total")] == [sum(s["microsteps_by_cell"].values())
-                                                                      for s in steps]  # fmt: skip
+            [s["mean_reward"] for s in steps], rel=1e-5, abs=1e-7
+        )
+        assert [e.value for e in acc.Scalars("microsteps/total")] == [
+            sum(s["microsteps_by_cell"].values()) for s in steps
+        ]
         for tag in INTERVAL_TAGS:
             assert acc.Scalars(tag), tag
         publishes = _jsonl(run_dir / "metrics" / "publish.jsonl")

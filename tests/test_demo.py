@@ -94,20 +94,38 @@ def test_queries_are_seeded_chains_of_links():
 def test_score_is_graded_and_the_sandboxed_scorer_agrees(tmp_path):
     codes = ("rose", "gold", "mint")
     cases = {
-        "The code is mint.": 1.0, "mint": 1.0, "The code is gold.": 0.25, "rose": 1 / 16, "teal": 0.0,
-        "mint gold": 0.5, "red blue green gold pink gray": 0.25 / 6, "": 0.0, "The code is.": 0.0, "MINT!": 1.0,
-    }  # fmt: skip
+        "The code is mint.": 1.0,
+        "mint": 1.0,
+        "The code is gold.": 0.25,
+        "rose": 1 / 16,
+        "teal": 0.0,
+        "mint gold": 0.5,
+        "red blue green gold pink gray": 0.25 / 6,
+        "": 0.0,
+        "The code is.": 0.0,
+        "MINT!": 1.0,
+    }  # fmt: skip (an aligned table)
     q = tasks.Query("q", "p", (), ("a.txt", "b.txt", "c.txt"), codes)
     for answer, expected in cases.items():
         assert tasks.score_answer(answer, codes) == pytest.approx(expected)
         (tmp_path / "answer.txt").write_text(answer)
         score_file = tmp_path / "score"
-        subprocess.run(tasks.scoring_command(q), cwd=tmp_path, check=True, timeout=60,
-                       env={**os.environ, "GYRE_SCORE_FILE": str(score_file)})  # fmt: skip
+        subprocess.run(
+            tasks.scoring_command(q),
+            cwd=tmp_path,
+            check=True,
+            timeout=60,
+            env={**os.environ, "GYRE_SCORE_FILE": str(score_file)},
+        )
         assert float(score_file.read_text()) == pytest.approx(expected), answer
     (tmp_path / "answer.txt").unlink()
-    subprocess.run(tasks.scoring_command(q), cwd=tmp_path, check=True, timeout=60,
-                   env={**os.environ, "GYRE_SCORE_FILE": str(score_file)})  # fmt: skip
+    subprocess.run(
+        tasks.scoring_command(q),
+        cwd=tmp_path,
+        check=True,
+        timeout=60,
+        env={**os.environ, "GYRE_SCORE_FILE": str(score_file)},
+    )
     assert float(score_file.read_text()) == 0.0  # no answer: a valid zero
 
 
@@ -210,9 +228,20 @@ def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
     # in 8 of its first 24 steps, none before step 16). The gate holds the core at a batch's second micro-step (30 s
     # at most, until it has once) so that the rollouts finish and cell 1 joins and claims.
     proc = subprocess.run(
-        [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--set", "debug.hold_core_for_join=1"],
-        capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "gyre.cli",
+            "demo",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "debug.hold_core_for_join=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     defaults = RunConfig()
@@ -245,8 +274,11 @@ def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
     assert 0 <= trace.f <= trace.p <= trace.d - trace.x
     v_d = {x["group"]: x["v_d"] for x in iter_trace(run_dir / "trace.jsonl") if x["ev"] == "dispatch"}
     expected = [
-        x["version"] - 1 - v_d[g] for x in iter_trace(run_dir / "trace.jsonl") if x["ev"] == "step_end" for g in x["groups"]
-    ]  # fmt: skip
+        x["version"] - 1 - v_d[g]
+        for x in iter_trace(run_dir / "trace.jsonl")
+        if x["ev"] == "step_end"
+        for g in x["groups"]
+    ]  # fmt: skip (an aligned table)
     assert trace.staleness == expected  # d = v_t - v_d for every consumed group
     batch = defaults.scheduler.B
     assert (
@@ -312,8 +344,10 @@ def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
     ]
     to_training = [s for s in switches if s["to_role"] == "training"]
     assert to_training and [p["name"] for p in to_training[0]["phases"]][:3] == [
-        "pause_generation", "flush_cache", "release_memory",
-    ]  # fmt: skip
+        "pause_generation",
+        "flush_cache",
+        "release_memory",
+    ]  # fmt: skip (an aligned table)
     assert all(s["weight_version"] is not None for s in switches if s["to_role"] == "rollout")
     report = (run_dir / "report.html").read_text()
     assert "window.GYRE_DATA" in report and "mean reward" in report  # the dashboard's views, static

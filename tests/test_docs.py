@@ -23,8 +23,11 @@ def _repo_files(suffixes: tuple[str, ...]) -> list[Path]:
     """The repository's files, tracked or not yet added (never what git ignores: .venv, runs, node_modules)."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     paths = (ROOT / name for name in dict.fromkeys(listed.split("\0")) if name.endswith(suffixes))
     return [p for p in paths if p.is_file()]
 
@@ -34,8 +37,11 @@ def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 

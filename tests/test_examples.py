@@ -43,8 +43,20 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def _run(example: str, run_dir: Path, model: Path, *sets: str, env: dict | None = None) -> dict:
-    argv = [sys.executable, "-m", "gyre.cli", "run", str(EXAMPLES / example / "config.toml"), "--run-dir",
-            str(run_dir), "--steps", "1", "--quiet", "--set", f"model.path={model}"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "run",
+        str(EXAMPLES / example / "config.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "1",
+        "--quiet",
+        "--set",
+        f"model.path={model}",
+    ]
     for s in (*QUICK, *sets):
         argv += ["--set", s]
     # The timeout only bounds a hang; nothing here measures time.
@@ -144,8 +156,14 @@ def test_judge_reward(tmp_path, tiny_model):
 
     with ScriptedJudge(reply, api_key="judge-secret") as judge:
         env = os.environ | {"JUDGE_API_KEY": "judge-secret"}
-        _run("judge-reward", run_dir, tiny_model, f"judge.base_url={judge.base_url}",
-             "judge.model=scripted-judge", env=env)  # fmt: skip
+        _run(
+            "judge-reward",
+            run_dir,
+            tiny_model,
+            f"judge.base_url={judge.base_url}",
+            "judge.model=scripted-judge",
+            env=env,
+        )
         requests = list(judge.requests)
     rows = _assessed(run_dir)
     for eid, row in rows.items():
@@ -186,9 +204,19 @@ def test_python_evaluator(tmp_path, tiny_model):
 
 def test_two_host_ray_config_loads_and_validates():
     proc = subprocess.run(
-        [sys.executable, "-m", "gyre.cli", "config", "--config", str(EXAMPLES / "two-host-ray" / "config.toml")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "gyre.cli",
+            "config",
+            "--config",
+            str(EXAMPLES / "two-host-ray" / "config.toml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert any(line.startswith('kind = "ray"') and line.endswith("# file") for line in lines), lines

@@ -31,11 +31,14 @@ SETTINGS = settings(
 )
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=40),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
     max_leaves=20,
-)  # fmt: skip
+)
 TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=30) | st.sampled_from(
     ["\ue000R", "\ue000R0\ue001", "../../etc/passwd", "x" * 300, "", "%00", "\x00", "-1", "1e400", "NaN"]
 )
@@ -219,9 +222,13 @@ def test_fuzz_proxy(tmp_path):
     eng = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok), default_reply="ok " * 5))
     url = eng.start()
     cfg = ProxyConfig(
-        engines=[url], tokenizer=str(tok), store=str(tmp_path / "store"), admin_token="adm",
-        max_request_bytes=2 << 20, export_dirs=[str(tmp_path / "out")],
-    )  # fmt: skip
+        engines=[url],
+        tokenizer=str(tok),
+        store=str(tmp_path / "store"),
+        admin_token="adm",
+        max_request_bytes=2 << 20,
+        export_dirs=[str(tmp_path / "out")],
+    )
     try:
         with ProxyServer(cfg) as srv:
             # records made before the fuzz
@@ -281,8 +288,9 @@ def _engine_server(model, api_key):
     engine = TorchEngine(
         EngineConfig(model_path=str(model), device="cpu", max_total_tokens=4096, weight_dirs=[])
     )
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=api_key), host="127.0.0.1", port=0,
-                                          log_level="warning"))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine, api_key=api_key), host="127.0.0.1", port=0, log_level="warning")
+    )
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     while not server.started:
@@ -301,8 +309,11 @@ def test_fuzz_engine(tmp_path):
 
     model = build_tiny_model(tmp_path / "tiny")
     with _engine_server(model, "ek") as (url, engine):
-        gen = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 1e-40},
-               "return_logprob": True}  # fmt: skip
+        gen = {
+            "input_ids": [1, 2, 3],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 1e-40},
+            "return_logprob": True,
+        }
         examples = {
             ("POST", "/generate"): gen,
             ("PUT", "/generate"): gen,
@@ -317,8 +328,12 @@ def test_fuzz_engine(tmp_path):
             ("POST", "/update_weights_from_tensor"): {"serialized_named_tensors": ["AAAA"]},
         }
         # pausing or releasing memory is legitimate for the token holder; the fuzz leaves the engine serving
-        skip = {("POST", "/pause_generation"), ("GET", "/release_memory_occupation"),
-                ("POST", "/release_memory_occupation"), ("POST", "/init_weights_update_group")}  # fmt: skip
+        skip = {
+            ("POST", "/pause_generation"),
+            ("GET", "/release_memory_occupation"),
+            ("POST", "/release_memory_occupation"),
+            ("POST", "/init_weights_update_group"),
+        }
         bad = fuzz_service(url, {"authorization": "Bearer ek"}, examples, skip)
         assert not bad, "\n".join(bad[:10])
         assert not engine.paused and not engine.released

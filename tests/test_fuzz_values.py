@@ -80,8 +80,17 @@ def test_engine_api_answers_malformed_values_below_500(tmp_path):
     from gyre_cell.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")
-    gen = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 1.0, "top_p": 1.0,
-           "top_k": -1, "sampling_seed": 1}, "return_logprob": True}  # fmt: skip
+    gen = {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {
+            "max_new_tokens": 2,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "sampling_seed": 1,
+        },
+        "return_logprob": True,
+    }
     with _engine_server(model, "ek") as (url, engine):
         client = httpx.Client(base_url=url, headers={"authorization": "Bearer ek"}, timeout=60)
         examples = {
@@ -157,8 +166,19 @@ def test_dashboard_answers_malformed_requests_below_500(tmp_path, token):
     with serve_in_thread(make_app(RunView(tmp_path / "run"), token=token)) as url:
         headers = {"authorization": f"Bearer {token}"} if token else {}
         client = httpx.Client(base_url=url, headers=headers, timeout=60)
-        ids = ["NaN", "Infinity", str(2**63), str(10**30), "true", "%00", "..%2F..%2Fetc%2Fpasswd", "x" * 5000,
-               "%F0%9F%99%82", "%ff%fe", "g0.e0%00"]  # fmt: skip
+        ids = [
+            "NaN",
+            "Infinity",
+            str(2**63),
+            str(10**30),
+            "true",
+            "%00",
+            "..%2F..%2Fetc%2Fpasswd",
+            "x" * 5000,
+            "%F0%9F%99%82",
+            "%ff%fe",
+            "g0.e0%00",
+        ]
         bad = []
         try:
             for eid in ids:

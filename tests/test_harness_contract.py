@@ -51,11 +51,16 @@ def stack(tmp_path, monkeypatch):
     tok = build_tiny_tokenizer(tmp_path / "tok")
     rules = [
         ScriptRule(contains=["ENVDUMP"], last_contains=["ENV1DONE"], reply="Env written."),
-        ScriptRule(contains=["ENVDUMP", "<tools>"], reply=_call(
-            "Bash", {"command": "env > env.txt && pwd >> env.txt && echo ENV$((2-1))DONE", "description": "env"})),
+        ScriptRule(
+            contains=["ENVDUMP", "<tools>"],
+            reply=_call(
+                "Bash",
+                {"command": "env > env.txt && pwd >> env.txt && echo ENV$((2-1))DONE", "description": "env"},
+            ),
+        ),
         ScriptRule(absent=["<tools>"], contains=["ENVDUMP"], reply="Scripted session"),
         ScriptRule(reply="the answer is red"),
-    ]  # fmt: skip
+    ]  # fmt: skip (an aligned table)
     eng = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok), rules=rules))
     eng.start()
     cfg = ProxyConfig(
@@ -133,8 +138,16 @@ def test_command_harness_contract(stack):
 def test_builtin_harness_contract_and_per_execution_choice(stack):
     srv, _, run_dir = stack
     # the run's harness is `command`; this execution chooses the built-in agent
-    done = asyncio.run(_run(srv, run_dir, ["false"], "builtin-1", "Say the colour.", harness={"kind": "builtin",
-                                                                                          "max_turns": 2}))  # fmt: skip
+    done = asyncio.run(
+        _run(
+            srv,
+            run_dir,
+            ["false"],
+            "builtin-1",
+            "Say the colour.",
+            harness={"kind": "builtin", "max_turns": 2},
+        )
+    )
     ctx = HarnessContext("builtin-1", done.workspace, "t", srv.url, "tito-x")
     runner = ExecutionRunner(run_dir, srv.url, "adm-secret", BuiltinHarness(), 10.0)
     env = runner._env(BuiltinHarness(), ctx)

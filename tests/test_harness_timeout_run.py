@@ -21,8 +21,21 @@ pytestmark = pytest.mark.slow
 
 def test_every_execution_ends_at_its_harness_timeout_and_is_assessed(tmp_path):
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "gyre.cli", "demo", "--steps", "1", "--run-dir", str(run_dir), "--quiet",
-            "--set", "agent.harness_timeout_s=0.001", "--set", "dashboard.enabled=false"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "demo",
+        "--steps",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--set",
+        "agent.harness_timeout_s=0.001",
+        "--set",
+        "dashboard.enabled=false",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=420, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

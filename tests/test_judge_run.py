@@ -38,9 +38,15 @@ def first_half_share(answer: str) -> float:
 
 
 def _task(query_id: str, rubric: str, budget_s: float, **more) -> dict:
-    return {"query_id": query_id, "prompt": "Name the code word for the river.", "workspace": {"empty": True},
-            "scoring": {"kind": "judge", "rubric": rubric}, "harness_timeout_s": budget_s,
-            "overall_budget_s": budget_s, **more}  # fmt: skip
+    return {
+        "query_id": query_id,
+        "prompt": "Name the code word for the river.",
+        "workspace": {"empty": True},
+        "scoring": {"kind": "judge", "rubric": rubric},
+        "harness_timeout_s": budget_s,
+        "overall_budget_s": budget_s,
+        **more,
+    }
 
 
 def _garbled_settled(store: Path) -> bool:
@@ -76,17 +82,41 @@ def test_gyre_run_scores_judge_tasks_through_the_judge_section(tmp_path):
         return judgement(first_half_share(req.files().get("answer.txt", "")), "share of letters a-m")
 
     harness = {"kind": "command", "command": [sys.executable, "-c", WRITE_ANSWER]}
-    tasks = [_task("garbled", f"Score the answer. {GARBLED}", GARBLED_BUDGET_S, harness=harness),
-             _task("river", "Score: the share of the answer's letters a-m.", 120.0),
-             _task("lake", "Score: the share of the answer's letters a-m, again.", 120.0)]  # fmt: skip
+    tasks = [
+        _task("garbled", f"Score the answer. {GARBLED}", GARBLED_BUDGET_S, harness=harness),
+        _task("river", "Score: the share of the answer's letters a-m.", 120.0),
+        _task("lake", "Score: the share of the answer's letters a-m, again.", 120.0),
+    ]
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     with ScriptedJudge(reply, api_key="judge-secret") as judge:
-        argv = [sys.executable, "-m", "gyre.cli", "demo", "--steps", "1", "--run-dir", str(run_dir), "--quiet",
-                "--set", f"tasks.file={task_file}", "--set", "dashboard.enabled=false",
-                "--set", "scheduler.N=2", "--set", "scheduler.B=2",
-                "--set", f"judge.base_url={judge.base_url}", "--set", "judge.api_key_env=GYRE_TEST_JUDGE_KEY",
-                "--set", "judge.model=scripted-judge", "--set", "debug.dump_batches=[0]"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "gyre.cli",
+            "demo",
+            "--steps",
+            "1",
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+            "--set",
+            f"tasks.file={task_file}",
+            "--set",
+            "dashboard.enabled=false",
+            "--set",
+            "scheduler.N=2",
+            "--set",
+            "scheduler.B=2",
+            "--set",
+            f"judge.base_url={judge.base_url}",
+            "--set",
+            "judge.api_key_env=GYRE_TEST_JUDGE_KEY",
+            "--set",
+            "judge.model=scripted-judge",
+            "--set",
+            "debug.dump_batches=[0]",
+        ]
         env = os.environ | {"GYRE_TEST_JUDGE_KEY": "judge-secret"}
         t0 = time.monotonic()
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=420, cwd=tmp_path, env=env)
@@ -103,8 +133,10 @@ def test_gyre_run_scores_judge_tasks_through_the_judge_section(tmp_path):
     con.row_factory = sqlite3.Row
     rows = {r["execution_id"]: dict(r) for r in con.execute("SELECT * FROM assessments WHERE designated = 1")}
     attempts = {}
-    for r in con.execute("SELECT a.execution_id, t.ok, t.error, t.finished_at FROM attempts t JOIN assessments a "
-                         "ON a.id = t.assessment_id ORDER BY t.assessment_id, t.number"):  # fmt: skip
+    for r in con.execute(
+        "SELECT a.execution_id, t.ok, t.error, t.finished_at FROM attempts t JOIN assessments a "
+        "ON a.id = t.assessment_id ORDER BY t.assessment_id, t.number"
+    ):
         attempts.setdefault(r[0], []).append((r[1], r[2], r[3]))
     con.close()
     print({e: (r["evaluator"], r["status"], r["score"], r["attempts"]) for e, r in rows.items()})

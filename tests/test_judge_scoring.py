@@ -32,14 +32,18 @@ TASK = {
     "harness_timeout_s": 60,
     "overall_budget_s": 120,
 }
-TASKS = [TASK | {"query_id": "sky", "prompt": "Write the colour of the sky into answer.txt."},
-         TASK | {"query_id": "sky2", "prompt": "Write the colour of the sky into answer.txt again."}]  # fmt: skip
+TASKS = [
+    TASK | {"query_id": "sky", "prompt": "Write the colour of the sky into answer.txt."},
+    TASK | {"query_id": "sky2", "prompt": "Write the colour of the sky into answer.txt again."},
+]
 
 
 def test_judge_tasks_are_scored_through_the_runs_proxy(tmp_path):
     tok = build_tiny_tokenizer(tmp_path / "tok")
-    rules = [ScriptRule(contains=["# Rubric", "MARKER-BLUE"], reply='{"score": 1.0, "critique": "blue"}'),
-             ScriptRule(contains=["# Rubric"], reply='{"score": 0.25, "critique": "no colour"}')]  # fmt: skip
+    rules = [
+        ScriptRule(contains=["# Rubric", "MARKER-BLUE"], reply='{"score": 1.0, "critique": "blue"}'),
+        ScriptRule(contains=["# Rubric"], reply='{"score": 0.25, "critique": "no colour"}'),
+    ]
     engine = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok), rules=rules))
     url = engine.start()
     task_file = tmp_path / "tasks.jsonl"
@@ -80,9 +84,17 @@ async def _assess(proxy_url, run_dir, queries):
             ws = run_dir / "workspaces" / name
             ws.mkdir(parents=True)
             (ws / "answer.txt").write_text(answer)
-            sub = Submission(execution_id=name, group_id="g", group_size=2, dispatch_index=i,
-                             artifact_ref=str(ws), evaluator="task-sky", launched_at=time.time(), budget_s=60.0,
-                             task={"prompt": TASKS[0]["prompt"]})  # fmt: skip
+            sub = Submission(
+                execution_id=name,
+                group_id="g",
+                group_size=2,
+                dispatch_index=i,
+                artifact_ref=str(ws),
+                evaluator="task-sky",
+                launched_at=time.time(),
+                budget_s=60.0,
+                task={"prompt": TASKS[0]["prompt"]},
+            )
             assessment, _ = service.submit(sub)
             done = await service.wait(assessment.id)
             scores[name] = (done.status, done.score)

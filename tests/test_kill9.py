@@ -43,8 +43,18 @@ class Run:
         self.run_dir = run_dir
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.err_path = run_dir.parent / f"{run_dir.name}.stderr"
-        argv = [sys.executable, "-m", "gyre.cli", "run", str(CONFIGS / config), "--run-dir", str(run_dir),
-                "--steps", str(steps), "--quiet"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "gyre.cli",
+            "run",
+            str(CONFIGS / config),
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            str(steps),
+            "--quiet",
+        ]
         for s in sets:
             argv += ["--set", s]
         with self.err_path.open("wb") as err:
@@ -176,16 +186,24 @@ def _agent_pid(run: Run) -> int | None:
 
 def _protected_calls(info: dict) -> list[tuple[str, str]]:
     """One call per service that needs that service's token (method, URL)."""
-    return [("GET", f"{info['cells'][0]}/cell/status"), ("POST", f"{info['cells'][0]}/pause_generation"),
-            ("GET", f"{info['standalone'][0]}/server_info"), ("GET", f"{info['proxy']}/admin/executions/g0.e0"),
-            ("GET", f"{info['gyre-eval']}/v1/assessments")]  # fmt: skip
+    return [
+        ("GET", f"{info['cells'][0]}/cell/status"),
+        ("POST", f"{info['cells'][0]}/pause_generation"),
+        ("GET", f"{info['standalone'][0]}/server_info"),
+        ("GET", f"{info['proxy']}/admin/executions/g0.e0"),
+        ("GET", f"{info['gyre-eval']}/v1/assessments"),
+    ]
 
 
 def _check_tokens(run: Run, info: dict) -> None:
     with httpx.Client(timeout=30.0) as http:
         # Liveness answers without a token (so the 401s below come from the services themselves).
-        for url in (f"{info['cells'][0]}/health", f"{info['standalone'][0]}/health", f"{info['proxy']}/health",
-                    f"{info['gyre-eval']}/healthz"):  # fmt: skip
+        for url in (
+            f"{info['cells'][0]}/health",
+            f"{info['standalone'][0]}/health",
+            f"{info['proxy']}/health",
+            f"{info['gyre-eval']}/healthz",
+        ):
             assert http.get(url).status_code == 200, url
         calls = _protected_calls(info)
         for method, url in calls:

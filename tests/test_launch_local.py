@@ -126,29 +126,56 @@ def test_sglang_servers_get_their_own_ports_and_bind_their_workers_node(tmp_path
     policy, seed and settings; the ray placement binds it to the worker's node, on that node's fourth free port."""
     from gyre.launch.ray import place
 
-    cfg = load_config(None, {"cluster.cells": 2, "cluster.standalone_engines": 1, "cluster.standalone_capacity": 2,
-                             "rollout.engine": "sglang", "rollout.sglang.tp_size": 2,
-                             "rollout.sglang.mem_fraction_static": 0.6})  # fmt: skip
+    cfg = load_config(
+        None,
+        {
+            "cluster.cells": 2,
+            "cluster.standalone_engines": 1,
+            "cluster.standalone_capacity": 2,
+            "rollout.engine": "sglang",
+            "rollout.sglang.tp_size": 2,
+            "rollout.sglang.mem_fraction_static": 0.6,
+        },
+    )
     configs = cell_configs(cfg, tmp_path, tmp_path / "model")
     ports = [c.port for c in configs] + [c.sglang.port for c in configs]
     ports += [configs[0].training.master_port, configs[0].training.coordinator_port]
     assert len(set(ports)) == len(ports) == 8
-    assert {(c.sglang.model_path, c.sglang.host, c.sglang.tp_size, c.sglang.mem_fraction_static,
-             c.sglang.weight_version, c.sglang.module) for c in configs} == {
-        (str(tmp_path / "model"), "127.0.0.1", 2, 0.6, "0", "sglang.launch_server")}  # fmt: skip
+    assert {
+        (
+            c.sglang.model_path,
+            c.sglang.host,
+            c.sglang.tp_size,
+            c.sglang.mem_fraction_static,
+            c.sglang.weight_version,
+            c.sglang.module,
+        )
+        for c in configs
+    } == {(str(tmp_path / "model"), "127.0.0.1", 2, 0.6, "0", "sglang.launch_server")}
     assert [c.sglang.random_seed for c in configs] == [0, 1, 2]
-    nodes = [{"ip": f"10.77.0.{i}", "ports": [41001 + 10 * i, 41002 + 10 * i, 41003 + 10 * i, 41004 + 10 * i]}
-             for i in range(3)]  # fmt: skip
+    nodes = [
+        {"ip": f"10.77.0.{i}", "ports": [41001 + 10 * i, 41002 + 10 * i, 41003 + 10 * i, 41004 + 10 * i]}
+        for i in range(3)
+    ]
     placed = place(configs, nodes)
-    assert [(c.sglang.host, c.sglang.port) for c in placed] == [("10.77.0.0", 41004), ("10.77.0.1", 41014),
-                                                               ("10.77.0.2", 41024)]  # fmt: skip
+    assert [(c.sglang.host, c.sglang.port) for c in placed] == [
+        ("10.77.0.0", 41004),
+        ("10.77.0.1", 41014),
+        ("10.77.0.2", 41024),
+    ]
 
 
 def test_ray_bundles_per_cell(tmp_path):
     from gyre.launch.ray import RayLauncher
 
-    cfg = load_config(None, {"launcher.kind": "ray", "launcher.gpus_per_cell": 8,
-                             "launcher.cell_resources": [{"node_a": 1}, {"node_b": 1}]})  # fmt: skip
+    cfg = load_config(
+        None,
+        {
+            "launcher.kind": "ray",
+            "launcher.gpus_per_cell": 8,
+            "launcher.cell_resources": [{"node_a": 1}, {"node_b": 1}],
+        },
+    )
     launcher = RayLauncher(tmp_path, launcher=cfg.launcher)
     cells = cell_configs(cfg, tmp_path, tmp_path / "model")
     one, two = (cells[0].model_copy(update={"cpu_threads": n}) for n in (1, 2))
@@ -163,9 +190,17 @@ def test_a_cell_spread_over_bundles(tmp_path):
     pinned by `cell_resources`; a standalone engine keeps one. Refused where no ranks could fill them."""
     from gyre.launch.ray import RayLauncher
 
-    sets = {"launcher.kind": "ray", "launcher.gpus_per_cell": 8, "launcher.bundles_per_cell": 2,
-            "launcher.cell_resources": [{"node_a": 1}], "train.backend": "megatron", "train.pipeline_parallel": 2, "train.lr_warmup_steps": 0,
-            "cluster.standalone_engines": 1, "cluster.standalone_capacity": 2}  # fmt: skip
+    sets = {
+        "launcher.kind": "ray",
+        "launcher.gpus_per_cell": 8,
+        "launcher.bundles_per_cell": 2,
+        "launcher.cell_resources": [{"node_a": 1}],
+        "train.backend": "megatron",
+        "train.pipeline_parallel": 2,
+        "train.lr_warmup_steps": 0,
+        "cluster.standalone_engines": 1,
+        "cluster.standalone_capacity": 2,
+    }
     cfg = load_config(None, sets)
     launcher = RayLauncher(tmp_path, launcher=cfg.launcher)
     configs = cell_configs(cfg, tmp_path, tmp_path / "model")
@@ -173,9 +208,11 @@ def test_a_cell_spread_over_bundles(tmp_path):
     assert (cell.kind, standalone.kind) == ("elastic", "standalone")
     assert launcher._bundles(0, cell) == [{"CPU": 1.0, "GPU": 4.0, "node_a": 1}, {"CPU": 1.0, "GPU": 4.0}]
     assert launcher._bundles(2, standalone) == [{"CPU": 1.0, "GPU": 8}]
-    for bad, field in [({"launcher.kind": "local"}, "needs kind = 'ray'"),
-                       ({"train.pipeline_parallel": 1}, "it has 1 (train.backend = 'megatron'"),
-                       ({"train.backend": "torch", "train.pipeline_parallel": 1}, "train.backend = 'torch'")]:  # fmt: skip
+    for bad, field in [
+        ({"launcher.kind": "local"}, "needs kind = 'ray'"),
+        ({"train.pipeline_parallel": 1}, "it has 1 (train.backend = 'megatron'"),
+        ({"train.backend": "torch", "train.pipeline_parallel": 1}, "train.backend = 'torch'"),
+    ]:
         with pytest.raises(ConfigError, match=re.escape(field)):
             load_config(None, {**sets, **bad})
 
@@ -191,8 +228,12 @@ def test_the_lr_warmup_reaches_every_training_cell_and_megatron_refuses_it(tmp_p
 def test_the_local_launcher_gives_each_worker_its_own_gpus(tmp_path, monkeypatch):
     """`cluster.device = "cuda"`: whole GPUs in order (cells, then standalone engines) from this process's
     CUDA_VISIBLE_DEVICES; engine and trainer on CUDA; Ray sets its actors' own, so the configs name none there."""
-    over = {"cluster.device": "cuda", "launcher.gpus_per_cell": 2,
-            "cluster.standalone_engines": 1, "cluster.standalone_capacity": 2}  # fmt: skip
+    over = {
+        "cluster.device": "cuda",
+        "launcher.gpus_per_cell": 2,
+        "cluster.standalone_engines": 1,
+        "cluster.standalone_capacity": 2,
+    }
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4, 5,6,GPU-7a,9")
     configs = cell_configs(load_config(None, over), tmp_path, tmp_path / "model")
     assert [c.visible_gpus for c in configs] == [["3", "4"], ["5", "6"], ["GPU-7a", "9"]]
@@ -209,8 +250,11 @@ def test_the_local_launcher_gives_each_worker_its_own_gpus(tmp_path, monkeypatch
     default = cell_configs(load_config(None), tmp_path, tmp_path / "model")  # CPU: nothing handed out
     assert {(c.visible_gpus, c.engine.device, c.training.device) for c in default} == {(None, "cpu", "cpu")}
     # SGLang servers inherit their worker's GPUs whatever the torch device: gpus_per_cell alone hands them out
-    sglang = cell_configs(load_config(None, {"rollout.engine": "sglang", "launcher.gpus_per_cell": 1}),
-                          tmp_path, tmp_path / "model")  # fmt: skip
+    sglang = cell_configs(
+        load_config(None, {"rollout.engine": "sglang", "launcher.gpus_per_cell": 1}),
+        tmp_path,
+        tmp_path / "model",
+    )
     assert [c.visible_gpus for c in sglang] == [["0"], ["1"]] and sglang[0].engine.device == "cpu"
     # A share: two workers in a row on one GPU (a one-GPU machine runs the K=2 demo on CUDA)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")

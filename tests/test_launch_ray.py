@@ -43,8 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 # Token authentication off: the test cluster lives inside two private namespaces (no route out of them).
-RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1",
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}  # fmt: skip
+RAY_ENV = {
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+}
 
 
 class _OneNode:
@@ -57,11 +61,32 @@ class _OneNode:
         ray = str(Path(sys.executable).with_name("ray"))
         ports = free_ports(2)
         # On loopback: nothing off this machine reaches it (its token authentication is off, as for the runs').
-        argv = [ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(ports[0]),
-                "--ray-client-server-port", str(ports[1]), "--num-cpus", "4", "--include-dashboard", "false",
-                "--disable-usage-stats", "--temp-dir", str(self.tmp)]  # fmt: skip
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **RAY_ENV})  # fmt: skip
+        argv = [
+            ray,
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(ports[0]),
+            "--ray-client-server-port",
+            str(ports[1]),
+            "--num-cpus",
+            "4",
+            "--include-dashboard",
+            "false",
+            "--disable-usage-stats",
+            "--temp-dir",
+            str(self.tmp),
+        ]
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **RAY_ENV},
+        )
         self.address, lines = None, []
         for raw in self.proc.stdout:  # gate: the head is up, `ray start` names its address (or it exits)
             lines.append(raw.decode(errors="replace"))
@@ -130,10 +155,21 @@ def one_node(_one_node_module, tmp_path_factory) -> str:
 
 
 def _gyre(run_dir: Path, *args: str, prefix: list[str] | None = None, timeout: float = 600) -> dict:
-    argv = [*(prefix or []), sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "demo.toml"),
-            "--run-dir", str(run_dir), "--quiet", *args]  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **RAY_ENV})  # fmt: skip
+    argv = [
+        *(prefix or []),
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "run",
+        str(ROOT / "configs" / "demo.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        *args,
+    ]
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **RAY_ENV}
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -196,12 +232,31 @@ def test_sigterm_stops_the_ray_run_with_one_line(tmp_path, placed, wait_gone, re
     instance, `--ray local`; the placed one joins the module's.)"""
     run_dir = tmp_path / "run"
     ray = request.getfixturevalue("one_node") if placed else "local"
-    argv = [sys.executable, "-m", "gyre.cli", "demo", "--ray", ray, "--run-dir", str(run_dir), "--steps", "50",
-            "--set", "dashboard.enabled=false", "--quiet"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "demo",
+        "--ray",
+        ray,
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "50",
+        "--set",
+        "dashboard.enabled=false",
+        "--quiet",
+    ]
     if placed:
         argv += ["--set", "launcher.controller_resources={}"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, **RAY_ENV})  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **RAY_ENV},
+    )
     trace, deadline = run_dir / "trace.jsonl", time.monotonic() + 600
     while not (trace.exists() and b'"ev":"launch"' in trace.read_bytes()):  # gate: executions are running
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
@@ -222,11 +277,28 @@ def test_sigterm_stops_the_ray_run_with_one_line(tmp_path, placed, wait_gone, re
 def test_a_controller_no_node_can_take_is_one_line(tmp_path, one_node):
     """No node offers the controller's resources: one line naming them and the cluster's, nothing of the run."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "gyre.cli", "demo", "--ray", one_node, "--run-dir", str(run_dir),
-                           "--set", 'launcher.controller_resources={"gpu_node":1}',
-                           "--set", "launcher.start_timeout_s=1", "--quiet"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, **RAY_ENV})  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gyre.cli",
+            "demo",
+            "--ray",
+            one_node,
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            'launcher.controller_resources={"gpu_node":1}',
+            "--set",
+            "launcher.start_timeout_s=1",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, **RAY_ENV},
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
@@ -246,12 +318,39 @@ def test_a_placed_controller_whose_node_is_lost_is_resumed_and_every_step_matche
     (One run for both, a local Ray run matching the reference and a lost controller resumed: the start of a run is
     most of its time.)"""
     run_dir, steps = tmp_path / "run", 3
-    argv = [sys.executable, "-m", "gyre.cli", "demo", "--ray", one_node, "--run-dir", str(run_dir), "--steps",
-            str(steps), "--set", "dashboard.enabled=false", "--set", "launcher.controller_resources={}",
-            "--set", "train.dtype=float64", "--set", "debug.dump_batches=[0,1]",
-            "--set", "launcher.proxy_resources={}", "--set", 'launcher.eval_resources={"CPU":1}', "--quiet"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, **RAY_ENV})  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "demo",
+        "--ray",
+        one_node,
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(steps),
+        "--set",
+        "dashboard.enabled=false",
+        "--set",
+        "launcher.controller_resources={}",
+        "--set",
+        "train.dtype=float64",
+        "--set",
+        "debug.dump_batches=[0,1]",
+        "--set",
+        "launcher.proxy_resources={}",
+        "--set",
+        'launcher.eval_resources={"CPU":1}',
+        "--quiet",
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **RAY_ENV},
+    )
     rows, deadline = run_dir / "metrics" / "steps.jsonl", time.monotonic() + 600
     while not (rows.exists() and rows.read_text().strip()):  # gate: step 1 done (and checkpointed)
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
@@ -268,9 +367,14 @@ def test_a_placed_controller_whose_node_is_lost_is_resumed_and_every_step_matche
     wait_gone([controller["pid"], *(p["pid"] for p in placement)], "the lost controller's processes")
     done = len(_steps(run_dir))
 
-    resumed = subprocess.run([sys.executable, "-m", "gyre.cli", "run", "--resume", str(run_dir), "--quiet"],
-                             capture_output=True, text=True, timeout=900, cwd=ROOT,
-                             env={**os.environ, **RAY_ENV})  # fmt: skip
+    resumed = subprocess.run(
+        [sys.executable, "-m", "gyre.cli", "run", "--resume", str(run_dir), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env={**os.environ, **RAY_ENV},
+    )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert json.loads(resumed.stdout.strip().splitlines()[-1])["steps"] == steps - done
     again = json.loads((run_dir / "logs" / "controller.json").read_text())
@@ -455,16 +559,31 @@ def two_hosts(_two_node_cluster):
 
 def _ray_node(ns: str, ip: str, tmp: Path, head: bool, resource: str) -> subprocess.Popen:
     ray = str(Path(sys.executable).with_name("ray"))
-    argv = ["ip", "netns", "exec", ns, ray, "start", "--block", "--node-ip-address", ip, "--num-cpus", "3",
-            "--resources", json.dumps({resource: 4}), "--disable-usage-stats"]  # fmt: skip
+    argv = [
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        ray,
+        "start",
+        "--block",
+        "--node-ip-address",
+        ip,
+        "--num-cpus",
+        "3",
+        "--resources",
+        json.dumps({resource: 4}),
+        "--disable-usage-stats",
+    ]
     argv += (
         ["--head", "--port", "6379", "--include-dashboard", "false"]
         if head
         else ["--address", f"{IPS[0]}:6379"]
     )
     log = (tmp / f"ray-{ns}.log").open("wb")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **RAY_ENV})  # fmt: skip
+    return subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **RAY_ENV}
+    )
 
 
 def _wait_nodes(n: int, timeout: float = 300, idle: bool = False) -> None:
@@ -496,8 +615,13 @@ def _wait_nodes(n: int, timeout: float = 300, idle: bool = False) -> None:
             "    assert time.time() < d, f'held by a previous run: {held()}'\n"
             "    time.sleep(0.5)\n"
         )
-    proc = subprocess.run(["ip", "netns", "exec", NS[0], sys.executable, "-c", code], timeout=timeout + 60,
-                          env={**os.environ, **RAY_ENV}, capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        ["ip", "netns", "exec", NS[0], sys.executable, "-c", code],
+        timeout=timeout + 60,
+        env={**os.environ, **RAY_ENV},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -536,18 +660,52 @@ def test_two_hosts_elastic_run_crosses_hosts_and_a_killed_remote_cell_trains_aga
     host A) and trains again. (One run for both: a run's start is most of its time.)"""
     steps = 5
     run_dir = tmp_path / "run"
-    argv = ["ip", "netns", "exec", NS[0], sys.executable, "-m", "gyre.cli", "run",
-            str(ROOT / "configs" / "demo.toml"), "--run-dir", str(run_dir), "--quiet",
-            "--ray", f"{IPS[0]}:6379", "--steps", str(steps),
-            "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
-            "--set", 'launcher.proxy_resources={"host_a":0.5}',
-            "--set", 'launcher.eval_resources={"host_a":0.5}',
-            "--set", 'launcher.controller_resources={"host_b":0.5}',
-            "--set", "train.dtype=float64", "--set", "debug.dump_batches=[0,1]",
-            "--set", "debug.hold_core_for_join=1", "--set", "dashboard.enabled=false",
-            "--set", "scheduler.mu=1", "--set", "scheduler.B=2"]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, **RAY_ENV})  # fmt: skip
+    argv = [
+        "ip",
+        "netns",
+        "exec",
+        NS[0],
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "run",
+        str(ROOT / "configs" / "demo.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--ray",
+        f"{IPS[0]}:6379",
+        "--steps",
+        str(steps),
+        "--set",
+        'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
+        "--set",
+        'launcher.proxy_resources={"host_a":0.5}',
+        "--set",
+        'launcher.eval_resources={"host_a":0.5}',
+        "--set",
+        'launcher.controller_resources={"host_b":0.5}',
+        "--set",
+        "train.dtype=float64",
+        "--set",
+        "debug.dump_batches=[0,1]",
+        "--set",
+        "debug.hold_core_for_join=1",
+        "--set",
+        "dashboard.enabled=false",
+        "--set",
+        "scheduler.mu=1",
+        "--set",
+        "scheduler.B=2",
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **RAY_ENV},
+    )
     deadline = time.monotonic() + 600
     try:
         while not any(x["ev"] == "microstep_claim" and x["cell"] == 1 for x in _trace_so_far(run_dir)):
@@ -604,8 +762,11 @@ def test_two_hosts_elastic_run_crosses_hosts_and_a_killed_remote_cell_trains_aga
     claims = [x for x in before if x["ev"] == "microstep_claim" and x["cell"] == 1]
     died_in = max(x["batch"] for x in claims)
     mine = {x["index"] for x in claims if x["batch"] == died_in}
-    again = {x["index"] for x in lines[lines.index(claims[-1]) + 1 :]
-             if x["ev"] == "microstep_claim" and x["batch"] == died_in and x["cell"] == 0}  # fmt: skip
+    again = {
+        x["index"]
+        for x in lines[lines.index(claims[-1]) + 1 :]
+        if x["ev"] == "microstep_claim" and x["batch"] == died_in and x["cell"] == 0
+    }
     assert mine <= again, (mine, again)
     after = [x for x in lines[lines.index(rejoined) :] if x["ev"] == "microstep_claim" and x["cell"] == 1]
     assert after and min(x["batch"] for x in after) > died_in
@@ -619,14 +780,37 @@ def test_two_hosts_a_pipelined_cell_spans_both_hosts(two_hosts, tmp_path):
     host actor. Activations and gradients cross hosts inside each cell (megatron's p2p over gloo), the cells'
     summed gradients across them; every step equals the one-process float64 reference."""
     run_dir = tmp_path / "run"
-    summary = _gyre(run_dir, "--ray", f"{IPS[0]}:6379", "--steps", "2",
-                    "--set", "train.backend=megatron", "--set", "train.pipeline_parallel=2",
-                    "--set", "train.lr_warmup_steps=0", "--set", "launcher.bundles_per_cell=2",
-                    "--set", "launcher.cell_strategy=STRICT_SPREAD",
-                    "--set", 'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
-                    "--set", "debug.dump_batches=[0,1]", "--set", "debug.hold_core_for_join=1",
-                    "--set", "dashboard.enabled=false", "--set", "scheduler.mu=1", "--set", "scheduler.B=2",
-                    prefix=["ip", "netns", "exec", NS[0]], timeout=900)  # fmt: skip
+    summary = _gyre(
+        run_dir,
+        "--ray",
+        f"{IPS[0]}:6379",
+        "--steps",
+        "2",
+        "--set",
+        "train.backend=megatron",
+        "--set",
+        "train.pipeline_parallel=2",
+        "--set",
+        "train.lr_warmup_steps=0",
+        "--set",
+        "launcher.bundles_per_cell=2",
+        "--set",
+        "launcher.cell_strategy=STRICT_SPREAD",
+        "--set",
+        'launcher.cell_resources=[{"host_a":1},{"host_b":1}]',
+        "--set",
+        "debug.dump_batches=[0,1]",
+        "--set",
+        "debug.hold_core_for_join=1",
+        "--set",
+        "dashboard.enabled=false",
+        "--set",
+        "scheduler.mu=1",
+        "--set",
+        "scheduler.B=2",
+        prefix=["ip", "netns", "exec", NS[0]],
+        timeout=900,
+    )
     assert summary["steps"] == 2
     placement = _check(run_dir, 2)
     # Every rank process ends with its run, the remote ones too, on nodes that stay up (one PID
@@ -650,8 +834,12 @@ def test_two_hosts_a_pipelined_cell_spans_both_hosts(two_hosts, tmp_path):
         assert (rank["rank"], rank["bundle"], rank["ip"]) == (1, 1, there), rank
         assert placement[cell]["ip"] == here
         # Stage 1 ran in that process, on the other host, and trained every batch its cell did.
-        stage1 = [json.loads(x) for x in (run_dir / "metrics" / "pipeline" / f"cell-{cell}-stage-1.jsonl")
-                  .read_text().splitlines()]  # fmt: skip
+        stage1 = [
+            json.loads(x)
+            for x in (run_dir / "metrics" / "pipeline" / f"cell-{cell}-stage-1.jsonl")
+            .read_text()
+            .splitlines()
+        ]
         assert stage1 and {r["pid"] for r in stage1} == {rank["pid"]}
         trained = [r for r in _steps(run_dir) if r["microsteps_by_cell"].get(str(cell), 0) > 0]
         assert [r["microsteps"] for r in stage1] == [r["microsteps_by_cell"][str(cell)] for r in trained]

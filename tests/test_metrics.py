@@ -21,17 +21,42 @@ from gyre.rundata import Call, percentile, time_unit
 
 def row(version: int, **over) -> dict:
     """A steps.jsonl row as the controller writes it (gyre-cell's StepReport + reward, cells, t)."""
-    metrics = {"clip_frac_all": 0.25, "clip_frac_d0": 0.0, "clip_frac_pos": 0.5, "clip_frac_neg": 0.125,
-               "mean_log_ratio_d0": -0.001, "ratio_dev_mean": 0.01, "ratio_dev_max": 0.03, "capped_frac": 0.0625,
-               "weight_mean": 1.0005, "weight_max": 1.3, "lr": 1e-4 * version}  # fmt: skip
+    metrics = {
+        "clip_frac_all": 0.25,
+        "clip_frac_d0": 0.0,
+        "clip_frac_pos": 0.5,
+        "clip_frac_neg": 0.125,
+        "mean_log_ratio_d0": -0.001,
+        "ratio_dev_mean": 0.01,
+        "ratio_dev_max": 0.03,
+        "capped_frac": 0.0625,
+        "weight_mean": 1.0005,
+        "weight_max": 1.3,
+        "lr": 1e-4 * version,
+    }
     if version > 1:  # from the second step on, groups of staleness 1 exist
         metrics |= {"clip_frac_d1": 0.5, "mean_log_ratio_dpos": -0.005}
-    base = {"schema_version": 1, "step": version - 1, "policy_version": version, "loss": -0.3 * version,
-            "surrogate": -0.05 * version, "grad_norm": 0.7 + version, "num_groups": 2, "num_executions": 8,
-            "num_target_tokens": 256 - version, "num_microsteps": 8, "microsteps_by_cell": {"0": 5, "1": 3}
-            if version == 1 else {"0": 8}, "group_ids": ["g0", "g1"], "staleness": [0, version - 1],
-            "metrics": metrics, "seconds": 1.5, "mean_reward": 0.1 * version, "reward_std": 0.02 * version,
-            "training_cells": 2 if version == 1 else 1, "t": 7.5 * version}  # fmt: skip
+    base = {
+        "schema_version": 1,
+        "step": version - 1,
+        "policy_version": version,
+        "loss": -0.3 * version,
+        "surrogate": -0.05 * version,
+        "grad_norm": 0.7 + version,
+        "num_groups": 2,
+        "num_executions": 8,
+        "num_target_tokens": 256 - version,
+        "num_microsteps": 8,
+        "microsteps_by_cell": {"0": 5, "1": 3} if version == 1 else {"0": 8},
+        "group_ids": ["g0", "g1"],
+        "staleness": [0, version - 1],
+        "metrics": metrics,
+        "seconds": 1.5,
+        "mean_reward": 0.1 * version,
+        "reward_std": 0.02 * version,
+        "training_cells": 2 if version == 1 else 1,
+        "t": 7.5 * version,
+    }
     return base | over
 
 
@@ -57,8 +82,13 @@ def test_step_scalars_cover_every_tag_and_mark_undefined_ones_nan():
 
 def test_interval_scalars_from_state_and_recorded_calls():
     calls = [Call("e", i, 10, 20 + i, request_at=100.0, end_at=100.0 + 0.1 * (i + 1)) for i in range(10)]
-    state = {"running": 3, "queued": 5, "waterlevel": 8, "capacity": 4,
-             "roles": ["training", "to_rollout", "rollout", "rollout"]}  # fmt: skip
+    state = {
+        "running": 3,
+        "queued": 5,
+        "waterlevel": 8,
+        "capacity": 4,
+        "roles": ["training", "to_rollout", "rollout", "rollout"],
+    }
     s = interval_scalars(state, calls, seconds=2.0)
     assert set(s) == set(INTERVAL_TAGS)
     assert s["rollout/tokens_per_s"] == sum(20 + i for i in range(10)) / 2.0

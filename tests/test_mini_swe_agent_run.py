@@ -22,10 +22,17 @@ pytestmark = pytest.mark.slow
 
 def _mini_env() -> Path:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "stack_venv.py"), "mini-swe-agent", "mini-swe-agent==2.4.6",
-         "litellm>=1.108"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "tests" / "stack_venv.py"),
+            "mini-swe-agent",
+            "mini-swe-agent==2.4.6",
+            "litellm>=1.108",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return Path(done.stdout.strip().splitlines()[-1]).parent.parent
 
@@ -43,8 +50,18 @@ def test_mini_swe_agent_fixes_fizzbuzz_in_the_sandbox_and_every_call_is_recorded
     )
     (tmp_path / "mini.toml").write_text(config)
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "gyre.cli", "run", str(tmp_path / "mini.toml"), "--run-dir", str(run_dir),
-            "--quiet", "--set", "dashboard.enabled=false"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "run",
+        str(tmp_path / "mini.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--set",
+        "dashboard.enabled=false",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 1

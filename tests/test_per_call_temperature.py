@@ -53,23 +53,35 @@ def test_trainer_logprobs_at_each_calls_recorded_temperature(tmp_path, engine_ur
 
     model, url = engine_url
     out = tmp_path / "out"
-    cfg = ProxyConfig(engines=[url], tokenizer=str(model), store=str(tmp_path / "store"), admin_token="adm",
-                      sampling_policy="pass", export_dirs=[str(out)])  # fmt: skip
+    cfg = ProxyConfig(
+        engines=[url],
+        tokenizer=str(model),
+        store=str(tmp_path / "store"),
+        admin_token="adm",
+        sampling_policy="pass",
+        export_dirs=[str(out)],
+    )
     with ProxyServer(cfg) as srv:
         eid, cred = srv.register("ex", group_id="g")
         messages = [{"role": "user", "content": "hello there"}]
         for temperature in TEMPS:
-            r = httpx.post(f"{srv.url}/v1/chat/completions", headers={"Authorization": f"Bearer {cred}"},
-                           json={"model": "p", "messages": messages, "max_tokens": 12, "temperature": temperature},
-                           timeout=60)  # fmt: skip
+            r = httpx.post(
+                f"{srv.url}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {cred}"},
+                json={"model": "p", "messages": messages, "max_tokens": 12, "temperature": temperature},
+                timeout=60,
+            )
             assert r.status_code == 200, r.text
-            messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or ""},
-                         {"role": "user", "content": "go on"}]  # fmt: skip
+            messages += [
+                {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or ""},
+                {"role": "user", "content": "go on"},
+            ]
         records = list(srv.proxy.executions[eid].records.tree.records())
         assert [r.metadata["sampling"]["used"]["temperature"] for r in records] == list(TEMPS)
         assert records[1].parent_id == records[0].call_id  # one chain: both calls in one trajectory
-        r = srv.admin("POST", f"/admin/executions/{eid}/export",
-                      {"j_max": 1, "seed": 0, "path": str(out / "t.parquet")})  # fmt: skip
+        r = srv.admin(
+            "POST", f"/admin/executions/{eid}/export", {"j_max": 1, "seed": 0, "path": str(out / "t.parquet")}
+        )
         assert r.status_code == 200, r.text
 
     (traj,) = read_trajectories(out / "t.parquet")  # through the Parquet wire

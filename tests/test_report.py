@@ -71,9 +71,28 @@ def interrupted_run(run_dir: Path, length_s: float) -> None:
     """A run killed mid-write: torn last lines, no scheduler.json, no records or assessments yet."""
     s = length_s / 10
     trace = [
-        {"t": 0.0, "ev": "header", "schema_version": 1, "K": 2, "C_e": 2, "C_s": 0, "N": 2, "B": 1, "phi": 0.0,
-         "mu": 1, "policy": "elastic", "real": True},
-        {"t": 0.0, "ev": "dispatch", "group": "g0", "query": "q0", "executions": ["g0.e0", "g0.e1"], "v_d": 0},
+        {
+            "t": 0.0,
+            "ev": "header",
+            "schema_version": 1,
+            "K": 2,
+            "C_e": 2,
+            "C_s": 0,
+            "N": 2,
+            "B": 1,
+            "phi": 0.0,
+            "mu": 1,
+            "policy": "elastic",
+            "real": True,
+        },
+        {
+            "t": 0.0,
+            "ev": "dispatch",
+            "group": "g0",
+            "query": "q0",
+            "executions": ["g0.e0", "g0.e1"],
+            "v_d": 0,
+        },
         {"t": 0.0, "ev": "launch", "execution": "g0.e0", "group": "g0", "engine": "cell:0"},
         {"t": 0.0, "ev": "launch", "execution": "g0.e1", "group": "g0", "engine": "cell:1"},
         {"t": 2 * s, "ev": "terminate", "execution": "g0.e0", "outcome": "completed"},
@@ -81,12 +100,32 @@ def interrupted_run(run_dir: Path, length_s: float) -> None:
         {"t": 4 * s, "ev": "transition_begin", "cell": 0, "from": "rollout", "to": "to_training"},
         {"t": 5 * s, "ev": "transition_end", "cell": 0, "from": "to_training", "to": "training"},
         {"t": 9 * s, "ev": "step_end", "version": 1, "groups": ["g0"], "staleness": [0]},
-        {"t": 10 * s, "ev": "dispatch", "group": "g1", "query": "q1", "executions": ["g1.e0", "g1.e1"], "v_d": 1},
-    ]  # fmt: skip
+        {
+            "t": 10 * s,
+            "ev": "dispatch",
+            "group": "g1",
+            "query": "q1",
+            "executions": ["g1.e0", "g1.e1"],
+            "v_d": 1,
+        },
+    ]  # fmt: skip (an aligned table)
     _write(run_dir / "trace.jsonl", trace, torn=b'{"t": 10.5, "ev": "lau')
-    step = {"policy_version": 1, "loss": -0.5, "surrogate": -0.1, "grad_norm": 0.9, "num_target_tokens": 64,
-            "microsteps_by_cell": {"0": 2}, "group_ids": ["g0"], "staleness": [0], "metrics": {"clip_frac_all": 0.0},
-            "seconds": 1.0, "mean_reward": 0.3, "reward_std": 0.1, "training_cells": 1, "t": 9 * s}  # fmt: skip
+    step = {
+        "policy_version": 1,
+        "loss": -0.5,
+        "surrogate": -0.1,
+        "grad_norm": 0.9,
+        "num_target_tokens": 64,
+        "microsteps_by_cell": {"0": 2},
+        "group_ids": ["g0"],
+        "staleness": [0],
+        "metrics": {"clip_frac_all": 0.0},
+        "seconds": 1.0,
+        "mean_reward": 0.3,
+        "reward_std": 0.1,
+        "training_cells": 1,
+        "t": 9 * s,
+    }
     _write(run_dir / "metrics" / "steps.jsonl", [step], torn=b'{"policy_version": 2, "lo')
     (run_dir / "config.json").write_text(json.dumps({"train": {"steps": 5}}))
 
@@ -168,10 +207,24 @@ def test_report_of_a_real_interrupted_demo_run(tmp_path, capsys):
     run_dir = tmp_path / "run"
     steps_file = run_dir / "metrics" / "steps.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--steps", "4", "--quiet",
-         "--set", "dashboard.enabled=false"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "gyre.cli",
+            "demo",
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            "4",
+            "--quiet",
+            "--set",
+            "dashboard.enabled=false",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 400
         while not (steps_file.exists() and steps_file.read_text().count("\n") >= 1):
@@ -254,8 +307,22 @@ def finished_run(run_dir: Path, tokenizer: Path) -> dict:
     (run_dir / "config.json").write_text(
         json.dumps({"train": {"steps": STEPS}, "model": {"path": str(tokenizer)}})
     )
-    trace = [{"t": 0.0, "ev": "header", "schema_version": 1, "K": 2, "C_e": 4, "C_s": 0, "N": N, "B": 1,
-              "phi": 0.0, "mu": 1, "policy": "elastic", "real": True}]  # fmt: skip
+    trace = [
+        {
+            "t": 0.0,
+            "ev": "header",
+            "schema_version": 1,
+            "K": 2,
+            "C_e": 4,
+            "C_s": 0,
+            "N": N,
+            "B": 1,
+            "phi": 0.0,
+            "mu": 1,
+            "policy": "elastic",
+            "real": True,
+        }
+    ]
     steps, store, calls = [], AssessmentStore(run_dir), {}
     prov = Provenance(evaluator="check", kind="exec")
     for k in range(STEPS + 1):
@@ -279,17 +346,48 @@ def finished_run(run_dir: Path, tokenizer: Path) -> dict:
             ws = run_dir / "workspaces" / eid
             ws.mkdir(parents=True)
             (ws / "answer.txt").write_text(HOSTILE if i == 0 else f"answer {eid}")
-            sub = Submission(execution_id=eid, group_id=gid, group_size=N, dispatch_index=i, launched_at=1000.0,
-                             budget_s=60.0, evaluator="check", artifact_ref=str(ws))  # fmt: skip
+            sub = Submission(
+                execution_id=eid,
+                group_id=gid,
+                group_size=N,
+                dispatch_index=i,
+                launched_at=1000.0,
+                budget_s=60.0,
+                evaluator="check",
+                artifact_ref=str(ws),
+            )
             a, _ = store.submit(sub, "unresolved", None, False, prov, now=1000.0)
-            store.record_attempt(AttemptRecord(assessment_id=a.id, number=1, started_at=1000.0, finished_at=1000.5,
-                                               ok=True, score=REWARDS[i]), prov)  # fmt: skip
+            store.record_attempt(
+                AttemptRecord(
+                    assessment_id=a.id,
+                    number=1,
+                    started_at=1000.0,
+                    finished_at=1000.5,
+                    ok=True,
+                    score=REWARDS[i],
+                ),
+                prov,
+            )
             store.finalize(a.id, "valid", REWARDS[i], prov, now=1000.5)
         trace.append({"t": t + 9, "ev": "step_end", "version": k + 1, "groups": [gid], "staleness": [0]})
-        steps.append({"policy_version": k + 1, "loss": -0.1 * k, "surrogate": -0.05, "grad_norm": 0.5 + k,
-                      "num_target_tokens": 10, "microsteps_by_cell": {"0": 1}, "group_ids": [gid],
-                      "staleness": [0], "metrics": {"lr": LR[k], "clip_frac_all": 0.0}, "seconds": 1.0,
-                      "mean_reward": 0.75, "reward_std": 0.4330127, "training_cells": 1, "t": t + 9})  # fmt: skip
+        steps.append(
+            {
+                "policy_version": k + 1,
+                "loss": -0.1 * k,
+                "surrogate": -0.05,
+                "grad_norm": 0.5 + k,
+                "num_target_tokens": 10,
+                "microsteps_by_cell": {"0": 1},
+                "group_ids": [gid],
+                "staleness": [0],
+                "metrics": {"lr": LR[k], "clip_frac_all": 0.0},
+                "seconds": 1.0,
+                "mean_reward": 0.75,
+                "reward_std": 0.4330127,
+                "training_cells": 1,
+                "t": t + 9,
+            }
+        )
     store.close()
     _lines(run_dir / "trace.jsonl", trace)
     _lines(run_dir / "metrics" / "steps.jsonl", steps)
@@ -318,8 +416,10 @@ def report(run):
 
 
 def _points(page, chart: str) -> list[list[tuple]]:
-    return [[(p["x"], p["y"]) for p in d] for d in
-            page.evaluate(f"window.gyreCharts[{chart!r}].data.datasets.map(d => d.data)")]  # fmt: skip
+    return [
+        [(p["x"], p["y"]) for p in d]
+        for d in page.evaluate(f"window.gyreCharts[{chart!r}].data.datasets.map(d => d.data)")
+    ]
 
 
 def test_hostile_text_in_answers_and_model_output_leaves_every_section_drawn(run, report):
@@ -356,8 +456,13 @@ def test_script_json_reads_back_the_same_and_has_no_markup():
 
 def test_the_legend_explains_every_short_label_the_page_shows(report):
     page = report.page
-    legend = dict(zip(page.eval_on_selector_all("#legend-terms dt", "t => t.map(e => e.textContent)"),
-                      page.eval_on_selector_all("#legend-terms dd", "t => t.map(e => e.textContent)"), strict=True))  # fmt: skip
+    legend = dict(
+        zip(
+            page.eval_on_selector_all("#legend-terms dt", "t => t.map(e => e.textContent)"),
+            page.eval_on_selector_all("#legend-terms dd", "t => t.map(e => e.textContent)"),
+            strict=True,
+        )
+    )
     for term in TERMS:
         assert len(legend.get(term, "")) > 10, term
     assert "R in" in legend["rollout"] and "T in" in legend["training"] and "L in" in legend["lost"]

@@ -77,8 +77,21 @@ def _usable_in_store(run_dir: Path) -> set[str]:
 @pytest.mark.timeout(2400)  # three runs (292 s on an idle machine); the suite's 600 s is one run's budget
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--steps", "4",
-            "--set", "scheduler.B=2", "--set", "dashboard.enabled=false", "--quiet"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "demo",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "4",
+        "--set",
+        "scheduler.B=2",
+        "--set",
+        "dashboard.enabled=false",
+        "--quiet",
+    ]
     proc = subprocess.Popen(
         argv, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -102,8 +115,13 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     trace_before = trace_before[: trace_before.rfind(b"\n") + 1]
 
     # Resumed to 6 steps (only --steps may be raised): room for the carried open group to complete and be trained.
-    resumed = subprocess.run([sys.executable, "-m", "gyre.cli", "run", "--resume", str(run_dir), "--steps", "6",
-                              "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    resumed = subprocess.run(
+        [sys.executable, "-m", "gyre.cli", "run", "--resume", str(run_dir), "--steps", "6", "--quiet"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout.splitlines()[-1])
     assert summary["steps"] == 4  # the resumed part's own steps: 3 to 6
@@ -216,7 +234,11 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     summary_trace = read_trace(run_dir / "trace.jsonl")
     sched = json.loads((run_dir / "metrics" / "scheduler.json").read_text())
     assert (summary_trace.d, summary_trace.p, summary_trace.f, summary_trace.x) == (
-        sched["d"], sched["p"], sched["f"], sched["x"])  # fmt: skip
+        sched["d"],
+        sched["p"],
+        sched["f"],
+        sched["x"],
+    )
     assert summary_trace.steps == sched["version"] == 6
 
     # Compared with an uninterrupted run of the same seed and config.
@@ -225,8 +247,10 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     done = subprocess.run(argv_whole, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _versions(whole / "metrics" / "steps.jsonl") == [1, 2, 3, 4]  # the same optimizer steps (4 of 6)
-    steps_of = {r: [json.loads(x)["num_groups"] for x in (r / "metrics" / "steps.jsonl").read_text().splitlines()]
-                for r in (run_dir, whole)}  # fmt: skip
+    steps_of = {
+        r: [json.loads(x)["num_groups"] for x in (r / "metrics" / "steps.jsonl").read_text().splitlines()]
+        for r in (run_dir, whole)
+    }
     assert steps_of[run_dir] == [2] * 6 and steps_of[whole] == [2] * 4
     whole_trace = read_trace(whole / "trace.jsonl")
     whole_sched = json.loads((whole / "metrics" / "scheduler.json").read_text())
@@ -257,8 +281,13 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     assert scores and all(n == 1 for _, n in scores)
 
     # A finished run cannot be resumed again: one line, exit status 2.
-    again = subprocess.run([sys.executable, "-m", "gyre.cli", "run", "--resume", str(run_dir)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    again = subprocess.run(
+        [sys.executable, "-m", "gyre.cli", "run", "--resume", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 2
     assert again.stderr.strip().splitlines() == [
         f"gyre run: cannot resume: {run_dir.resolve()} already finished its 6 steps (checkpoint at step 6)"

@@ -112,8 +112,15 @@ def test_cli_refuses_with_one_line(args, line):
 
 def _assess(store, eid: str, status: str, score: float) -> None:
     gid, index = eid.split(".")
-    sub = Submission(execution_id=eid, group_id=gid, group_size=2, group_dispatched=3,
-                     dispatch_index=int(index[1:]), launched_at=1.0, budget_s=60.0)  # fmt: skip
+    sub = Submission(
+        execution_id=eid,
+        group_id=gid,
+        group_size=2,
+        group_dispatched=3,
+        dispatch_index=int(index[1:]),
+        launched_at=1.0,
+        budget_s=60.0,
+    )
     store.submit(sub, status, score, True, Provenance(evaluator="task", kind="exec"), 2.0)
 
 
@@ -162,8 +169,15 @@ def test_untrained_groups_with_usable_executions_are_carried_over_ready_or_open(
     assert g6.members == (("g6.e0", "valid"), ("g6.e1", "excluded"))
     assert g7.members == (("g7.e0", "valid"), ("g7.e1", "excluded"), ("g7.e2", "valid"))
     assert (g8.v_d, g8.members) == (2, (("g8.e0", "valid"), ("g8.e1", "excluded")))
-    assert point.carried_scores == {"g4.e0": 0.25, "g4.e1": 0.0, "g5.e1": 0.25, "g6.e0": 0.25, "g7.e0": 0.25,
-                                    "g7.e2": 0.25, "g8.e0": 0.5}  # fmt: skip
+    assert point.carried_scores == {
+        "g4.e0": 0.25,
+        "g4.e1": 0.0,
+        "g5.e1": 0.25,
+        "g6.e0": 0.25,
+        "g7.e0": 0.25,
+        "g7.e2": 0.25,
+        "g8.e0": 0.5,
+    }
     assert point.carried_paths["g4.e1"] is None and point.carried_paths["g4.e0"].endswith(
         "trajectories/g4.e0.parquet"
     )
@@ -182,8 +196,10 @@ def test_untrained_groups_with_usable_executions_are_carried_over_ready_or_open(
     start = policy.start(point.t_end)
     carried = [x for x in start if getattr(x, "carried", False)]
     assert [(x.group_id, x.execution_ids, x.v_d) for x in carried] == [
-        ("g5", ("g5.e2",), 1), ("g6", ("g6.e2",), 1), ("g8", ("g8.e2",), 2)
-    ]  # fmt: skip
+        ("g5", ("g5.e2",), 1),
+        ("g6", ("g6.e2",), 1),
+        ("g8", ("g8.e2",), 2),
+    ]  # fmt: skip (an aligned table)
     writer.decisions(point.t_end, start)
     writer.close()
     # Killed again before anything new finished: the carried groups are carried again, their new members excluded,

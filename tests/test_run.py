@@ -82,8 +82,13 @@ def _check_common(run_dir: Path, steps: int) -> dict:
 
 def test_elastic_three_cells_join_mid_batch_and_match_the_reference(tmp_path):
     run_dir = tmp_path / "run"
-    _run("elastic-k3.toml", run_dir, "train.dtype=float64", "debug.dump_batches=[0,1,2,3]",
-         "debug.hold_core_for_join=1")  # fmt: skip
+    _run(
+        "elastic-k3.toml",
+        run_dir,
+        "train.dtype=float64",
+        "debug.dump_batches=[0,1,2,3]",
+        "debug.hold_core_for_join=1",
+    )
     _check_common(run_dir, 4)
     rows = _steps(run_dir)
     multi = [r for r in rows if len([c for c, n in r["microsteps_by_cell"].items() if n > 0]) >= 2]
@@ -152,8 +157,11 @@ def test_sigterm_stops_every_process_with_one_line(tmp_path, wait_gone):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--steps", "50"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     trace = run_dir / "trace.jsonl"
     deadline = time.monotonic() + 600
     while not (trace.exists() and b'"ev":"launch"' in trace.read_bytes()):  # gate: executions are running

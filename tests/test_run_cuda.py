@@ -23,8 +23,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _demo(run_dir: Path, *sets: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--quiet",
-            "--set", "dashboard.enabled=false", "--set", "cluster.device=cuda"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "demo",
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--set",
+        "dashboard.enabled=false",
+        "--set",
+        "cluster.device=cuda",
+    ]
     for s in sets:
         argv += ["--set", s]
     return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
@@ -49,8 +60,13 @@ def test_a_cuda_run_without_gpus_ends_with_one_line_naming_the_cell(tmp_path):
 @pytest.mark.gpu
 def test_the_demo_trains_and_serves_on_cuda_two_cells_sharing_one_gpu(tmp_path):
     run_dir = tmp_path / "run"
-    done = _demo(run_dir, "train.steps=2", "launcher.gpus_per_cell=0.5", "debug.hold_core_for_join=1",
-                 env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})  # fmt: skip
+    done = _demo(
+        run_dir,
+        "train.steps=2",
+        "launcher.gpus_per_cell=0.5",
+        "debug.hold_core_for_join=1",
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout.splitlines()[-1])
     assert summary["steps"] == 2

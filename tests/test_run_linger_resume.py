@@ -48,10 +48,36 @@ def _until_linger(argv: list[str]) -> tuple[int, str, list[dict]]:
 
 def test_sigint_while_lingering_prints_the_summary_and_a_resume_counts_the_whole_run(tmp_path):
     run_dir = tmp_path / "run"
-    first = _until_linger([sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--steps", "1",
-                           "--log-format", "json", "--set", "dashboard.linger_s=3600"])  # fmt: skip
-    resumed = _until_linger([sys.executable, "-m", "gyre.cli", "run", "--resume", str(run_dir), "--steps", "2",
-                             "--log-format", "json"])  # fmt: skip
+    first = _until_linger(
+        [
+            sys.executable,
+            "-m",
+            "gyre.cli",
+            "demo",
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            "1",
+            "--log-format",
+            "json",
+            "--set",
+            "dashboard.linger_s=3600",
+        ]
+    )
+    resumed = _until_linger(
+        [
+            sys.executable,
+            "-m",
+            "gyre.cli",
+            "run",
+            "--resume",
+            str(run_dir),
+            "--steps",
+            "2",
+            "--log-format",
+            "json",
+        ]
+    )
     for code, out, _ in (first, resumed):  # each prints its summary as its last line and exits 0
         assert code == 0 and out.strip(), (code, out)
     assert json.loads(first[1].strip().splitlines()[-1])["steps"] == 1

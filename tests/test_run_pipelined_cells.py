@@ -29,9 +29,12 @@ pytestmark = pytest.mark.slow
 def test_gyre_run_with_tp2_pp2_cells_matches_the_reference(tmp_path):
     run_dir = tmp_path / "run"
     sets = [
-        "train.steps=2", "debug.dump_batches=[0,1]",
-        "debug.hold_core_for_join=1", "train.checkpoint_keep=0", "train.tensor_parallel=2",
-    ]  # fmt: skip
+        "train.steps=2",
+        "debug.dump_batches=[0,1]",
+        "debug.hold_core_for_join=1",
+        "train.checkpoint_keep=0",
+        "train.tensor_parallel=2",
+    ]  # fmt: skip (an aligned table)
     argv = [
         sys.executable,
         "-m",
@@ -52,11 +55,16 @@ def test_gyre_run_with_tp2_pp2_cells_matches_the_reference(tmp_path):
     pipeline = run_dir / "metrics" / "pipeline"
     ranks = [(s, t) for s in range(2) for t in range(2)]
     stats = {
-        c: {r: [json.loads(x) for x in (pipeline / f"cell-{c}-stage-{r[0]}-tp-{r[1]}.jsonl").read_text().splitlines()]
-            for r in ranks}
+        c: {
+            r: [
+                json.loads(x)
+                for x in (pipeline / f"cell-{c}-stage-{r[0]}-tp-{r[1]}.jsonl").read_text().splitlines()
+            ]
+            for r in ranks
+        }
         for c in range(2)
         if (pipeline / f"cell-{c}-stage-0-tp-0.jsonl").exists()
-    }  # fmt: skip
+    }  # fmt: skip (an aligned table)
     assert 0 in stats, sorted(pipeline.iterdir())
     for c, by_rank in stats.items():
         assert len({rows_[0]["pid"] for rows_ in by_rank.values()}) == 4
@@ -74,8 +82,9 @@ def test_gyre_run_with_tp2_pp2_cells_matches_the_reference(tmp_path):
     # Each step equals the single-process float64 reference on the same batch.
     for step, row in enumerate(rows):
         dump = run_dir / "metrics" / "batches" / f"batch-{step}"
-        loss, grads = replay_batch(dump, str(run_dir / "model"), dtype="float64", loss=LossConfig(),
-                                   temperature=1.0)  # fmt: skip
+        loss, grads = replay_batch(
+            dump, str(run_dir / "model"), dtype="float64", loss=LossConfig(), temperature=1.0
+        )
         summed = load_dump(dump).summed_grads
         assert loss == pytest.approx(row["loss"], abs=1e-6)
         assert float(summed.abs().max()) > 1e-4

@@ -26,10 +26,26 @@ pytestmark = pytest.mark.slow
 
 def test_an_elastic_run_serves_rollout_from_sglang_servers_its_cells_supervise(tmp_path):
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
-            str(run_dir), "--steps", "4", "--quiet", "--set", "dashboard.enabled=false",
-            "--set", "debug.hold_core_for_join=1", "--set", "rollout.engine=sglang",
-            "--set", "rollout.sglang.module=gyre_cell.sglang_stand_in"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "run",
+        str(ROOT / "configs" / "elastic-k3.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "4",
+        "--quiet",
+        "--set",
+        "dashboard.enabled=false",
+        "--set",
+        "debug.hold_core_for_join=1",
+        "--set",
+        "rollout.engine=sglang",
+        "--set",
+        "rollout.sglang.module=gyre_cell.sglang_stand_in",
+    ]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     assert json.loads(done.stdout.splitlines()[-1])["steps"] == 4  # two bursts: the second rolls out at v2
@@ -40,8 +56,12 @@ def test_an_elastic_run_serves_rollout_from_sglang_servers_its_cells_supervise(t
     configs = [json.loads((run_dir / "cells" / f"cell-{i}.json").read_text()) for i in range(3)]
     assert servers == [f"http://127.0.0.1:{c['sglang']['port']}" for c in configs]
     assert not set(servers) & set(workers)
-    spans = [s for p in (run_dir / "trajectories").glob("*.parquet")
-             for row in pq.read_table(p).to_pylist() for s in row["weight_versions"]]  # fmt: skip
+    spans = [
+        s
+        for p in (run_dir / "trajectories").glob("*.parquet")
+        for row in pq.read_table(p).to_pylist()
+        for s in row["weight_versions"]
+    ]
     assert spans and {s["engine_id"] for s in spans} <= set(servers)
     # Published weights reached every server. The satellites' from Mooncake: published to both, each served version 2
     # (published after the first burst) in the second. The core's from its own buffer as it went back to rollout:
@@ -67,7 +87,10 @@ def test_an_elastic_run_serves_rollout_from_sglang_servers_its_cells_supervise(t
     for i in range(3):
         assert (run_dir / "logs" / f"cell-{i}.sglang.log").read_text().strip()
     ports = {f"--port {c['sglang']['port']}" for c in configs}
-    left = [p.pid for p in psutil.process_iter(["cmdline"])
-            if "gyre_cell.sglang_stand_in" in " ".join(p.info["cmdline"] or ())
-            and any(port in " ".join(p.info["cmdline"]) for port in ports)]  # fmt: skip
+    left = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if "gyre_cell.sglang_stand_in" in " ".join(p.info["cmdline"] or ())
+        and any(port in " ".join(p.info["cmdline"]) for port in ports)
+    ]
     assert left == []

@@ -62,18 +62,49 @@ def test_probe_task_in_a_gyre_run_reaches_nothing_but_the_proxy(tmp_path, runtim
         "connect": {"host_listener": ["127.0.0.1", listener.getsockname()[1]], "outside": ["1.1.1.1", 80]},
     }
     task = {
-        "query_id": "probe", "prompt": "Probe the sandbox.", "workspace": {"empty": True},
-        "scoring": {"kind": "exec", "command": ["/usr/bin/python3", "-I", "{files}/check.py"], "files": str(checks),
-                    "score_from": "score_file", "timeout_s": 60},
+        "query_id": "probe",
+        "prompt": "Probe the sandbox.",
+        "workspace": {"empty": True},
+        "scoring": {
+            "kind": "exec",
+            "command": ["/usr/bin/python3", "-I", "{files}/check.py"],
+            "files": str(checks),
+            "score_from": "score_file",
+            "timeout_s": 60,
+        },
         "harness": {"kind": "command", "command": [sys.executable, "-c", PROBE, json.dumps(paths)]},
-        "harness_timeout_s": 120, "overall_budget_s": 240,
-    }  # fmt: skip
+        "harness_timeout_s": 120,
+        "overall_budget_s": 240,
+    }  # fmt: skip (an aligned table)
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text(json.dumps(task) + "\n")
-    argv = [sys.executable, "-m", "gyre.cli", "demo", "--steps", "1", "--run-dir", str(run_dir), "--quiet",
-            "--set", f"tasks.file={task_file}", "--set", "harness.sandbox=true", "--set", f"harness.sandbox_runtime={runtime}",
-            "--set", "dashboard.enabled=false",
-            "--set", "scheduler.N=2", "--set", "scheduler.B=1", "--set", "scheduler.mu=1", "--set", "scheduler.phi=0"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "demo",
+        "--steps",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--set",
+        f"tasks.file={task_file}",
+        "--set",
+        "harness.sandbox=true",
+        "--set",
+        f"harness.sandbox_runtime={runtime}",
+        "--set",
+        "dashboard.enabled=false",
+        "--set",
+        "scheduler.N=2",
+        "--set",
+        "scheduler.B=1",
+        "--set",
+        "scheduler.mu=1",
+        "--set",
+        "scheduler.phi=0",
+    ]
     try:
         proc = subprocess.run(
             argv, capture_output=True, text=True, timeout=600, env=os.environ | {"GYRE_CANARY": canary}
@@ -85,8 +116,11 @@ def test_probe_task_in_a_gyre_run_reaches_nothing_but_the_proxy(tmp_path, runtim
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 1
 
-    outs = {p.name: json.loads((p / "probe.json").read_text()) for p in (run_dir / "workspaces").iterdir()
-            if (p / "probe.json").exists()}  # fmt: skip
+    outs = {
+        p.name: json.loads((p / "probe.json").read_text())
+        for p in (run_dir / "workspaces").iterdir()
+        if (p / "probe.json").exists()
+    }
     assert len(outs) >= 2, sorted(p.name for p in (run_dir / "workspaces").iterdir())
     for eid, out in outs.items():
         assert out["proxy_call"][0] == "succeeded", (eid, out["proxy_call"])  # its own call reaches the proxy

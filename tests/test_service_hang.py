@@ -108,8 +108,14 @@ def test_a_hung_gyre_eval_is_killed_and_restarted_and_the_run_completes(fault_ru
     run_dir = tmp_path / "run"
     stopped: list[int] = []
     steps = 4
-    summary = fault_run(tmp_path, run_dir, _assessed, lambda: stopped.append(_stop(run_dir, "gyre-eval")),
-                        f"train.steps={steps}", "launcher.service_hang_s=10")  # fmt: skip
+    summary = fault_run(
+        tmp_path,
+        run_dir,
+        _assessed,
+        lambda: stopped.append(_stop(run_dir, "gyre-eval")),
+        f"train.steps={steps}",
+        "launcher.service_hang_s=10",
+    )
     assert summary["steps"] == steps
     (pid,) = stopped
     wait_gone([pid], "the stopped gyre-eval (the launcher kills it before the restart)")
@@ -130,8 +136,15 @@ def test_a_hung_gyre_eval_is_killed_and_restarted_and_the_run_completes(fault_ru
 @pytest.mark.slow
 def test_a_hung_proxy_ends_the_run_with_one_line_naming_it(fault_run, tmp_path):
     run_dir = tmp_path / "run"
-    fault_run(tmp_path, run_dir, _assessed, lambda: _stop(run_dir, "proxy"), "train.steps=4",
-              "launcher.service_hang_s=10", expect_failure=True)  # fmt: skip
+    fault_run(
+        tmp_path,
+        run_dir,
+        _assessed,
+        lambda: _stop(run_dir, "proxy"),
+        "train.steps=4",
+        "launcher.service_hang_s=10",
+        expect_failure=True,
+    )
     last = (tmp_path / "controller.log").read_text().strip().splitlines()[-1]
     assert last == (
         "gyre run: run failed: ServiceError: proxy stopped answering (no answer to its health check for 10 s) and "

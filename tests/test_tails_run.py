@@ -37,8 +37,10 @@ STALL = "STALL-HERE"
 
 def _attempts(con: sqlite3.Connection) -> dict[str, list[tuple[int, str | None]]]:
     found: dict[str, list[tuple[int, str | None]]] = {}
-    for eid, ok, error in con.execute("SELECT a.execution_id, t.ok, t.error FROM attempts t JOIN assessments a "
-                                      "ON a.id = t.assessment_id ORDER BY t.assessment_id, t.number"):  # fmt: skip
+    for eid, ok, error in con.execute(
+        "SELECT a.execution_id, t.ok, t.error FROM attempts t JOIN assessments a "
+        "ON a.id = t.assessment_id ORDER BY t.assessment_id, t.number"
+    ):
         found.setdefault(eid, []).append((ok, error))
     return found
 
@@ -46,22 +48,57 @@ def _attempts(con: sqlite3.Connection) -> dict[str, list[tuple[int, str | None]]
 @pytest.mark.slow
 def test_every_tail_in_one_run(tmp_path):
     run_dir = tmp_path / "run"
-    task = {"query_id": "tails", "prompt": "Name the code word.", "workspace": {"empty": True},
-            "scoring": {"kind": "python", "factory": "tails_evaluators:TailsEvaluator"},
-            "harness": {"kind": "command",
-                        "command": [sys.executable, "-I", str(ROOT / "tests" / "tails_harness.py"), "--task", "{task}",
-                                    "--stall", STALL]},
-            "harness_timeout_s": HARNESS_TIMEOUT_S, "overall_budget_s": BUDGET_S}  # fmt: skip
+    task = {
+        "query_id": "tails",
+        "prompt": "Name the code word.",
+        "workspace": {"empty": True},
+        "scoring": {"kind": "python", "factory": "tails_evaluators:TailsEvaluator"},
+        "harness": {
+            "kind": "command",
+            "command": [
+                sys.executable,
+                "-I",
+                str(ROOT / "tests" / "tails_harness.py"),
+                "--task",
+                "{task}",
+                "--stall",
+                STALL,
+            ],
+        },
+        "harness_timeout_s": HARNESS_TIMEOUT_S,
+        "overall_budget_s": BUDGET_S,
+    }
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text(json.dumps(task) + "\n")
     script = (
         tmp_path / "script.json"
     )  # the policy's own log-probs for "OK."; a prompt with STALL never answered
     script.write_text(json.dumps({"default_reply": "OK.", "hold": [STALL]}))
-    argv = [sys.executable, "-m", "gyre.cli", "demo", "--steps", "1", "--run-dir", str(run_dir), "--quiet",
-            "--set", f"tasks.file={task_file}", "--set", "dashboard.enabled=false",
-            "--set", "scheduler.N=3", "--set", "scheduler.B=2", "--set", "scheduler.k_spare=1",
-            "--set", "debug.dump_batches=[0]", "--set", f"rollout.scripted_replies={script}"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "demo",
+        "--steps",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--set",
+        f"tasks.file={task_file}",
+        "--set",
+        "dashboard.enabled=false",
+        "--set",
+        "scheduler.N=3",
+        "--set",
+        "scheduler.B=2",
+        "--set",
+        "scheduler.k_spare=1",
+        "--set",
+        "debug.dump_batches=[0]",
+        "--set",
+        f"rollout.scripted_replies={script}",
+    ]
     env = os.environ | {"PYTHONPATH": str(ROOT / "tests")}  # gyre-eval imports tails_evaluators
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -20,10 +20,27 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_gyre_run_on_the_swe_suite_in_the_sandbox(tmp_path):
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "gyre.cli", "demo", "--steps", "1", "--run-dir", str(run_dir), "--quiet",
-            "--set", f"tasks.file={ROOT / 'tasks' / 'swe' / 'tasks.jsonl'}", "--set", "tasks.limit=2",
-            "--set", "harness.sandbox=true", "--set", "dashboard.enabled=false",
-            "--set", "model.temperature=0.8"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "demo",
+        "--steps",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--set",
+        f"tasks.file={ROOT / 'tasks' / 'swe' / 'tasks.jsonl'}",
+        "--set",
+        "tasks.limit=2",
+        "--set",
+        "harness.sandbox=true",
+        "--set",
+        "dashboard.enabled=false",
+        "--set",
+        "model.temperature=0.8",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=420, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -62,8 +79,11 @@ def test_gyre_run_on_the_swe_suite_in_the_sandbox(tmp_path):
         assert pq.read_table(run_dir / "trajectories" / f"{eid}.parquet").num_rows >= 1
 
     out = tmp_path / "export.parquet"
-    r = subprocess.run([sys.executable, "-m", "gyre_tito.cli", "export", str(run_dir), "--out", str(out)],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "gyre_tito.cli", "export", str(run_dir), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     table = pq.read_table(out).to_pylist()
     rewards = {(t["execution_id"], t["reward"]) for t in table}

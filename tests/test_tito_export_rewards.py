@@ -76,8 +76,11 @@ def test_export_joins_rewards(tmp_path):
     )  # old-format log
 
     ds = tmp_path / "ds"
-    r = subprocess.run([*cmd[:-2], "--out", str(ds), "--format", "dataset", "--include-unrewarded"],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [*cmd[:-2], "--out", str(ds), "--format", "dataset", "--include-unrewarded"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     rows = pq.read_table(ds / "data" / "train-00000-of-00001.parquet").to_pylist()
     assert {x["execution_id"] for x in rows} == {"e0", "e1", "e2", "e3"}
@@ -95,8 +98,11 @@ def test_export_per_step_groups_rows_by_the_step_that_trained_them(tmp_path):
     steps = [{"policy_version": 1, "group_ids": ["g1"]}, {"policy_version": 2, "group_ids": ["g0"]}]
     (run / "metrics" / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     out = tmp_path / "steps"
-    r = subprocess.run([sys.executable, "-m", "gyre_tito.cli", "export", str(run), "--out", str(out), "--per-step"],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "gyre_tito.cli", "export", str(run), "--out", str(out), "--per-step"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert sorted(p.name for p in out.iterdir()) == ["step-00001.parquet", "step-00002.parquet"]
@@ -111,6 +117,18 @@ def test_export_per_step_groups_rows_by_the_step_that_trained_them(tmp_path):
         "e1": "group g2 was not trained in any step",
         "e2": "no reward (assessment unresolved)",
     }
-    r = subprocess.run([sys.executable, "-m", "gyre_tito.cli", "export", str(run / "records"), "--out", str(out),
-                        "--per-step"], capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gyre_tito.cli",
+            "export",
+            str(run / "records"),
+            "--out",
+            str(out),
+            "--per-step",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "steps.jsonl" in r.stderr

@@ -35,11 +35,19 @@ from gyre_tito.tiny_tokenizer import build_tiny_tokenizer
 
 TESTS = Path(__file__).resolve().parent
 SKYRL = [
-    "skyrl==0.4.0", "skyrl-gym==0.4.0",
+    "skyrl==0.4.0",
+    "skyrl-gym==0.4.0",
     # what skyrl.train.utils.trainer_utils imports beyond skyrl's own requirements (its `skyrl-train` extra
     # brings them with flash-attn, an sdist that needs CUDA to build); ray at that extra's pin
-    "ray==2.57.0", "loguru", "torchdata", "omegaconf", "jaxtyping", "aiohttp", "orjson", "pybase64",
-]  # fmt: skip
+    "ray==2.57.0",
+    "loguru",
+    "torchdata",
+    "omegaconf",
+    "jaxtyping",
+    "aiohttp",
+    "orjson",
+    "pybase64",
+]  # fmt: skip (an aligned table)
 VERL = [
     "verl==0.9.1",
     "cachetools",

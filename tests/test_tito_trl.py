@@ -25,10 +25,16 @@ from gyre_tito.testing import ProxyServer
 
 pytestmark = pytest.mark.slow
 
-TOOLS = [{"type": "function", "function": {
-    "name": "square", "description": "The square of n.",
-    "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
-}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "square",
+            "description": "The square of n.",
+            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+        },
+    }
+]
 
 
 ANSWERS = itertools.count()
@@ -54,8 +60,13 @@ def harness(prompt: str, base_url: str, api_key: str) -> None:
         message = msg.choices[0].message
         if not message.tool_calls:
             return
-        messages.append({"role": "assistant", "content": message.content,
-                         "tool_calls": [c.model_dump() for c in message.tool_calls]})  # fmt: skip
+        messages.append(
+            {
+                "role": "assistant",
+                "content": message.content,
+                "tool_calls": [c.model_dump() for c in message.tool_calls],
+            }
+        )
         for call in message.tool_calls:
             n = int(re.findall(r"\d+", call.function.arguments)[0])
             messages.append({"role": "tool", "tool_call_id": call.id, "content": str(n * n)})
@@ -83,13 +94,24 @@ def test_trl_trains_exactly_the_recorded_tokens_and_behaviour_logprobs(tmp_path,
         with ProxyServer(config) as proxy:
             rollout = TitoRollout(TitoSession(proxy.url, "adm"), harness, concurrency=2)
             args = GRPOConfig(
-                output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, num_generations=2, max_steps=2,
-                learning_rate=1e-3, beta=0.0, logging_steps=1, report_to="none", save_strategy="no",
-                use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0,
-            )  # fmt: skip
+                output_dir=str(tmp_path / "trl"),
+                per_device_train_batch_size=2,
+                num_generations=2,
+                max_steps=2,
+                learning_rate=1e-3,
+                beta=0.0,
+                logging_steps=1,
+                report_to="none",
+                save_strategy="no",
+                use_cpu=True,
+                bf16=False,
+                seed=0,
+                dataloader_num_workers=0,
+            )
             data = Dataset.from_list([{"prompt": f"What is the square of {n}?"} for n in (3, 7, 12, 25)])
-            trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args, train_dataset=data,
-                                  rollout_func=rollout)  # fmt: skip
+            trainer = GRPOTrainer(
+                model=str(model_dir), reward_funcs=reward, args=args, train_dataset=data, rollout_func=rollout
+            )
             compute_loss = trainer.compute_loss
 
             def spy(model, inputs, *a, **kw):

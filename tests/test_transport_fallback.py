@@ -61,10 +61,27 @@ def _hidden(argv: list[str]) -> list[str]:
 def _run(run_dir: Path, hide: bool) -> tuple[subprocess.CompletedProcess, dict]:
     """Two elastic cells, one step per burst (the satellite goes back to rollout after each step and loads the
     published weights); the satellite joins the first batch mid-way (the core holds its second micro-step for it)."""
-    argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
-            str(run_dir), "--steps", "2", "--set", "cluster.cells=2", "--set", "scheduler.mu=1",
-            "--set", "train.dtype=float64", "--set", "debug.dump_batches=[0,1]",
-            "--set", "debug.hold_core_for_join=1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "run",
+        str(ROOT / "configs" / "elastic-k3.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "2",
+        "--set",
+        "cluster.cells=2",
+        "--set",
+        "scheduler.mu=1",
+        "--set",
+        "train.dtype=float64",
+        "--set",
+        "debug.dump_batches=[0,1]",
+        "--set",
+        "debug.hold_core_for_join=1",
+    ]
     proc = subprocess.run(
         _hidden(argv) if hide else argv, capture_output=True, text=True, timeout=900, cwd=ROOT
     )
@@ -120,8 +137,17 @@ def test_a_run_publishes_over_http_where_mooncake_cannot_load(tmp_path: Path, hi
 
 def test_mooncake_asked_for_by_name_where_it_cannot_load_is_one_line(tmp_path: Path) -> None:
     _check_hidden()
-    argv = [sys.executable, "-m", "gyre.cli", "run", str(ROOT / "configs" / "elastic-k3.toml"), "--run-dir",
-            str(tmp_path / "run"), "--set", "weights.transport=mooncake"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "run",
+        str(ROOT / "configs" / "elastic-k3.toml"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "weights.transport=mooncake",
+    ]
     proc = subprocess.run(_hidden(argv), capture_output=True, text=True, timeout=300, cwd=ROOT)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]

@@ -79,9 +79,14 @@ def server(models, tmp_path_factory):
     run = tmp_path_factory.mktemp("vllm")
     python = ensure_vllm_env(log=print)
     cfg = VLLMLaunchConfig(
-        model_path=str(models["a"]), python=str(python), port=_free_port(), dtype="float32", max_model_len=2048,
-        weight_version="0", seed=0,
-    )  # fmt: skip
+        model_path=str(models["a"]),
+        python=str(python),
+        port=_free_port(),
+        dtype="float32",
+        max_model_len=2048,
+        weight_version="0",
+        seed=0,
+    )
     srv = VLLMServer(cfg, api_key=secrets.token_hex(16))
     srv.start(log_path=str(run / "vllm.log"))
     try:
@@ -124,12 +129,36 @@ def test_an_elastic_run_rolls_out_on_vllm_servers_its_cells_supervise(models, tm
     root = Path(__file__).resolve().parents[1]
     run_dir = tmp_path / "run"
     python = ensure_vllm_env(log=print)
-    argv = [sys.executable, "-m", "gyre.cli", "run", str(root / "configs" / "elastic-k3.toml"), "--run-dir",
-            str(run_dir), "--steps", "4", "--quiet", "--set", "dashboard.enabled=false", "--set", "cluster.cells=2",
-            "--set", "debug.hold_core_for_join=1", "--set", "debug.hold_timeout_s=300",
-            "--set", f"model.path={models['a']}", "--set", "rollout.engine=vllm",
-            "--set", f"rollout.vllm.python={python}", "--set", "rollout.vllm.dtype=float32",
-            "--set", "rollout.vllm.max_model_len=2048"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "run",
+        str(root / "configs" / "elastic-k3.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "4",
+        "--quiet",
+        "--set",
+        "dashboard.enabled=false",
+        "--set",
+        "cluster.cells=2",
+        "--set",
+        "debug.hold_core_for_join=1",
+        "--set",
+        "debug.hold_timeout_s=300",
+        "--set",
+        f"model.path={models['a']}",
+        "--set",
+        "rollout.engine=vllm",
+        "--set",
+        f"rollout.vllm.python={python}",
+        "--set",
+        "rollout.vllm.dtype=float32",
+        "--set",
+        "rollout.vllm.max_model_len=2048",
+    ]
     done = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     assert json.loads(done.stdout.splitlines()[-1])["steps"] == 4
@@ -141,8 +170,12 @@ def test_an_elastic_run_rolls_out_on_vllm_servers_its_cells_supervise(models, tm
     assert services["cells"] == servers and not set(servers) & set(services["workers"])
     proxy_config = json.loads((run_dir / "records" / "config.json").read_text())
     assert proxy_config["engine"]["api"] == "vllm" and proxy_config["engine"]["kv_migration"] is False
-    spans = [s for p in (run_dir / "trajectories").glob("*.parquet")
-             for row in pq.read_table(p).to_pylist() for s in row["weight_versions"]]  # fmt: skip
+    spans = [
+        s
+        for p in (run_dir / "trajectories").glob("*.parquet")
+        for row in pq.read_table(p).to_pylist()
+        for s in row["weight_versions"]
+    ]
     assert spans and {s["engine_id"] for s in spans} <= set(servers)
     # the second burst rolled out at version 2 on the satellite's server (published to it over Mooncake); the core's
     # server loaded version 2 from the core's buffer when it went back to rollout
@@ -159,9 +192,12 @@ def test_an_elastic_run_rolls_out_on_vllm_servers_its_cells_supervise(models, tm
     for i in range(2):  # each server logged to RUN/logs and is gone with its worker
         assert "Application startup complete" in (run_dir / "logs" / f"cell-{i}.vllm.log").read_text()
     ports = {str(c["vllm"]["port"]) for c in configs}
-    left = [p.pid for p in psutil.process_iter(["cmdline"])
-            if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or ())
-            and ports & set(p.info["cmdline"] or ())]  # fmt: skip
+    left = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or ())
+        and ports & set(p.info["cmdline"] or ())
+    ]
     assert left == []
 
 
@@ -182,8 +218,14 @@ def _assert_close(got: list[float], want: list[float]) -> None:
     assert worst < TOLERANCE, worst
 
 
-SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [2], "skip_special_tokens": False,
-            "no_stop_trim": True}  # fmt: skip
+SAMPLING = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "stop_token_ids": [2],
+    "skip_special_tokens": False,
+    "no_stop_trim": True,
+}
 PROMPT = [1, 17, 99, 250, 3, 42, 7]
 
 
@@ -293,13 +335,23 @@ async def _restore(server: VLLMServer, model_dir: Path) -> None:
 def test_the_proxy_records_a_chat_served_by_vllm_token_exact(server, models, tmp_path):
     """An OpenAI chat call through gyre-tito to vLLM (`--engine-api vllm`): the record's output tokens and behaviour
     log-probs are vLLM's, and its log-probs are the model's at those tokens."""
-    cfg = ProxyConfig(engines=[server.base_url], tokenizer=str(models["a"]), store=str(tmp_path / "store"),
-                      admin_token="adm", engine_api_key=server.api_key, engine=EnginePoolConfig(api="vllm"))  # fmt: skip
+    cfg = ProxyConfig(
+        engines=[server.base_url],
+        tokenizer=str(models["a"]),
+        store=str(tmp_path / "store"),
+        admin_token="adm",
+        engine_api_key=server.api_key,
+        engine=EnginePoolConfig(api="vllm"),
+    )
     with ProxyServer(cfg) as srv:
         _, credential = srv.register("e1")
         body = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hello there"}]}
-        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body,
-                       headers={"Authorization": f"Bearer {credential}"}, timeout=120)  # fmt: skip
+        r = httpx.post(
+            f"{srv.url}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {credential}"},
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
         srv.admin("POST", "/admin/executions/e1/end")
     (log,) = list((tmp_path / "store").rglob("*.tito.jsonl"))
@@ -316,9 +368,16 @@ def test_vllm_on_a_gpu_sleeps_wakes_and_loads_weights_with_exact_records(models,
     """The CUDA build (`gyre-cell vllm-env` installs `vllm` where `nvidia-smi` is found, or GYRE_VLLM_PYTHON names
     an interpreter that has it): bf16, sleep mode on (the role switch frees the GPU), weights by file."""
     python = os.environ.get("GYRE_VLLM_PYTHON") or str(ensure_vllm_env(log=print))
-    cfg = VLLMLaunchConfig(model_path=str(models["a"]), python=python, port=_free_port(), dtype="bfloat16",
-                           max_model_len=2048, weight_version="0", enable_sleep_mode=True,
-                           gpu_memory_utilization=0.3)  # fmt: skip
+    cfg = VLLMLaunchConfig(
+        model_path=str(models["a"]),
+        python=python,
+        port=_free_port(),
+        dtype="bfloat16",
+        max_model_len=2048,
+        weight_version="0",
+        enable_sleep_mode=True,
+        gpu_memory_utilization=0.3,
+    )
     srv = VLLMServer(cfg, api_key=secrets.token_hex(16))
     srv.start(log_path=str(tmp_path / "vllm.log"))
     sp = dict(SAMPLING, max_new_tokens=16, ignore_eos=True)

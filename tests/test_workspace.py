@@ -17,9 +17,9 @@ PACKAGES = ["gyre-tito", "gyre-sched", "gyre-eval", "gyre-train", "gyre-cell"]
 # docs/design/architecture.md#packages: who may depend on whom (direct edges among Gyre packages).
 ALLOWED_EDGES = {
     "gyre-tito": {"gyre-sched"},  # the one service-token reader (gyre_sched.secret); gyre-sched is light
-    "gyre-eval": {"gyre-sched"},  # the execution outcome type only: the runner produces it
+    "gyre-eval": {"gyre-sched"},  # the execution outcome type (the runner's) and the group readiness rule
     "gyre-sched": set(),
-    "gyre-train": {"gyre-tito"},
+    "gyre-train": {"gyre-tito", "gyre-eval"},  # trajectory types; the one advantage formula
     "gyre-cell": {
         "gyre-train",
         "gyre-sched",
@@ -121,8 +121,11 @@ def _locked_packages(*args: str) -> set[str]:
     """The distributions an environment synced from the lock holds (uv export reads uv.lock, resolves nothing)."""
     out = subprocess.run(
         ["uv", "export", "--frozen", "--no-hashes", "--no-emit-workspace", "--no-header", *args],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return {
         re.split(r"[=<>;\[ ]", line, maxsplit=1)[0].lower()
         for line in out.stdout.splitlines()
@@ -173,8 +176,11 @@ def _collect_without_system_tools(*paths: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", *paths],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_test_command_stops_at_once_naming_the_system_package_to_install():

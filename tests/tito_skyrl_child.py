@@ -39,9 +39,13 @@ async def main(proxy_url: str, token: str, out_path: str) -> None:
             prompts.append([{"role": "user", "content": f"What is the square of {n}?"}])
             ids.append(TrajectoryID(instance_id=instance, repetition_id=rep))
     batch = {
-        "prompts": prompts, "env_classes": ["tito"] * 4, "env_extras": [{"n": 1}] * 4, "sampling_params": None,
-        "trajectory_ids": ids, "batch_metadata": BatchMetadata(global_step=1, training_phase="train"),
-    }  # fmt: skip
+        "prompts": prompts,
+        "env_classes": ["tito"] * 4,
+        "env_extras": [{"n": 1}] * 4,
+        "sampling_params": None,
+        "trajectory_ids": ids,
+        "batch_metadata": BatchMetadata(global_step=1, training_phase="train"),
+    }  # fmt: skip (an aligned table)
     results = {}
     for mode, step_wise, h in (
         ("flat", False, harness),
@@ -58,10 +62,16 @@ async def main(proxy_url: str, token: str, out_path: str) -> None:
         out = await generator.generate(batch)
         validate_generator_output(len(prompts), out, step_wise=step_wise)  # SkyRL's own checks
         tensors = convert_prompts_responses_to_batch_tensors(
-            0, out["prompt_token_ids"], out["response_ids"], [[0.0] * (len(r) - 1) + [float(x)]
-            for r, x in zip(out["response_ids"], out["rewards"], strict=True)],
-            out["loss_masks"], out["rollout_logprobs"],
-        )  # fmt: skip
+            0,
+            out["prompt_token_ids"],
+            out["response_ids"],
+            [
+                [0.0] * (len(r) - 1) + [float(x)]
+                for r, x in zip(out["response_ids"], out["rewards"], strict=True)
+            ],
+            out["loss_masks"],
+            out["rollout_logprobs"],
+        )
         _, _, response_mask, rewards_t, loss_masks_t, logprobs_t, _, _ = tensors
         if out["trajectory_ids"] is not None:
             out["trajectory_ids"] = [t.to_string() for t in out["trajectory_ids"]]

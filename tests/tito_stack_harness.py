@@ -10,10 +10,16 @@ import re
 
 import httpx
 
-TOOLS = [{"type": "function", "function": {
-    "name": "square", "description": "The square of n.",
-    "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
-}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "square",
+            "description": "The square of n.",
+            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+        },
+    }
+]
 
 
 def harness(messages: list[dict], base_url: str, api_key: str, compact: bool = False) -> str:

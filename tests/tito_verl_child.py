@@ -60,26 +60,42 @@ async def main(proxy_url: str, token: str, tokenizer_dir: str, work: str, out_pa
     for entry in OmegaConf.load(entries):  # as AgentLoopWorker.__init__ reads agent_loop_config_path
         _agent_loop_registry[entry.name] = entry
 
-    config = OmegaConf.create({
-        "actor_rollout_ref": {"rollout": {"prompt_length": PROMPT_LENGTH, "response_length": RESPONSE_LENGTH}},
-        "data": {"apply_chat_template_kwargs": {}},
-    })  # fmt: skip
+    config = OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "rollout": {"prompt_length": PROMPT_LENGTH, "response_length": RESPONSE_LENGTH}
+            },
+            "data": {"apply_chat_template_kwargs": {}},
+        }
+    )
     worker = object.__new__(AgentLoopWorker)
     worker.__dict__.update(
-        config=config, rollout_config=config.actor_rollout_ref.rollout, llm_client=None,
-        tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), processor=None, hf_model_type=None,
-        dataset_cls=None, tools=[], mm_processor_kwargs={}, reward_loop_worker_handles=None,
+        config=config,
+        rollout_config=config.actor_rollout_ref.rollout,
+        llm_client=None,
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
+        processor=None,
+        hf_model_type=None,
+        dataset_cls=None,
+        tools=[],
+        mm_processor_kwargs={},
+        reward_loop_worker_handles=None,
         distillation_enabled=False,
-    )  # fmt: skip
+    )
 
     rows = []
     for i, (agent, n) in enumerate(
         (("tito_yaml", 3), ("tito_yaml", 3), ("tito_subclass", 7), ("tito_subclass", 7))
     ):
-        rows.append({
-            "raw_prompt": [{"role": "user", "content": f"What is the square of {n}?"}], "uid": f"u{n}",
-            "index": i // 2, "data_source": "squares", "agent_name": agent,
-        })  # fmt: skip
+        rows.append(
+            {
+                "raw_prompt": [{"role": "user", "content": f"What is the square of {n}?"}],
+                "uid": f"u{n}",
+                "index": i // 2,
+                "data_source": "squares",
+                "agent_name": agent,
+            }
+        )
     sampling_params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
     outputs = []
     for i, row in enumerate(rows):

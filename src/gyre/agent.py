@@ -198,13 +198,31 @@ def run_conversation(
 class AgentConfig:
     """Where and how one execution talks to its model (a plain class: see `AgentResult`)."""
 
-    __slots__ = ("api_key", "base_url", "context_chars", "max_tokens", "max_turns", "model", "temperature",
-                 "timeout_s", "workspace")  # fmt: skip
+    __slots__ = (
+        "api_key",
+        "base_url",
+        "context_chars",
+        "max_tokens",
+        "max_turns",
+        "model",
+        "temperature",
+        "timeout_s",
+        "workspace",
+    )
 
     def __init__(
-        self, *, base_url: str, api_key: str, workspace: Path, max_turns: int = 6, max_tokens: int = 40,
-        temperature: float = 1.0, context_chars: int = 0, model: str = "gyre-policy", timeout_s: float = 600.0,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        base_url: str,
+        api_key: str,
+        workspace: Path,
+        max_turns: int = 6,
+        max_tokens: int = 40,
+        temperature: float = 1.0,
+        context_chars: int = 0,
+        model: str = "gyre-policy",
+        timeout_s: float = 600.0,
+    ) -> None:
         self.base_url = base_url
         """OpenAI-compatible base URL ending in /v1 (the TITO proxy)."""
         self.api_key = api_key
@@ -299,16 +317,29 @@ def main(argv: list[str] | None = None) -> int:
         print("gyre.agent: OPENAI_BASE_URL and OPENAI_API_KEY must be set", file=sys.stderr)
         return 2
     config = AgentConfig(
-        base_url=base_url, api_key=api_key, workspace=args.workspace, max_turns=args.max_turns,
-        max_tokens=args.max_tokens, temperature=args.temperature, context_chars=args.context_chars,
-    )  # fmt: skip
+        base_url=base_url,
+        api_key=api_key,
+        workspace=args.workspace,
+        max_turns=args.max_turns,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        context_chars=args.context_chars,
+    )
     try:
         result = run_agent(config, args.task)
     except EndpointError as exc:
         print(f"gyre.agent: model endpoint failed: {exc}", file=sys.stderr)
         return 3
-    print(json.dumps({"model_calls": result.calls, "tool_calls": result.tool_calls, "resets": result.resets,
-                      "answered": result.answer is not None}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "model_calls": result.calls,
+                "tool_calls": result.tool_calls,
+                "resets": result.resets,
+                "answered": result.answer is not None,
+            }
+        )
+    )
     return 0
 
 

@@ -95,8 +95,13 @@ class CellEffects:
         self._found.add(cell)
         if (losing := self._losing.pop(cell, None)) is not None:
             losing.set()  # its calls in flight give up (`unless_lost`); a restored cell's get a fresh event
-        log.warning("cell %d lost (%s: %s): the run goes on with the other cells; see %s", cell,
-                    type(exc).__name__, exc, self.logs / f"cell-{cell}.log")  # fmt: skip
+        log.warning(
+            "cell %d lost (%s: %s): the run goes on with the other cells; see %s",
+            cell,
+            type(exc).__name__,
+            exc,
+            self.logs / f"cell-{cell}.log",
+        )
         self.report(ev.CellLost(cell))
         return True
 
@@ -192,10 +197,12 @@ class CellEffects:
         # The core picks the port: it hosts the rendezvous, and the controller may run on another machine.
         port = await self.cells[0].rendezvous_port()
         wire = ReformCommand(
-            generation=command.generation, master_port=port, rejoining=list(command.rejoining),
+            generation=command.generation,
+            master_port=port,
+            rejoining=list(command.rejoining),
             rendezvous_timeout_s=self.reform_timeout_s,
             members=list(command.members) if command.members is not None else None,
-        )  # fmt: skip
+        )
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         # A hung cell (its HTTP call never answers) is bounded too: it gets the rendezvous time and a margin.
@@ -210,16 +217,28 @@ class CellEffects:
             if "not formed" not in str(result):  # anything but the bounded rendezvous stops the run
                 raise result
         if failures:
-            log.warning("gloo world generation %d not formed (%s); live satellites serve rollout only until the "
-                        "next re-form", command.generation, "; ".join(map(str, failures)))  # fmt: skip
+            log.warning(
+                "gloo world generation %d not formed (%s); live satellites serve rollout only until the "
+                "next re-form",
+                command.generation,
+                "; ".join(map(str, failures)),
+            )
             self.report(ev.WorldFailed(command.generation, str(failures[0])[:300]))
             return
-        log.info("gloo world generation %d formed with cell(s) %s rejoining in %.1f s", command.generation,
-                 list(command.rejoining), loop.time() - t0)  # fmt: skip
+        log.info(
+            "gloo world generation %d formed with cell(s) %s rejoining in %.1f s",
+            command.generation,
+            list(command.rejoining),
+            loop.time() - t0,
+        )
         if (
             command.members is not None
         ):  # the run trains on fewer cells from now on: an operator should see it
             gone = sorted(set(range(len(self.cells))) - set(members))
-            log.warning("gloo world generation %d: cell(s) %s left out (lost for good); %d cell(s) train",
-                        command.generation, gone, len(members))  # fmt: skip
+            log.warning(
+                "gloo world generation %d: cell(s) %s left out (lost for good); %d cell(s) train",
+                command.generation,
+                gone,
+                len(members),
+            )
         self.report(ev.WorldFormed(command.generation))

@@ -98,9 +98,14 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         if name == "run":
             p.add_argument("config", type=Path, nargs="?", help="TOML or JSON config file")
-            p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                           help="continue an interrupted run from its last step checkpoint (its own config; "
-                                "--steps may raise the total)")  # fmt: skip
+            p.add_argument(
+                "--resume",
+                type=Path,
+                default=None,
+                metavar="RUN_DIR",
+                help="continue an interrupted run from its last step checkpoint (its own config; "
+                "--steps may raise the total)",
+            )
         else:
             p.add_argument("--config", type=Path, default=None, help="TOML or JSON config file")
         p.add_argument(
@@ -114,13 +119,21 @@ def _parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--run-dir", default=None, help="run directory (default runs/<UTC timestamp>)")
             p.add_argument("--steps", type=int, default=None, help="optimizer steps to run")
-            p.add_argument("--ray", default=None, metavar="ADDRESS",
-                           help="place cells on a Ray cluster (auto, HOST:PORT, or local for a Ray instance "
-                                "on this machine); same as [launcher] kind = 'ray'")  # fmt: skip
+            p.add_argument(
+                "--ray",
+                default=None,
+                metavar="ADDRESS",
+                help="place cells on a Ray cluster (auto, HOST:PORT, or local for a Ray instance "
+                "on this machine); same as [launcher] kind = 'ray'",
+            )
             p.add_argument("--quiet", action="store_true", help="warnings and errors only, no progress bar")
             p.add_argument("--placed-controller", default=None, help=argparse.SUPPRESS)  # gyre.launch.placed
-            p.add_argument("--log-format", choices=["text", "json"], default="text",
-                           help="stderr as text with a progress bar, or one JSON object per line")  # fmt: skip
+            p.add_argument(
+                "--log-format",
+                choices=["text", "json"],
+                default="text",
+                help="stderr as text with a progress bar, or one JSON object per line",
+            )
     r = sub.add_parser("report", help="rebuild RUN/report.html")
     r.add_argument("run_dir", type=Path)
     t = sub.add_parser("tasks", help="task datasets (gyre.datasets)")
@@ -172,8 +185,11 @@ async def _run_until_signal(cfg: RunConfig, command: str, resume=None) -> int:
         name = signal.Signals(caught[0]).name
         steps = services.run_dir / "metrics" / "steps.jsonl"
         done = len(steps.read_text().splitlines()) if steps.exists() else 0
-        print(f"gyre {command}: interrupted by {name} after {done}/{cfg.train.steps} steps; every process stopped; "
-              f"run directory {services.run_dir}", file=sys.stderr)  # fmt: skip
+        print(
+            f"gyre {command}: interrupted by {name} after {done}/{cfg.train.steps} steps; every process stopped; "
+            f"run directory {services.run_dir}",
+            file=sys.stderr,
+        )
         return 128 + caught[0]
     except (RunDirError, ConfigError) as exc:  # found only at launch (the GPUs this process was given)
         services.stop()  # what warm_up started (run() had not begun its own clean-up)
@@ -234,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             from gyre.resume import ResumeError, find_resume_point
 
             if args.config is not None or args.set or args.run_dir or args.ray:
-                print("gyre run: --resume takes the run's own config; only --steps may be given with it",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    "gyre run: --resume takes the run's own config; only --steps may be given with it",
+                    file=sys.stderr,
+                )
                 return 2
             try:
                 resume = find_resume_point(args.resume, args.steps)
@@ -268,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     elif cfg.launcher.controller_resources is not None:  # both processes must know the run directory
         run_dir = Path(cfg.run_dir or time.strftime("runs/%Y%m%d-%H%M%S", time.gmtime())).resolve()
         if (run_dir / "trace.jsonl").exists():  # refused before anything is written there
-            print(f"gyre {args.command}: {run_dir} already holds a run (trace.jsonl); choose another --run-dir",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"gyre {args.command}: {run_dir} already holds a run (trace.jsonl); choose another --run-dir",
+                file=sys.stderr,
+            )
             return 2
         return _place(cfg, [*argv, "--run-dir", str(run_dir)], run_dir, args.command)
     return asyncio.run(_run_until_signal(cfg, args.command))

@@ -136,11 +136,16 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _backend(self) -> TrainConfig:
         check_backend(
-            self.backend, dtype=self.dtype, tensor_parallel=self.tensor_parallel,
-            pipeline_parallel=self.pipeline_parallel, context_parallel=self.context_parallel,
-            expert_parallel=self.expert_parallel, lr_warmup_steps=self.lr_warmup_steps, one_process_cells=True,
+            self.backend,
+            dtype=self.dtype,
+            tensor_parallel=self.tensor_parallel,
+            pipeline_parallel=self.pipeline_parallel,
+            context_parallel=self.context_parallel,
+            expert_parallel=self.expert_parallel,
+            lr_warmup_steps=self.lr_warmup_steps,
+            one_process_cells=True,
             prefix="train.",
-        )  # fmt: skip
+        )
         return self
 
 
@@ -374,9 +379,14 @@ class HarnessConfig(_Section):
                 argv[0] = os.path.expanduser(argv[0])
             return {"kind": "command", "command": argv, "extra_env": dict(self.env)}
         if self.kind == "claude-code":
-            out = {"kind": "claude-code", "allowed_tools": tuple(self.allowed_tools), "max_turns": self.max_turns,
-                   "max_output_tokens": self.max_output_tokens, "extra_env": dict(self.env),
-                   "tools": tuple(self.tools) if self.tools is not None else None}  # fmt: skip
+            out = {
+                "kind": "claude-code",
+                "allowed_tools": tuple(self.allowed_tools),
+                "max_turns": self.max_turns,
+                "max_output_tokens": self.max_output_tokens,
+                "extra_env": dict(self.env),
+                "tools": tuple(self.tools) if self.tools is not None else None,
+            }
             return out | ({"binary": self.binary} if self.binary else {})
         return {"kind": "builtin"}
 
@@ -522,9 +532,12 @@ class RunConfig(_Section):
     def policy_params(self) -> PolicyParams:
         """The scheduler policy's parameters: gyre-sched's config plus the cluster's shape and the task budgets."""
         return self.scheduler.params(
-            K=self.cluster.cells, C_e=self.cluster.executions_per_cell, C_s=self.cluster.standalone_capacity,
-            harness_timeout_s=self.agent.harness_timeout_s, overall_budget_s=self.agent.overall_budget_s,
-        )  # fmt: skip
+            K=self.cluster.cells,
+            C_e=self.cluster.executions_per_cell,
+            C_s=self.cluster.standalone_capacity,
+            harness_timeout_s=self.agent.harness_timeout_s,
+            overall_budget_s=self.agent.overall_budget_s,
+        )
 
 
 class ConfigError(ValueError):

@@ -53,9 +53,19 @@ class RunFailed(RuntimeError):
 
 
 class Controller:
-    def __init__(self, cfg: RunConfig, run_dir: Path, policy: PolicyCore, trace: TraceWriter,
-                 runner: ExecutionRunner, cells: list[CellWorkerClient], standalone: list[CellWorkerClient],
-                 assessments: EvalClient, queries: list[Query], published: PublishedWeights) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        policy: PolicyCore,
+        trace: TraceWriter,
+        runner: ExecutionRunner,
+        cells: list[CellWorkerClient],
+        standalone: list[CellWorkerClient],
+        assessments: EvalClient,
+        queries: list[Query],
+        published: PublishedWeights,
+    ) -> None:
         self.cfg, self.run_dir, self.policy, self.trace = cfg, run_dir, policy, trace
         self.runner, self.cells, self.standalone, self.assessments = runner, cells, standalone, assessments
         self.queries = queries
@@ -75,10 +85,17 @@ class Controller:
         self.target_steps = 0
         self.on_step: Callable[[dict], None] | None = None  # the run monitor: metrics, dashboard, progress
         policy.health.rejoin_refused = rejoin_refused(cfg.train)
-        self.effects = CellEffects(cells, self.events.put_nowait, lambda: self.published, lambda: policy.lost,
-                                   run_dir / "logs", cfg.launcher.reform_timeout_s)  # fmt: skip
-        self.routes = EngineRoutes(runner.admin_call, cells, standalone, lambda: self.policy.roles,
-                                   self.effects.unreachable)  # fmt: skip
+        self.effects = CellEffects(
+            cells,
+            self.events.put_nowait,
+            lambda: self.published,
+            lambda: policy.lost,
+            run_dir / "logs",
+            cfg.launcher.reform_timeout_s,
+        )
+        self.routes = EngineRoutes(
+            runner.admin_call, cells, standalone, lambda: self.policy.roles, self.effects.unreachable
+        )
         self._handled = asyncio.Event()  # set (and replaced) after each event the policy took
 
     def enable_restarts(self, restart: Restart) -> None:
@@ -139,10 +156,18 @@ class Controller:
     def scheduler_state(self) -> dict:
         """The policy's own counters and staleness (the trace must recompute the same)."""
         led = self.policy.ledger
-        return {"d": led.d, "p": led.p, "f": led.f, "x": led.x, "version": self.policy.version,
-                "staleness": list(self.policy.staleness), "dropped": led.dropped,
-                "cancelled_surplus": led.cancelled_surplus, "withdrawn_surplus": led.withdrawn_surplus,
-                "claims_while_running": self.policy.claims_while_running}  # fmt: skip
+        return {
+            "d": led.d,
+            "p": led.p,
+            "f": led.f,
+            "x": led.x,
+            "version": self.policy.version,
+            "staleness": list(self.policy.staleness),
+            "dropped": led.dropped,
+            "cancelled_surplus": led.cancelled_surplus,
+            "withdrawn_surplus": led.withdrawn_surplus,
+            "claims_while_running": self.policy.claims_while_running,
+        }
 
     async def _initial_roles(self) -> None:
         """Cells the policy starts in training (Async's fixed split) switch before anything is launched."""
@@ -156,8 +181,16 @@ class Controller:
     def _progress_line(self, t: float, done: int, steps: int) -> None:
         led = self.policy.ledger
         roles = "".join(r.value[0].upper() if "_" not in r.value else "~" for r in self.policy.roles)
-        log.info("t=%.0fs steps %d/%d, executions running %d, queued %d, done %d; cells [%s]",
-                 t, done, steps, led.running, led.queued, led.f, roles)  # fmt: skip
+        log.info(
+            "t=%.0fs steps %d/%d, executions running %d, queued %d, done %d; cells [%s]",
+            t,
+            done,
+            steps,
+            led.running,
+            led.queued,
+            led.f,
+            roles,
+        )
 
     async def finish(self) -> PublishedWeights:
         """After the last step: let a publication in flight end, publish the final version, save it."""
@@ -182,9 +215,14 @@ class Controller:
         running (cancelled here) and those still queued (never launched). The policy's counters stay as they were
         at its last event (metrics/scheduler.json); a later `gyre run --resume` settles these in its own line."""
         execs = self.policy.ledger.execs
-        self.trace.write(self.now(), "run_end", version=self.policy.version, steps=self.steps_done,
-                         cancelled=[e for e, x in execs.items() if x.state is ExecState.RUNNING],
-                         withdrawn=[e for e, x in execs.items() if x.state is ExecState.QUEUED])  # fmt: skip
+        self.trace.write(
+            self.now(),
+            "run_end",
+            version=self.policy.version,
+            steps=self.steps_done,
+            cancelled=[e for e, x in execs.items() if x.state is ExecState.RUNNING],
+            withdrawn=[e for e, x in execs.items() if x.state is ExecState.QUEUED],
+        )
         self.runner.cancel_all()
         for task in list(self.tasks):
             task.cancel()
@@ -261,8 +299,11 @@ class Controller:
             case ev.ReformWorld():
                 self._spawn(self.effects.reform(d))
             case ev.RejoinRefused(cells, why):
-                log.warning("restarted cell(s) %s serve rollout only: training rejoin is not done when %s",
-                            list(cells), why)  # fmt: skip
+                log.warning(
+                    "restarted cell(s) %s serve rollout only: training rejoin is not done when %s",
+                    list(cells),
+                    why,
+                )
             case ev.CompletePublish(version):
                 self.events.put_nowait(ev.PublishDone(version))
             case _:
@@ -303,13 +344,21 @@ class Controller:
         if done.no_work is not None:
             log.warning("execution %s: %s; see %s", eid, done.no_work, self.run_dir / "logs" / "agents")
         submission = Submission(
-            execution_id=eid, group_id=gid, group_size=self.policy.params.N, dispatch_index=index,
-            group_dispatched=self.policy.ledger.groups[gid].n_d,  # a burst's own spares, a carried group's more
-            artifact_ref=None if done.no_work else str(done.workspace), no_work_reason=done.no_work,
-            evaluator=f"task-{query.query_id}", launched_at=done.launched_at,
-            budget_s=launch.get("overall_budget_s") or agent.overall_budget_s, outcome=done.outcome,
+            execution_id=eid,
+            group_id=gid,
+            group_size=self.policy.params.N,
+            dispatch_index=index,
+            group_dispatched=self.policy.ledger.groups[
+                gid
+            ].n_d,  # a burst's own spares, a carried group's more
+            artifact_ref=None if done.no_work else str(done.workspace),
+            no_work_reason=done.no_work,
+            evaluator=f"task-{query.query_id}",
+            launched_at=done.launched_at,
+            budget_s=launch.get("overall_budget_s") or agent.overall_budget_s,
+            outcome=done.outcome,
             task={"prompt": query.prompt},
-        )  # fmt: skip
+        )
         assessment = await self.assessments.submit(submission)  # gyre-eval, with the run's token
         assessment = await self.assessments.wait_final(assessment.id, timeout=ASSESSMENT_WAIT_S)
         status = {"valid": "valid", "no_work": "no_work"}.get(assessment.status, "excluded")
@@ -351,10 +400,15 @@ class Controller:
         rewards = [self.rewards[eid] for eid in members]
         advantages = group_advantages(rewards, self.cfg.train.advantage)
         executions = [
-            {"execution_id": eid, "reward": r, "advantage": a, "trajectories_path": self.trajectories[eid],
-             "placeholder": self.trajectories[eid] is None}
+            {
+                "execution_id": eid,
+                "reward": r,
+                "advantage": a,
+                "trajectories_path": self.trajectories[eid],
+                "placeholder": self.trajectories[eid] is None,
+            }
             for eid, r, a in zip(members, rewards, advantages, strict=True)
-        ]  # fmt: skip
+        ]  # fmt: skip (an aligned table)
         _, v_d = self.groups[gid]
         message = ReadyGroupMessage(group_id=gid, policy_version=v_d, executions=executions)
         await self.cells[0].add_group(message)
@@ -379,8 +433,16 @@ class Controller:
                         self.events.put_nowait(ev.GroupAssigned(f["group_id"]))
                     case "microstep_claim":
                         groups = f["groups"]
-                        self.trace.write(self.now(), "microstep_claim", cell=f["cell"], group=groups[0], groups=groups,
-                                         batch=f["batch"], index=f["index"], kind=f["kind"])  # fmt: skip
+                        self.trace.write(
+                            self.now(),
+                            "microstep_claim",
+                            cell=f["cell"],
+                            group=groups[0],
+                            groups=groups,
+                            batch=f["batch"],
+                            index=f["index"],
+                            kind=f["kind"],
+                        )
                         self.events.put_nowait(ev.MicrostepClaimed(f["cell"], groups[0]))
                     case "step_end":
                         if failed := f["report"].get("collective_failed"):
@@ -400,8 +462,12 @@ class Controller:
         it): the core ran their micro-steps itself and updated alone. They train again once the world is re-formed
         (the policy decides when)."""
         self.trace.write(self.now(), "collective_failed", version=version, cells=cells)
-        log.warning("batch %d: the end-of-batch collective with cell(s) %s failed; the core ran their micro-steps "
-                    "and updated alone; they train again once the world is re-formed", version, cells)  # fmt: skip
+        log.warning(
+            "batch %d: the end-of-batch collective with cell(s) %s failed; the core ran their micro-steps "
+            "and updated alone; they train again once the world is re-formed",
+            version,
+            cells,
+        )
         self.events.put_nowait(ev.CollectiveFailed(version, tuple(cells)))
 
     async def _transition(self, cell: int, dst: CellRole, reroutes: Awaitable) -> None:
@@ -460,9 +526,15 @@ class Controller:
         )
         loads = await self.effects.check(targets, loads)  # a satellite that died meanwhile: left out
         self.published = ref
-        row = {"version": version, "transport": self.cfg.weights.transport, "core_s": round(ref.seconds, 4),
-               "load_s": [round(x.seconds, 4) for x in loads], "engines": len(loads),
-               "total_s": round(time.perf_counter() - t0, 4), "t": round(self.now(), 3)}  # fmt: skip
+        row = {
+            "version": version,
+            "transport": self.cfg.weights.transport,
+            "core_s": round(ref.seconds, 4),
+            "load_s": [round(x.seconds, 4) for x in loads],
+            "engines": len(loads),
+            "total_s": round(time.perf_counter() - t0, 4),
+            "t": round(self.now(), 3),
+        }
         with (self.run_dir / "metrics" / "publish.jsonl").open("ab") as out:
             out.write(orjson.dumps(row) + b"\n")
 
@@ -480,7 +552,12 @@ class Controller:
         self.step_reports.append(row)
         with (self.run_dir / "metrics" / "steps.jsonl").open("ab") as out:
             out.write(orjson.dumps(row) + b"\n")
-        log.info("step %d: mean reward %.4f, loss %.5f, micro-steps by cell %s", report["policy_version"],
-                 row["mean_reward"] or 0.0, report["loss"], report["microsteps_by_cell"])  # fmt: skip
+        log.info(
+            "step %d: mean reward %.4f, loss %.5f, micro-steps by cell %s",
+            report["policy_version"],
+            row["mean_reward"] or 0.0,
+            report["loss"],
+            report["microsteps_by_cell"],
+        )
         if self.on_step is not None:
             self.on_step(row)

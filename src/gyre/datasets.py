@@ -366,9 +366,11 @@ def unreadable_check_files(tasks: list[TaskSpec]) -> list[str]:
         for p in (path, *path.parents):
             need = stat.S_IXOTH | (stat.S_IROTH if p == path else 0)
             if p.stat().st_mode & need != need:
-                out.append(f"warning: scoring.files {path}: checks run as an unprivileged user, who cannot "
-                           f"{'read' if p == path else 'enter'} {p} (mode {p.stat().st_mode & 0o777:o}); "
-                           "every assessment would fail: chmod o+rx")  # fmt: skip
+                out.append(
+                    f"warning: scoring.files {path}: checks run as an unprivileged user, who cannot "
+                    f"{'read' if p == path else 'enter'} {p} (mode {p.stat().st_mode & 0o777:o}); "
+                    "every assessment would fail: chmod o+rx"
+                )
                 break
     return out
 

@@ -68,8 +68,13 @@ class _InProcessPolicy:
         for j, c in enumerate(parsed.tool_calls):
             cid = f"call_{self.outputs}_{j}"
             self.recorded[cid] = out
-            calls.append({"id": cid, "type": "function",
-                          "function": {"name": c.name, "arguments": json.dumps(c.arguments)}})  # fmt: skip
+            calls.append(
+                {
+                    "id": cid,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                }
+            )
         message: dict = {"role": "assistant", "content": parsed.text if (parsed.text or not calls) else None}
         if calls:
             message["tool_calls"] = calls

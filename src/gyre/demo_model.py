@@ -169,8 +169,13 @@ class _TeacherRun:
         calls = []
         for i, c in enumerate(parsed.tool_calls):
             self.call_of[f"call_{k}_{i}"] = k
-            calls.append({"id": f"call_{k}_{i}", "type": "function",
-                          "function": {"name": c.name, "arguments": json.dumps(c.arguments)}})  # fmt: skip
+            calls.append(
+                {
+                    "id": f"call_{k}_{i}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                }
+            )
         message: dict = {"role": "assistant", "content": parsed.text if (parsed.text or not calls) else None}
         if calls:
             message["tool_calls"] = calls
@@ -290,9 +295,12 @@ def build_tokenizer(out: Path, corpus: list[str], vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), min_frequency=2, show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        min_frequency=2,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     template_text = agent.SYSTEM_PROMPT + "\n" + QWEN3_CHAT_TEMPLATE + json.dumps(agent.TOOLS)
     tok.train_from_iterator(list(CORPUS) + [template_text] * 8 + corpus, trainer=trainer)
     if tok.get_vocab_size(with_added_tokens=True) > vocab_size:
@@ -300,18 +308,33 @@ def build_tokenizer(out: Path, corpus: list[str], vocab_size: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"), pretty=False)
     added = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                 "special": True}
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for i, t in enumerate(SPECIAL_TOKENS)
-    }  # fmt: skip
+    }  # fmt: skip (an aligned table)
     extra = [t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")]
     config = {
-        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": added,
-        "additional_special_tokens": extra, "bos_token": None, "chat_template": QWEN3_CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
-        "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": None,
-    }  # fmt: skip
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": extra,
+        "bos_token": None,
+        "chat_template": QWEN3_CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }  # fmt: skip (an aligned table)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     specials = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "additional_special_tokens": extra}
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, sort_keys=True) + "\n")
@@ -412,9 +435,13 @@ def train_policy(
         history.append((float(loss.detach()), float(copy_loss.detach()), float(other_loss.detach())))
         if log_every and (step + 1) % log_every == 0:
             recent = history[-log_every:]
-            print(f"step {step + 1}: loss {sum(h[0] for h in recent) / len(recent):.3f} "
-                  f"copy {sum(h[1] for h in recent) / len(recent):.3f} "
-                  f"other {sum(h[2] for h in recent) / len(recent):.3f}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"step {step + 1}: loss {sum(h[0] for h in recent) / len(recent):.3f} "
+                f"copy {sum(h[1] for h in recent) / len(recent):.3f} "
+                f"other {sum(h[2] for h in recent) / len(recent):.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
     model.eval()
     tail = history[-10:]
     return {
@@ -470,12 +497,19 @@ def build_demo_policy(out_dir: str | Path, cfg: DemoPolicyConfig | None = None, 
         short = [s for t in transcripts for s in training_sequences(chat, t, short=True)]
         data_s = time.monotonic() - started
         hf_config = Qwen3Config(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-            max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
-            eos_token_id=chat.im_end_id, pad_token_id=chat.added["<|endoftext|>"], torch_dtype="float32",
-        )  # fmt: skip
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            eos_token_id=chat.im_end_id,
+            pad_token_id=chat.added["<|endoftext|>"],
+            torch_dtype="float32",
+        )
         rng_state = torch.random.get_rng_state()
         try:
             torch.manual_seed(cfg.seed)
@@ -491,11 +525,15 @@ def build_demo_policy(out_dir: str | Path, cfg: DemoPolicyConfig | None = None, 
         torch.set_num_threads(threads)
     teacher_reward = sum(t.reward for t in transcripts) / len(transcripts)
     report |= {
-        "key": cache_key(cfg), "parameters": sum(p.numel() for p in model.parameters()),
-        "sequences": len(sequences), "teacher_reward": round(teacher_reward, 4), "data_s": round(data_s, 2),
-        "wall_s": round(time.monotonic() - started, 2), "cpu_s": round(time.process_time() - cpu0, 2),
+        "key": cache_key(cfg),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "sequences": len(sequences),
+        "teacher_reward": round(teacher_reward, 4),
+        "data_s": round(data_s, 2),
+        "wall_s": round(time.monotonic() - started, 2),
+        "cpu_s": round(time.process_time() - cpu0, 2),
         "config": asdict(cfg),
-    }  # fmt: skip
+    }  # fmt: skip (an aligned table)
     (out / "gyre_demo_policy.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -529,8 +567,12 @@ def demo_policy(cfg: DemoPolicyConfig | None = None, root: Path | None = None) -
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        log.info("demo policy built in %.0f s (%d parameters, final loss %.3f)", report["wall_s"],
-                 report["parameters"], report["final_loss"])  # fmt: skip
+        log.info(
+            "demo policy built in %.0f s (%d parameters, final loss %.3f)",
+            report["wall_s"],
+            report["parameters"],
+            report["final_loss"],
+        )
     return target
 
 

@@ -48,8 +48,11 @@ class EngineRoutes:
         """Cells serving rollout that are not lost, cells switching to training not drained yet, `also` (a cell
         about to serve: just switched to rollout, or restored), then the standalone pool."""
         roles, lost = self._roles(), self._lost()
-        cells = [c.engine_url for i, c in enumerate(self._cells) if i == also or (
-            i not in lost and (roles[i] is CellRole.ROLLOUT or i in self._undrained))]  # fmt: skip
+        cells = [
+            c.engine_url
+            for i, c in enumerate(self._cells)
+            if i == also or (i not in lost and (roles[i] is CellRole.ROLLOUT or i in self._undrained))
+        ]
         return cells + [s.engine_url for s in self._standalone]
 
     async def put(self, also: int | None = None) -> None:

@@ -30,8 +30,12 @@ async def judge_endpoint(
 ) -> dict[str, Any]:
     """The judge's endpoint, model and credential: `cfg.base_url`, or the run's proxy with its own execution
     (its credential in a 0600 file under `private_dir`, never in a config that is written out)."""
-    common = {"model": cfg.model, "temperature": cfg.temperature, "max_tokens": cfg.max_tokens,
-              "max_artifact_chars": cfg.max_artifact_chars}  # fmt: skip
+    common = {
+        "model": cfg.model,
+        "temperature": cfg.temperature,
+        "max_tokens": cfg.max_tokens,
+        "max_artifact_chars": cfg.max_artifact_chars,
+    }
     if cfg.base_url is not None:
         return common | {"base_url": cfg.base_url, "api_key_env": cfg.api_key_env}
     body = {"execution_id": JUDGE_EXECUTION, "group_id": JUDGE_EXECUTION, "metadata": {"role": "judge"}}

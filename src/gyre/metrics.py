@@ -57,19 +57,44 @@ log = logging.getLogger("gyre")
 NAN = float("nan")
 
 STEP_TAGS = (
-    "reward/mean", "reward/std", "loss/loss", "loss/surrogate", "optim/grad_norm", "optim/lr",
-    "clip/frac_all", "clip/frac_pos_adv", "clip/frac_neg_adv", "clip/frac_d0",
-    "is/capped_frac", "is/w_mean", "is/w_max", "is/mean_l_minus_b_d0", "is/mean_l_minus_b_dpos",
-    "is/ratio_dev_mean", "is/ratio_dev_max", "staleness/mean", "staleness/max", "tokens/targets",
-    "microsteps/total", "train/step_s", "train/training_cells",
-)  # fmt: skip
+    "reward/mean",
+    "reward/std",
+    "loss/loss",
+    "loss/surrogate",
+    "optim/grad_norm",
+    "optim/lr",
+    "clip/frac_all",
+    "clip/frac_pos_adv",
+    "clip/frac_neg_adv",
+    "clip/frac_d0",
+    "is/capped_frac",
+    "is/w_mean",
+    "is/w_max",
+    "is/mean_l_minus_b_d0",
+    "is/mean_l_minus_b_dpos",
+    "is/ratio_dev_mean",
+    "is/ratio_dev_max",
+    "staleness/mean",
+    "staleness/max",
+    "tokens/targets",
+    "microsteps/total",
+    "train/step_s",
+    "train/training_cells",
+)
 """Tags every step has (plus microsteps/cell{i} for each cell and clip/frac_d{k} for each staleness k > 0 seen)."""
 
 INTERVAL_TAGS = (
-    "executions/running", "executions/queued", "scheduler/waterlevel", "scheduler/capacity",
-    "cells/share_rollout", "cells/share_training", "cells/share_switching", "rollout/tokens_per_s",
-    "proxy/latency_p50_s", "proxy/latency_p99_s",
-)  # fmt: skip
+    "executions/running",
+    "executions/queued",
+    "scheduler/waterlevel",
+    "scheduler/capacity",
+    "cells/share_rollout",
+    "cells/share_training",
+    "cells/share_switching",
+    "rollout/tokens_per_s",
+    "proxy/latency_p50_s",
+    "proxy/latency_p99_s",
+)
 
 
 def _num(value: Any) -> float:
@@ -159,8 +184,9 @@ class _Wandb:
     def __init__(self, project: str, entity: str | None, run_dir: Path, config: dict) -> None:
         import wandb
 
-        self._run = wandb.init(project=project, entity=entity, name=run_dir.name, dir=str(run_dir / "metrics"),
-                               config=config)  # fmt: skip
+        self._run = wandb.init(
+            project=project, entity=entity, name=run_dir.name, dir=str(run_dir / "metrics"), config=config
+        )
         self._run.define_metric("step")
         self._run.define_metric("time_s")
         for prefix in ("reward", "loss", "optim", "clip", "is", "staleness", "tokens", "microsteps", "train"):
@@ -180,8 +206,16 @@ class _Wandb:
 class MetricsSink:
     """Writes every metric as it is made; `close()` flushes. Used by gyre.monitor during a run."""
 
-    def __init__(self, run_dir: Path, cells: int, *, tensorboard: bool = True, wandb_project: str | None = None,
-                 wandb_entity: str | None = None, config: dict | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_dir: Path,
+        cells: int,
+        *,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        wandb_entity: str | None = None,
+        config: dict | None = None,
+    ) -> None:
         self.run_dir, self.cells = Path(run_dir), cells
         self.tb = _TensorBoard(self.run_dir / "metrics") if tensorboard else None
         self.wandb = None
@@ -219,8 +253,11 @@ class MetricsSink:
             v = int(row["version"])
             if v not in self._published:
                 self._published.add(v)
-                self._write("event", v, {"publish/total_s": float(row["total_s"]),
-                                         "publish/core_s": float(row["core_s"])})  # fmt: skip
+                self._write(
+                    "event",
+                    v,
+                    {"publish/total_s": float(row["total_s"]), "publish/core_s": float(row["core_s"])},
+                )
 
     def close(self) -> None:
         if self.tb is not None:

@@ -52,9 +52,14 @@ class RunMonitor:
         self.cfg, self.run_dir, self.controller = cfg, Path(run_dir), controller
         self.view = RunView(run_dir)
         m = cfg.metrics
-        self.sink = MetricsSink(self.run_dir, cfg.cluster.cells, tensorboard=m.tensorboard,
-                                wandb_project=m.wandb_project, wandb_entity=m.wandb_entity,
-                                config=cfg.model_dump(mode="json"))  # fmt: skip
+        self.sink = MetricsSink(
+            self.run_dir,
+            cfg.cluster.cells,
+            tensorboard=m.tensorboard,
+            wandb_project=m.wandb_project,
+            wandb_entity=m.wandb_entity,
+            config=cfg.model_dump(mode="json"),
+        )
         self.progress = progress_mod.current()
         # A resumed run's steps so far: its bar counts the whole run's.
         self._steps_before = controller.steps_done

@@ -83,9 +83,13 @@ def _assessment_config(
             command=scoring_command(q), score_from="score_file", sandbox=sandbox
         )
     (run_dir / "workspaces").mkdir(exist_ok=True)
-    return ServiceConfig(evaluators=evaluators, max_concurrent=settings.max_concurrent,
-                         retry_wait_min_s=settings.retry_wait_min_s, retry_wait_max_s=settings.retry_wait_max_s,
-                         artifact_roots=[str(run_dir / "workspaces")])  # fmt: skip
+    return ServiceConfig(
+        evaluators=evaluators,
+        max_concurrent=settings.max_concurrent,
+        retry_wait_min_s=settings.retry_wait_min_s,
+        retry_wait_max_s=settings.retry_wait_max_s,
+        artifact_roots=[str(run_dir / "workspaces")],
+    )
 
 
 def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
@@ -145,23 +149,46 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
         trace = resume.trace(header["initial_roles"])
     monitor: RunMonitor | None = None
     try:
-        log.info("starting %d cell worker(s), %d standalone engine(s) and the TITO proxy",
-                 cfg.cluster.cells, cfg.cluster.standalone_engines)  # fmt: skip
+        log.info(
+            "starting %d cell worker(s), %d standalone engine(s) and the TITO proxy",
+            cfg.cluster.cells,
+            cfg.cluster.standalone_engines,
+        )
         if resume is None:
             await services.start_cells(cell_configs(cfg, run_dir, model_dir))
         else:
             await services.start_cells(resume.cell_configs(cell_configs(cfg, run_dir, resume.model_dir)))
         await services.start_proxy(model_dir, temperature=cfg.model.temperature)
         # -I -S: the built-in agent needs only the standard library, so it starts without site-packages (~30 ms)
-        agent_argv = [sys.executable, "-I", "-S", agent.__file__, "--workspace", "{workspace}", "--task", "{task}",
-                      "--max-turns", str(cfg.agent.max_turns), "--max-tokens", str(cfg.agent.max_tokens),
-                      "--temperature", str(cfg.model.temperature),
-                      "--context-chars", str(cfg.agent.context_chars)]  # fmt: skip
+        agent_argv = [
+            sys.executable,
+            "-I",
+            "-S",
+            agent.__file__,
+            "--workspace",
+            "{workspace}",
+            "--task",
+            "{task}",
+            "--max-turns",
+            str(cfg.agent.max_turns),
+            "--max-tokens",
+            str(cfg.agent.max_tokens),
+            "--temperature",
+            str(cfg.model.temperature),
+            "--context-chars",
+            str(cfg.agent.context_chars),
+        ]
         harness = agent_argv if cfg.harness.kind == "builtin" else cfg.harness.spec()
-        runner = ExecutionRunner(run_dir, services.proxy_url, services.admin_token, harness,
-                                 cfg.agent.harness_timeout_s, overall_budget_s=cfg.agent.overall_budget_s,
-                                 stall_detect_s=cfg.agent.stall_detect_s,
-                                 sandbox=_launch_sandbox(cfg.harness))  # fmt: skip
+        runner = ExecutionRunner(
+            run_dir,
+            services.proxy_url,
+            services.admin_token,
+            harness,
+            cfg.agent.harness_timeout_s,
+            overall_budget_s=cfg.agent.overall_budget_s,
+            stall_detect_s=cfg.agent.stall_detect_s,
+            sandbox=_launch_sandbox(cfg.harness),
+        )
         judged = any(hasattr(q, "evaluator") and q.evaluator()["kind"] == "judge" for q in queries)
         judge = None
         if judged:  # the run's proxy (its own execution) or [judge] base_url
@@ -169,8 +196,18 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
             judge = await judge_endpoint(cfg.judge, services.proxy_url, runner.admin_call, private)
         assessments = await services.start_eval(_assessment_config(run_dir, queries, judge, cfg.assessment))
         published = (await services.cells[0].status()).published
-        controller = Controller(cfg, run_dir, policy, trace, runner, services.cells, services.standalone,
-                                assessments, queries, published)  # fmt: skip
+        controller = Controller(
+            cfg,
+            run_dir,
+            policy,
+            trace,
+            runner,
+            services.cells,
+            services.standalone,
+            assessments,
+            queries,
+            published,
+        )
         if resume is not None:
             resume.continue_clock(controller)
             resume.carry_into(controller)
@@ -178,8 +215,16 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
         controller.on_step = monitor.on_step
         controller.enable_restarts(services.restart_cell)  # a dead satellite starts again (gyre.cell_effects)
         await monitor.start()
-        log.info("running %d optimizer steps (policy %s, K=%d, N=%d, B=%d, phi=%g, mu=%d)", cfg.train.steps,
-                 params.kind, params.K, params.N, params.B, params.phi, params.mu)  # fmt: skip
+        log.info(
+            "running %d optimizer steps (policy %s, K=%d, N=%d, B=%d, phi=%g, mu=%d)",
+            cfg.train.steps,
+            params.kind,
+            params.K,
+            params.N,
+            params.B,
+            params.phi,
+            params.mu,
+        )
         try:
             steps = await services.supervise(controller.run(cfg.train.steps, start))
             final = await services.supervise(controller.finish())

@@ -35,8 +35,9 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, stream: TextIO | None = None, mode: str = "text", tty: bool | None = None,
-                 width: int = 24) -> None:  # fmt: skip
+    def __init__(
+        self, stream: TextIO | None = None, mode: str = "text", tty: bool | None = None, width: int = 24
+    ) -> None:
         if mode not in ("text", "json", "quiet"):
             raise ValueError(f"progress mode {mode!r}: expected text, json or quiet")
         self._stream = stream
@@ -57,8 +58,13 @@ class Progress:
     def update(self, done: int, total: int, elapsed_s: float, last_reward: float | None) -> None:
         """Called at each step end and on the monitor's interval."""
         eta = elapsed_s / done * (total - done) if done else None
-        self.state = {"step": done, "steps": total, "elapsed_s": round(elapsed_s, 1),
-                      "eta_s": None if eta is None else round(eta, 1), "last_reward": last_reward}  # fmt: skip
+        self.state = {
+            "step": done,
+            "steps": total,
+            "elapsed_s": round(elapsed_s, 1),
+            "eta_s": None if eta is None else round(eta, 1),
+            "last_reward": last_reward,
+        }
         new_step = done != self._last_step
         self._last_step = done
         with self._lock:
@@ -79,8 +85,10 @@ class Progress:
         filled = math.floor(frac * self.width)
         eta = "?" if s["eta_s"] is None else format_duration(s["eta_s"])
         reward = "n/a" if s["last_reward"] is None else f"{s['last_reward']:.4f}"
-        return (f"gyre: step {s['step']}/{s['steps']} [{'#' * filled}{'-' * (self.width - filled)}] "
-                f"{100 * frac:3.0f}% elapsed {format_duration(s['elapsed_s'])} ETA {eta} last reward {reward}")  # fmt: skip
+        return (
+            f"gyre: step {s['step']}/{s['steps']} [{'#' * filled}{'-' * (self.width - filled)}] "
+            f"{100 * frac:3.0f}% elapsed {format_duration(s['elapsed_s'])} ETA {eta} last reward {reward}"
+        )
 
     def _draw(self, line: str) -> None:
         self.stream.write("\r\x1b[2K" + line)
@@ -110,8 +118,12 @@ class Progress:
 
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
-               "msg": record.getMessage()}  # fmt: skip
+        out = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)

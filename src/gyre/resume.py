@@ -117,13 +117,27 @@ class ResumePoint:
                 f.truncate(len(keep))
         writer = TraceWriter.append_to(path.open("ab", buffering=0))
         for report in self.untraced_steps:  # done and checkpointed, killed before the policy heard of it
-            writer.write(self.t_end, "step_end", version=report["policy_version"], groups=report["group_ids"],
-                         staleness=report["staleness"], recorded_on_resume=True)  # fmt: skip
-        writer.write(self.t_end, "resume", version=self.version, checkpoint=str(self.checkpoint),
-                     cancelled=self.cancelled, withdrawn=self.withdrawn, dropped_groups=self.dropped_groups,
-                     carried_groups=[g.group for g in self.carried], next_group=self.next_group,
-                     carried_members={g.group: [list(m) for m in g.members] for g in self.carried},
-                     roles=roles)  # fmt: skip
+            writer.write(
+                self.t_end,
+                "step_end",
+                version=report["policy_version"],
+                groups=report["group_ids"],
+                staleness=report["staleness"],
+                recorded_on_resume=True,
+            )
+        writer.write(
+            self.t_end,
+            "resume",
+            version=self.version,
+            checkpoint=str(self.checkpoint),
+            cancelled=self.cancelled,
+            withdrawn=self.withdrawn,
+            dropped_groups=self.dropped_groups,
+            carried_groups=[g.group for g in self.carried],
+            next_group=self.next_group,
+            carried_members={g.group: [list(m) for m in g.members] for g in self.carried},
+            roles=roles,
+        )
         return writer
 
     def continue_clock(self, controller) -> None:
@@ -235,8 +249,13 @@ def find_resume_point(run_dir: Path, steps: int | None = None) -> ResumePoint:
         if store is not None:
             store.close()
     roles = lines[0].get("initial_roles") or ["rollout"] * int(lines[0]["K"])  # any: only counters are read
-    settle = {"t": point.t_end, "ev": "resume", "cancelled": point.cancelled, "withdrawn": point.withdrawn,
-              "roles": roles}  # fmt: skip
+    settle = {
+        "t": point.t_end,
+        "ev": "resume",
+        "cancelled": point.cancelled,
+        "withdrawn": point.withdrawn,
+        "roles": roles,
+    }
     settled = summarize_trace([*lines, settle])
     point.before = {"d": settled.d, "p": settled.p, "f": settled.f, "x": settled.x}
     return point

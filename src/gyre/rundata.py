@@ -260,8 +260,12 @@ class RunView:
 
             self._store = AssessmentStore(self.run_dir)
         for a in self._store.list(designated=True, limit=1 << 30):
-            self._rewards[a.execution_id] = {"score": a.score, "status": a.status, "final": a.final,
-                                             "attempts": a.attempts}  # fmt: skip
+            self._rewards[a.execution_id] = {
+                "score": a.score,
+                "status": a.status,
+                "final": a.final,
+                "attempts": a.attempts,
+            }
 
     def close(self) -> None:
         with self._lock:
@@ -372,13 +376,15 @@ class RunView:
         for b in range(max(int(length // width), *buckets) + 1):  # the whole run: 0 tokens/s while none end
             calls = buckets.get(b, [])
             lat = [c.latency_s for c in calls]
-            out.append({
-                "t": round((b + 1) * width, 3),
-                "tokens_per_s": sum(c.output_tokens for c in calls) / width,
-                "latency_p50_s": percentile(lat, 50) if lat else None,
-                "latency_p99_s": percentile(lat, 99) if lat else None,
-                "calls": len(calls),
-            })  # fmt: skip
+            out.append(
+                {
+                    "t": round((b + 1) * width, 3),
+                    "tokens_per_s": sum(c.output_tokens for c in calls) / width,
+                    "latency_p50_s": percentile(lat, 50) if lat else None,
+                    "latency_p99_s": percentile(lat, 99) if lat else None,
+                    "calls": len(calls),
+                }
+            )
         return out
 
     def _switch_rows(self) -> list[dict]:
@@ -411,18 +417,23 @@ class RunView:
         out = []
         for row in self.steps:
             scored = [
-                (self._rewards[e.id]["score"], e.id) for e in self._members(row.get("group_ids") or [])
+                (self._rewards[e.id]["score"], e.id)
+                for e in self._members(row.get("group_ids") or [])
                 if e.id in self._rewards and self._rewards[e.id]["score"] is not None
-            ]  # fmt: skip
+            ]  # fmt: skip (an aligned table)
             scored.sort(key=lambda x: (-x[0], x[1]))
             picks = []
             if scored:
                 idx = sorted({0, len(scored) // 2, len(scored) - 1})[:SAMPLES_PER_STEP]
                 picks = [scored[i] for i in idx]
-            out.append({
-                "step": row.get("policy_version"),
-                "answers": [{"execution": eid, "reward": r, "answer": self.answer(eid)} for r, eid in picks],
-            })  # fmt: skip
+            out.append(
+                {
+                    "step": row.get("policy_version"),
+                    "answers": [
+                        {"execution": eid, "reward": r, "answer": self.answer(eid)} for r, eid in picks
+                    ],
+                }
+            )
         return out
 
     def executions(self) -> list[dict]:
@@ -432,12 +443,22 @@ class RunView:
     def _row(self, e: _Execution) -> dict:
         reward = self._rewards.get(e.id, {})
         return {
-            "execution": e.id, "group": e.group, "query": e.query, "v_d": e.v_d, "status": e.status,
-            "engine": e.engine, "dispatch_t": e.dispatch_t, "launch_t": e.launch_t, "end_t": e.end_t,
-            "calls": e.calls, "input_tokens": e.input_tokens, "output_tokens": e.output_tokens,
-            "reward": reward.get("score"), "assessment": e.assessment or reward.get("status"),
+            "execution": e.id,
+            "group": e.group,
+            "query": e.query,
+            "v_d": e.v_d,
+            "status": e.status,
+            "engine": e.engine,
+            "dispatch_t": e.dispatch_t,
+            "launch_t": e.launch_t,
+            "end_t": e.end_t,
+            "calls": e.calls,
+            "input_tokens": e.input_tokens,
+            "output_tokens": e.output_tokens,
+            "reward": reward.get("score"),
+            "assessment": e.assessment or reward.get("status"),
             "attempts": reward.get("attempts"),
-        }  # fmt: skip
+        }  # fmt: skip (an aligned table)
 
     def execution_ids(self) -> list[str]:
         with self._lock:
@@ -505,16 +526,24 @@ class RunView:
         depth = len(tree.path(node.call_id)) - 1
         parent = tree.nodes[node.parent].call_id if node.parent >= 0 else None
         return {
-            "call_id": node.call_id, "seq": node.seq, "parent": parent, "depth": depth,
-            "role_class": node.role_class, "call_kind": node.call_kind, "agent_id": node.agent_id,
-            "finish_reason": node.finish_reason, "input_tokens": node.n_input, "output_tokens": node.n_output,
+            "call_id": node.call_id,
+            "seq": node.seq,
+            "parent": parent,
+            "depth": depth,
+            "role_class": node.role_class,
+            "call_kind": node.call_kind,
+            "agent_id": node.agent_id,
+            "finish_reason": node.finish_reason,
+            "input_tokens": node.n_input,
+            "output_tokens": node.n_output,
             "input_provenance": [list(run) for run in node.input_provenance],
-            "input_tail": self._decode(tail), "input_tail_tokens": len(tail),
+            "input_tail": self._decode(tail),
+            "input_tail_tokens": len(tail),
             "segments": [s.model_dump(exclude={"schema_version"}) for s in node.output_segments],
             "latency_s": node.timings.end_at - node.timings.request_at,
             "pieces": pieces,
             "target_tokens": sum(p["tokens"] for p in pieces if p["target"]),
-        }  # fmt: skip
+        }  # fmt: skip (an aligned table)
 
     def _assessments(self, execution_id: str) -> list[dict]:
         if self._store is None:
@@ -560,7 +589,12 @@ def _target_spans(tree, trajectories) -> dict[str, list[tuple[int, int, int]]]:
 
 def _trajectory_row(t) -> dict:
     return {
-        "index": t.index, "leaf_call_id": t.leaf_call_id, "role_class": t.role_class, "agent_id": t.agent_id,
-        "tokens": len(t.token_ids), "targets": t.num_targets, "placeholder": t.placeholder,
+        "index": t.index,
+        "leaf_call_id": t.leaf_call_id,
+        "role_class": t.role_class,
+        "agent_id": t.agent_id,
+        "tokens": len(t.token_ids),
+        "targets": t.num_targets,
+        "placeholder": t.placeholder,
         "weight_versions": [w.model_dump(exclude={"schema_version"}) for w in t.weight_versions],
-    }  # fmt: skip
+    }  # fmt: skip (an aligned table)

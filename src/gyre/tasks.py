@@ -41,9 +41,23 @@ __all__ = [
 ]
 
 CODE_WORDS: tuple[str, ...] = (
-    "red", "blue", "green", "gold", "pink", "gray", "lime", "teal",
-    "rose", "jade", "navy", "plum", "sand", "snow", "mint", "ruby",
-)  # fmt: skip
+    "red",
+    "blue",
+    "green",
+    "gold",
+    "pink",
+    "gray",
+    "lime",
+    "teal",
+    "rose",
+    "jade",
+    "navy",
+    "plum",
+    "sand",
+    "snow",
+    "mint",
+    "ruby",
+)
 """The codes a file can hold (a guess is right 1 time in 16)."""
 FILE_NAMES: tuple[str, ...] = ("a.txt", "b.txt", "c.txt", "d.txt", "e.txt")
 """Every workspace holds these files."""

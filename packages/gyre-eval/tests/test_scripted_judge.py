@@ -14,8 +14,14 @@ from gyre_eval.testing import JudgeRequest, ScriptedJudge, judgement
 
 
 def _request(ws, task="Write a haiku.") -> EvaluationRequest:
-    return EvaluationRequest(execution_id="e1", workspace=ws, artifact_version="v1", branch="main",
-                             deadline=time.time() + 30, task={"prompt": task})  # fmt: skip
+    return EvaluationRequest(
+        execution_id="e1",
+        workspace=ws,
+        artifact_version="v1",
+        branch="main",
+        deadline=time.time() + 30,
+        task={"prompt": task},
+    )
 
 
 def _score(req: JudgeRequest) -> str:
@@ -43,8 +49,11 @@ def test_the_scripted_judge_scores_what_the_judge_sent(tmp_path):
             asyncio.run(_evaluate(cfg(rubric="BROKEN"), ws))
         with pytest.raises(EvaluatorError, match="HTTP 401"):
             asyncio.run(_evaluate(cfg(key="wrong"), ws))
-        r = httpx.post(judge.base_url + "/chat/completions", headers={"Authorization": "Bearer k1"},
-                       json={"messages": [{"role": "user", "content": "hello"}]})  # fmt: skip
+        r = httpx.post(
+            judge.base_url + "/chat/completions",
+            headers={"Authorization": "Bearer k1"},
+            json={"messages": [{"role": "user", "content": "hello"}]},
+        )
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         assert httpx.post(judge.base_url + "/embeddings", json={}).status_code == 404
     assert verdict.score == pytest.approx(0.38) and verdict.critique == "38 characters"

@@ -116,16 +116,28 @@ def test_a_group_takes_more_executions_but_keeps_its_size(tmp_path, workspace):
     )
     store.submit(
         submission(workspace, "g0.e3", group_size=2, group_dispatched=4, dispatch_index=3),
-        "unresolved", None, False, PROV, now,
-    )  # fmt: skip
+        "unresolved",
+        None,
+        False,
+        PROV,
+        now,
+    )
     assert store.group("g0") == (2, 4)
     store.submit(
         submission(workspace, "g0.e1", group_size=2, group_dispatched=2, dispatch_index=1),
-        "unresolved", None, False, PROV, now,
-    )  # fmt: skip
+        "unresolved",
+        None,
+        False,
+        PROV,
+        now,
+    )
     assert store.group("g0") == (2, 4)
     with pytest.raises(ConflictError, match="has size 2; submission says 3"):
         store.submit(
             submission(workspace, "g0.e2", group_size=3, group_dispatched=4, dispatch_index=2),
-            "unresolved", None, False, PROV, now,
-        )  # fmt: skip
+            "unresolved",
+            None,
+            False,
+            PROV,
+            now,
+        )

@@ -15,19 +15,39 @@ SMALL: dict[str, Any] = {
     "policy": {"N": 4, "B": 8, "rho_min": 0.5, "tau_s": 30.0, "async_train_cells": 1},
     "cluster": {"nodes": 4, "nodes_per_cell": 1, "slots_per_node": 12},
     "workload": {
-        "query_median_s": 1800.0, "query_sigma": 0.4, "exec_sigma": 0.4, "harness_timeout_s": 5400.0,
-        "overall_budget_s": 7200.0, "eval_latency_s": 60.0,
+        "query_median_s": 1800.0,
+        "query_sigma": 0.4,
+        "exec_sigma": 0.4,
+        "harness_timeout_s": 5400.0,
+        "overall_budget_s": 7200.0,
+        "eval_latency_s": 60.0,
     },
-    "cost": {"train_node_s_per_group": 300.0, "microsteps_per_group": 4, "pipeline_startup_s": 20.0,
-             "pipeline_drain_s": 20.0, "optimizer_s": 20.0, "broadcast_s": 10.0, "switch_to_training_s": 8.52,
-             "switch_to_rollout_s": 3.46, "satellite_join_s": 20.0, "publish_s": 60.0, "reroute_penalty_s": 5.0},
-}  # fmt: skip
+    "cost": {
+        "train_node_s_per_group": 300.0,
+        "microsteps_per_group": 4,
+        "pipeline_startup_s": 20.0,
+        "pipeline_drain_s": 20.0,
+        "optimizer_s": 20.0,
+        "broadcast_s": 10.0,
+        "switch_to_training_s": 8.52,
+        "switch_to_rollout_s": 3.46,
+        "satellite_join_s": 20.0,
+        "publish_s": 60.0,
+        "reroute_penalty_s": 5.0,
+    },
+}  # fmt: skip (an aligned table)
 
 
 def make_small(kind: str, phi: float, mu: int, *, bursts: int = 12, **over: Any) -> SimConfig:
     warm = math.ceil(phi) + 1
-    raw = deep_merge(SMALL, {"steps": mu * (bursts + warm), "warmup_bursts": warm,
-                             "policy": {"kind": kind, "phi": phi, "mu": mu}})  # fmt: skip
+    raw = deep_merge(
+        SMALL,
+        {
+            "steps": mu * (bursts + warm),
+            "warmup_bursts": warm,
+            "policy": {"kind": kind, "phi": phi, "mu": mu},
+        },
+    )
     return SimConfig.model_validate(deep_merge(raw, over))
 
 

@@ -30,8 +30,12 @@ CASES = [
 def test_capacity_bound_is_below_every_schedule_and_above_the_ideal_bound(
     small, slots, seed, phi, mu, k, hang
 ):
-    over = {"seed": seed, "cluster": {"slots_per_node": slots}, "policy": {"k_spare": k},
-            "workload": {"overall_timeout_rate": hang}}  # fmt: skip
+    over = {
+        "seed": seed,
+        "cluster": {"slots_per_node": slots},
+        "policy": {"k_spare": k},
+        "workload": {"overall_timeout_rate": hang},
+    }
     cfg = small("elastic", phi, mu, bursts=4, **over)
     cb = capacity_bound(cfg)
     assert cb.slots == rollout_slots(cfg) == 4 * slots

@@ -50,10 +50,14 @@ def test_simulate_writes_config_trace_plots(tmp_path, capsys):
 
 def test_compare_prints_speedup_table(tmp_path, capsys):
     cfg = tmp_path / "c.json"
-    raw = {"name": "tiny", "steps": 6, "policy": {"N": 2, "B": 4, "async_train_cells": 1},
-           "cluster": {"nodes": 4, "nodes_per_cell": 1, "slots_per_node": 6},
-           "workload": {"query_median_s": 900.0, "harness_timeout_s": 3600.0, "overall_budget_s": 4000.0},
-           "compare": {"staleness": 1.0, "mu": {"elastic": 2, "async": 1}}}  # fmt: skip
+    raw = {
+        "name": "tiny",
+        "steps": 6,
+        "policy": {"N": 2, "B": 4, "async_train_cells": 1},
+        "cluster": {"nodes": 4, "nodes_per_cell": 1, "slots_per_node": 6},
+        "workload": {"query_median_s": 900.0, "harness_timeout_s": 3600.0, "overall_budget_s": 4000.0},
+        "compare": {"staleness": 1.0, "mu": {"elastic": 2, "async": 1}},
+    }
     cfg.write_text(json.dumps(raw))
     assert main(["compare", str(cfg), "--out", str(tmp_path / "cmp"), "--no-plots"]) == 0
     text = capsys.readouterr().out

@@ -28,8 +28,9 @@ from gyre_sched.types import CellRole
 
 
 def preset_colocate(streaming: bool, steps: int = 12, **over) -> SimConfig:
-    raw = deep_merge(NL2REPO, {"steps": steps, "policy": {"kind": "colocate", "phi": 0.0, "mu": 4,
-                                                          "streaming": streaming}})  # fmt: skip
+    raw = deep_merge(
+        NL2REPO, {"steps": steps, "policy": {"kind": "colocate", "phi": 0.0, "mu": 4, "streaming": streaming}}
+    )
     return SimConfig.model_validate(deep_merge(raw, over))
 
 

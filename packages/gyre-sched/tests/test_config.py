@@ -64,8 +64,17 @@ def test_policy_config_builds_params_for_a_real_run():
     p = cfg.params(K=3, C_e=4, C_s=2, harness_timeout_s=120.0, overall_budget_s=300.0)
     assert isinstance(p, PolicyParams)
     assert (p.kind, p.K, p.C_e, p.C_s, p.N, p.B, p.phi, p.mu, p.tau_s, p.N_d) == (
-        "async", 3, 4, 2, 4, 2, 0.5, 1, 1.0, 5,
-    )  # fmt: skip
+        "async",
+        3,
+        4,
+        2,
+        4,
+        2,
+        0.5,
+        1,
+        1.0,
+        5,
+    )
     assert (p.harness_timeout_s, p.overall_budget_s, p.async_train_cells) == (120.0, 300.0, 1)
     # the simulator derives its parameters through the same builder
     sim = SimConfig.model_validate({"policy": cfg.model_dump(), "cluster": {"nodes": 3, "nodes_per_cell": 1}})

@@ -23,8 +23,12 @@ TINY = json.loads((REAL[0] / "model" / "config.json").read_text())
 def test_model_size_from_config_and_safetensors(tmp_path):
     assert model_size(REAL[0]) == (139_648, 4.0)  # the tiny Qwen3 of gyre run (float32)
     (tmp_path / "model").mkdir()
-    header = json.dumps({"a": {"dtype": "BF16", "shape": [10, 20], "data_offsets": [0, 400]},
-                         "b": {"dtype": "F32", "shape": [5], "data_offsets": [400, 420]}}).encode()  # fmt: skip
+    header = json.dumps(
+        {
+            "a": {"dtype": "BF16", "shape": [10, 20], "data_offsets": [0, 400]},
+            "b": {"dtype": "F32", "shape": [5], "data_offsets": [400, 420]},
+        }
+    ).encode()
     (tmp_path / "model" / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     assert model_size(tmp_path) == (205, 420 / 205)
 
@@ -41,21 +45,37 @@ def simulated_run(small, tmp_path: Path, name: str, tokens: float, truth: CostCo
     with (run / "trace.jsonl").open("wb") as fh:
         Simulator(cfg, trace_stream=fh).run()
     c = cfg.costs()
-    rows = [{"policy_version": x["version"], "num_groups": len(x["groups"]),
-             "num_target_tokens": len(x["groups"]) * cfg.policy.N * tokens,
-             "num_microsteps": len(x["groups"]) * c.microsteps_per_group}
-            for x in iter_trace(run / "trace.jsonl") if x["ev"] == "step_end"]  # fmt: skip
+    rows = [
+        {
+            "policy_version": x["version"],
+            "num_groups": len(x["groups"]),
+            "num_target_tokens": len(x["groups"]) * cfg.policy.N * tokens,
+            "num_microsteps": len(x["groups"]) * c.microsteps_per_group,
+        }
+        for x in iter_trace(run / "trace.jsonl")
+        if x["ev"] == "step_end"
+    ]
     (run / "metrics" / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 
 
 def test_known_costs_are_recovered(small, tmp_path):
     params = 139_648
-    truth = CostConfig(model_params_b=params / 1e9, weight_bytes=4.0, microstep_tokens=1e9,
-                       node_train_tflops=6 * params / 2e-3 / 1e12, microstep_overhead_s=5.0,
-                       pipeline_startup_microsteps=0.5, pipeline_drain_microsteps=0.0, optimizer_fixed_s=7.0,
-                       switch_to_training_fixed_s=3.0, switch_to_rollout_fixed_s=1.0, publish_fixed_s=4.0,
-                       reroute_context_tokens=0.0, warmup_s=30.0)  # fmt: skip
+    truth = CostConfig(
+        model_params_b=params / 1e9,
+        weight_bytes=4.0,
+        microstep_tokens=1e9,
+        node_train_tflops=6 * params / 2e-3 / 1e12,
+        microstep_overhead_s=5.0,
+        pipeline_startup_microsteps=0.5,
+        pipeline_drain_microsteps=0.0,
+        optimizer_fixed_s=7.0,
+        switch_to_training_fixed_s=3.0,
+        switch_to_rollout_fixed_s=1.0,
+        publish_fixed_s=4.0,
+        reroute_context_tokens=0.0,
+        warmup_s=30.0,
+    )
     # one micro-step per group of N=4: 2000 and 6000 tokens per micro-step, 2 ms per token + 5 s each
     runs = [simulated_run(small, tmp_path, f"r{t}", t, truth) for t in (500.0, 1500.0)]
     fit = fit_costs(runs)

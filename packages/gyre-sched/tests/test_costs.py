@@ -75,8 +75,14 @@ def test_the_basis_states_what_the_cost_comes_to():
 def test_weight_moves_follow_model_size_per_node():
     c, big = costs(), costs(model_params_b=244.0)
     # 122B x 2 bytes over 4 nodes at 25 GB/s each: 2.44 s of transfer in every weight move
-    for name, fixed in (("switch_to_training_s", 6.08), ("switch_to_rollout_s", 1.02), ("publish_s", 10.0),
-                        ("optimizer_s", 20.0), ("broadcast_s", 0.0), ("satellite_join_s", 0.0)):  # fmt: skip
+    for name, fixed in (
+        ("switch_to_training_s", 6.08),
+        ("switch_to_rollout_s", 1.02),
+        ("publish_s", 10.0),
+        ("optimizer_s", 20.0),
+        ("broadcast_s", 0.0),
+        ("satellite_join_s", 0.0),
+    ):
         assert getattr(c, name) == pytest.approx(fixed + 2.44), name
         assert getattr(big, name) == pytest.approx(fixed + 4.88), name
     assert costs(nodes_per_cell=8).satellite_join_s == pytest.approx(1.22)  # more nodes share the pull

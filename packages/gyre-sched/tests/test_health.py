@@ -92,8 +92,10 @@ def test_a_failed_collective_untrains_its_satellites_at_the_next_boundary_once_t
     assert h.boundary(1, [T, T, R], trains_through=False) == [CompletePublish(1)]  # cell 1 still switches
     assert h.cells[1].unformed and h.cells[1].health is Health.SERVING
     assert h.boundary(2, [T, R, R], trains_through=False) == [
-        CellUntrained(1), CellUntrained(2), ReformWorld(1, (1, 2), None)
-    ]  # fmt: skip
+        CellUntrained(1),
+        CellUntrained(2),
+        ReformWorld(1, (1, 2), None),
+    ]  # fmt: skip (an aligned table)
     assert h.world_failed(1) == [CompletePublish(2)]  # both untrained already
     assert h.of(Health.UNTRAINED) == {1, 2}
 

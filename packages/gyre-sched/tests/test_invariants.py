@@ -50,9 +50,22 @@ def params(kind, streaming, k_spare, continuous, c_s, phi2, mu):
     # elastic + continuous: as many groups in flight as the other cells hold (more is refused: training might never start)
     q_c = (2 * 3 + c_s) // (2 + k_spare) if continuous and kind == "elastic" else None
     return PolicyParams(
-        kind=kind, K=3, C_e=3, C_s=c_s, N=2, B=2, phi=phi2 / 2, mu=mu, rho_min=0.5, tau_s=5.0, k_spare=k_spare,
-        streaming=streaming, dispatch="continuous" if continuous else "boundary", q_c=q_c, async_train_cells=1,
-    )  # fmt: skip
+        kind=kind,
+        K=3,
+        C_e=3,
+        C_s=c_s,
+        N=2,
+        B=2,
+        phi=phi2 / 2,
+        mu=mu,
+        rho_min=0.5,
+        tau_s=5.0,
+        k_spare=k_spare,
+        streaming=streaming,
+        dispatch="continuous" if continuous else "boundary",
+        q_c=q_c,
+        async_train_cells=1,
+    )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

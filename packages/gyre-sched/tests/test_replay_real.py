@@ -124,8 +124,16 @@ def test_invalid_plans_are_refused_where_they_are_made():
 def test_cli_simulate_replays_the_real_trace_with_defaults(tmp_path, capsys):
     from gyre_sched.cli import main
 
-    sets = [f"workload.trace={json.dumps(str(REAL))}", "cluster.nodes=2", "cluster.nodes_per_cell=1",
-            "cluster.slots_per_node=4", "policy.N=4", "policy.B=2", "policy.mu=1", "steps=3"]  # fmt: skip
+    sets = [
+        f"workload.trace={json.dumps(str(REAL))}",
+        "cluster.nodes=2",
+        "cluster.nodes_per_cell=1",
+        "cluster.slots_per_node=4",
+        "policy.N=4",
+        "policy.B=2",
+        "policy.mu=1",
+        "steps=3",
+    ]
     argv = ["simulate", "-", "--out", str(tmp_path), *(x for s in sets for x in ("--set", s))]
     assert main(argv) == 0, capsys.readouterr().err
     assert read_trace(tmp_path / "trace.jsonl").steps == 3

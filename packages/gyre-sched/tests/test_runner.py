@@ -183,8 +183,11 @@ def test_outcomes_exactly_once_each(tmp_path, proxy):
 
     done = asyncio.run(main())
     assert {e: f.outcome for e, f in done.items()} == {
-        "ok": "completed", "bad": "failed", "slow": "harness_timeout", "gone": "cancelled",
-    }  # fmt: skip
+        "ok": "completed",
+        "bad": "failed",
+        "slow": "harness_timeout",
+        "gone": "cancelled",
+    }  # fmt: skip (an aligned table)
     assert (done["ok"].returncode, done["bad"].returncode) == (0, 3)
     assert done["slow"].returncode == done["gone"].returncode == -9
     assert all(proxy.ends(e) == 1 for e in done)
@@ -345,8 +348,11 @@ def test_reroute_during_registration_is_not_lost(tmp_path, proxy):
     assert asyncio.run(main()).outcome == "completed"
     kinds = [x[:3] if x[0] in ("register", "route") else x[:2] for x in proxy.log]
     assert kinds == [
-        ("register", "e", ["http://engine-a"]), ("route", "e", ["http://engine-b"]), ("hello", "e"), ("end", "e"),
-    ]  # fmt: skip
+        ("register", "e", ["http://engine-a"]),
+        ("route", "e", ["http://engine-b"]),
+        ("hello", "e"),
+        ("end", "e"),
+    ]  # fmt: skip (an aligned table)
     assert proxy.routes["e"] == ["http://engine-b"]
 
 

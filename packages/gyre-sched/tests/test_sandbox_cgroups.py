@@ -69,9 +69,11 @@ def test_an_executions_cgroup_limits_and_kills_its_whole_tree(root):
     cgroups = sandbox.make_cgroup(name)
     try:
         v2 = (root / "cgroup.controllers").exists()
-        expected = [root / "gyre" / f"{os.getpid()}-{name}"] if v2 else [
-            root / c / "gyre" / f"{os.getpid()}-{name}" for c in LIMITED if c in _offered(root)
-        ]  # fmt: skip
+        expected = (
+            [root / "gyre" / f"{os.getpid()}-{name}"]
+            if v2
+            else [root / c / "gyre" / f"{os.getpid()}-{name}" for c in LIMITED if c in _offered(root)]
+        )  # fmt: skip (an aligned table)
         assert cgroups == expected and all(cg.is_dir() for cg in cgroups)
         offered = _offered(root)
         assert set(sandbox.limits_applied) == offered  # claims exactly what the tree can limit
@@ -81,8 +83,12 @@ def test_an_executions_cgroup_limits_and_kills_its_whole_tree(root):
             )
 
         # A harness's tree: the parent joins before exec, its forks inherit the cgroup.
-        forker = subprocess.Popen([sys.executable, "-c", FORKER, "12"], stdout=subprocess.PIPE, text=True,
-                                  preexec_fn=partial(LaunchSandbox.enter, cgroups))  # fmt: skip
+        forker = subprocess.Popen(
+            [sys.executable, "-c", FORKER, "12"],
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=partial(LaunchSandbox.enter, cgroups),
+        )
         count, *children = forker.stdout.readline().split()
         tree = {forker.pid, *map(int, children)}
         for cg in cgroups:
@@ -96,11 +102,21 @@ def test_an_executions_cgroup_limits_and_kills_its_whole_tree(root):
             assert int(count) == 12
 
         if "memory" in offered:  # 128 MiB against a 64 MiB limit: the kernel's OOM killer ends it
-            eater = subprocess.run([sys.executable, "-c", EATER.format(mb=128)], capture_output=True, text=True,
-                                   preexec_fn=partial(LaunchSandbox.enter, cgroups), timeout=60)  # fmt: skip
+            eater = subprocess.run(
+                [sys.executable, "-c", EATER.format(mb=128)],
+                capture_output=True,
+                text=True,
+                preexec_fn=partial(LaunchSandbox.enter, cgroups),
+                timeout=60,
+            )
             assert eater.returncode == -9 and "allocated" not in eater.stdout
-            fits = subprocess.run([sys.executable, "-c", EATER.format(mb=8)], capture_output=True, text=True,
-                                  preexec_fn=partial(LaunchSandbox.enter, cgroups), timeout=60)  # fmt: skip
+            fits = subprocess.run(
+                [sys.executable, "-c", EATER.format(mb=8)],
+                capture_output=True,
+                text=True,
+                preexec_fn=partial(LaunchSandbox.enter, cgroups),
+                timeout=60,
+            )
             assert fits.returncode == 0 and "allocated" in fits.stdout
     finally:
         LaunchSandbox.remove_cgroups(cgroups)

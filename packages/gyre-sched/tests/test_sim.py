@@ -40,8 +40,14 @@ def test_mean_staleness_matches_eq2(small, kind, phi, mu, over):
 
 
 def test_trace_recomputes_counters_staleness_roles(small):
-    cfg = small("elastic", 0.5, 3, bursts=4, workload={"overall_timeout_rate": 0.05, "eval_failure_rate": 0.2},
-                policy={"k_spare": 1})  # fmt: skip
+    cfg = small(
+        "elastic",
+        0.5,
+        3,
+        bursts=4,
+        workload={"overall_timeout_rate": 0.05, "eval_failure_rate": 0.2},
+        policy={"k_spare": 1},
+    )
     res, lines, _ = run_traced(cfg)
     s = summarize_trace(lines)
     assert res.counters["dropped_groups"] > 0 and res.counters["cancelled_surplus"] > 0  # exercised
@@ -65,8 +71,20 @@ def test_trace_lines_follow_the_format(small, tmp_path):
     head = lines[0]
     assert head["ev"] == "header" and all(k in head for k in ("K", "C_e", "C_s", "N", "B", "phi", "mu"))
     seen = {x["ev"] for x in lines}
-    assert {"dispatch", "launch", "terminate", "assessed", "group_ready", "transition_begin", "transition_end",
-            "batch_open", "microstep_claim", "step_end", "publish", "route"} <= seen  # fmt: skip
+    assert {
+        "dispatch",
+        "launch",
+        "terminate",
+        "assessed",
+        "group_ready",
+        "transition_begin",
+        "transition_end",
+        "batch_open",
+        "microstep_claim",
+        "step_end",
+        "publish",
+        "route",
+    } <= seen
     ts = [x["t"] for x in lines]
     assert ts == sorted(ts)
 

@@ -56,8 +56,9 @@ def test_async_with_one_training_cell_fewer_trains_every_batch_longer_and_publis
 
 
 def test_colocate_with_a_standalone_pool_trains_once_rollout_fits_the_pool_and_before_the_last_group():
-    r, cfg = run(policy={"kind": "colocate", "phi": 0.0, "mu": 4, "streaming": True},
-                 cluster={"standalone_nodes": 4})  # fmt: skip
+    r, cfg = run(
+        policy={"kind": "colocate", "phi": 0.0, "mu": 4, "streaming": True}, cluster={"standalone_nodes": 4}
+    )
     C_s = cfg.policy_params().C_s
     assert C_s == 144 and len(r.bursts) == 3
     for burst in r.bursts:
@@ -71,8 +72,12 @@ def test_colocate_with_a_standalone_pool_trains_once_rollout_fits_the_pool_and_b
 
 
 def test_the_previous_cost_basis_made_training_nearly_free():
-    old = {"trajectories_per_execution": 1.0, "trajectory_tokens": 200_000.0, "attention_layers": 0,
-           "node_train_tflops": 1600.0}  # fmt: skip
+    old = {
+        "trajectories_per_execution": 1.0,
+        "trajectory_tokens": 200_000.0,
+        "attention_layers": 0,
+        "node_train_tflops": 1600.0,
+    }
     r, _ = run(cost=old)
     assert r.cost_basis["train_node_s_per_group"] == pytest.approx(120.0)
     assert r.time_use["train_slack"] > 0.9

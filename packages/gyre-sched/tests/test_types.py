@@ -9,9 +9,15 @@ from pydantic import ValidationError
 from gyre_sched.types import CellRole, CellTransition, ExecutionEvent, ExecutionSpec, Route, TraceLine
 
 SPEC = {
-    "execution_id": "g3.e1", "group_id": "g3", "query_id": "q3", "dispatch_version": 2, "dispatch_index": 1,
-    "harness_timeout_s": 14400.0, "overall_budget_s": 18000.0, "engine": "cell:7",
-}  # fmt: skip
+    "execution_id": "g3.e1",
+    "group_id": "g3",
+    "query_id": "q3",
+    "dispatch_version": 2,
+    "dispatch_index": 1,
+    "harness_timeout_s": 14400.0,
+    "overall_budget_s": 18000.0,
+    "engine": "cell:7",
+}  # fmt: skip (an aligned table)
 
 GOOD = [
     (ExecutionSpec, SPEC),

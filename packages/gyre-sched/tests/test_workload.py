@@ -124,8 +124,20 @@ def test_cli_workload_prints_targets_beside_values(capsys):
     last = json.loads(out[-1])
     assert last["worst_in_tolerances"] <= 1.0 and last["parameters"]["exclusion"] == "per_query"
     # independent hangs miss the long-query share: exit 1 and a NO on that row
-    assert main(["workload", "--preset", "nl2repo", "--queries", "40000",
-                 "--set", "workload.exclusion=per_execution"]) == 1  # fmt: skip
+    assert (
+        main(
+            [
+                "workload",
+                "--preset",
+                "nl2repo",
+                "--queries",
+                "40000",
+                "--set",
+                "workload.exclusion=per_execution",
+            ]
+        )
+        == 1
+    )
     assert "NO" in next(x for x in capsys.readouterr().out.splitlines() if x.startswith("query_ge_4h"))
 
 

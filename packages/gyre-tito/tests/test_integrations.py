@@ -44,9 +44,13 @@ def _two_turns(prompt: str, base_url: str, api_key: str) -> None:
         uses = [b for b in out["content"] if b["type"] == "tool_use"]
         if not uses:
             return
-        messages += [{"role": "assistant", "content": out["content"]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0]["id"],
-                                                   "content": "hi"}]}]  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": out["content"]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": uses[0]["id"], "content": "hi"}],
+            },
+        ]
 
 
 def test_each_prompt_returns_its_selected_trajectory_split_before_the_first_policy_token(proxy, tmp_path):
@@ -95,8 +99,19 @@ def test_a_failing_harness_is_named_with_its_execution_which_is_ended(proxy):
 
 def test_a_trajectory_without_policy_output_is_refused():
     with pytest.raises(ValueError, match="execution e1: its trajectory has no policy output"):
-        split_trajectory({"execution_id": "e1", "token_ids": [1, 2], "target_mask": [0, 0],
-                          "behavior_logprobs": [0.0, 0.0]})  # fmt: skip
-    assert split_trajectory({"execution_id": "e", "token_ids": [5, 6, 7, 8], "target_mask": [0, 1, 0, 1],
-                             "behavior_logprobs": [0.0, -0.5, 0.0, -0.25]}) == (
-        [5], [6, 7, 8], [-0.5, 0.0, -0.25], [1, 0, 1])  # fmt: skip
+        split_trajectory(
+            {
+                "execution_id": "e1",
+                "token_ids": [1, 2],
+                "target_mask": [0, 0],
+                "behavior_logprobs": [0.0, 0.0],
+            }
+        )
+    assert split_trajectory(
+        {
+            "execution_id": "e",
+            "token_ids": [5, 6, 7, 8],
+            "target_mask": [0, 1, 0, 1],
+            "behavior_logprobs": [0.0, -0.5, 0.0, -0.25],
+        }
+    ) == ([5], [6, 7, 8], [-0.5, 0.0, -0.25], [1, 0, 1])

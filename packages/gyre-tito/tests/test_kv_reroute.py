@@ -123,7 +123,7 @@ async def case_drain_pins_then_destination_takes_over_before_the_retry() -> None
     assert stats == {
         "reroutes": 1, "migrated": 1, "migrated_tokens": 7, "served_tokens": 7, "recomputed_tokens": 0, "bytes": 4096,
         "first_token_s": None, "first_tokens": 1,
-    }  # fmt: skip  # fmt: skip
+    }  # fmt: skip
 
 
 async def case_engine_without_kv_pin_is_aborted_and_the_destination_recomputes() -> None:
@@ -221,8 +221,14 @@ class ContextEngines:
         self.generated.append(host)
         taken = 8 if host in self.installed and body["input_ids"][:8] == MOVED else 0
         own = 5 if host == B else 0
-        meta = {"finish_reason": {"type": "stop"}, "completion_tokens": 3, "cached_tokens": taken or own,
-                "migrated_tokens": taken, "weight_version": "1", "output_token_logprobs": [[-0.5, 11 + i, None] for i in range(3)]}  # fmt: skip
+        meta = {
+            "finish_reason": {"type": "stop"},
+            "completion_tokens": 3,
+            "cached_tokens": taken or own,
+            "migrated_tokens": taken,
+            "weight_version": "1",
+            "output_token_logprobs": [[-0.5, 11 + i, None] for i in range(3)],
+        }
         return httpx.Response(200, json={"output_ids": [11, 12, 13], "meta_info": meta})
 
 

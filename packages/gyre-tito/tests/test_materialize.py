@@ -126,11 +126,18 @@ def test_each_target_token_carries_its_calls_recorded_temperature():
     tree = ExecutionTree("ex")
     tree.add(_sampled(make_record(call_id="a", input_ids=[1, 2], output_ids=[3, 4]), 0.5))
     tree.add(_sampled(make_record(call_id="b", seq=1, parent_id="a", input_ids=[5], output_ids=[6]), 1.5))
-    both = AdmittedPath(index=0, leaf_call_id="b", role_class="main/task", path=("a", "b"),
-                        target_calls=("a", "b"), num_targets=3)  # fmt: skip
+    both = AdmittedPath(
+        index=0,
+        leaf_call_id="b",
+        role_class="main/task",
+        path=("a", "b"),
+        target_calls=("a", "b"),
+        num_targets=3,
+    )
     assert materialize_path(tree, both, "g").temperatures == [0.0, 0.0, 0.5, 0.5, 0.0, 1.5]
-    leaf_only = AdmittedPath(index=0, leaf_call_id="b", role_class="main/task", path=("a", "b"),
-                             target_calls=("b",), num_targets=1)  # fmt: skip
+    leaf_only = AdmittedPath(
+        index=0, leaf_call_id="b", role_class="main/task", path=("a", "b"), target_calls=("b",), num_targets=1
+    )
     assert materialize_path(tree, leaf_only, "g").temperatures == [0.0] * 5 + [1.5]
     # a target call without a recorded temperature (an older store): none for the trajectory, the trainer uses
     # the run's temperature
@@ -139,16 +146,28 @@ def test_each_target_token_carries_its_calls_recorded_temperature():
 
 def _tree_path_temperatures():
     tree = _tree()
-    path = AdmittedPath(index=0, leaf_call_id="b", role_class="main/task", path=("a", "b"),
-                        target_calls=("a", "b"), num_targets=6)  # fmt: skip
+    path = AdmittedPath(
+        index=0,
+        leaf_call_id="b",
+        role_class="main/task",
+        path=("a", "b"),
+        target_calls=("a", "b"),
+        num_targets=6,
+    )
     return materialize_path(tree, path, "g").temperatures
 
 
 def test_recorded_temperatures_are_validated():
     t = placeholder_trajectory("ex", "g")
-    ok = dict(t.model_dump(), placeholder=False, leaf_call_id="a", token_ids=[1, 2], target_mask=[0, 1],
-              behavior_logprobs=[0.0, -0.5], weight_versions=[{"start": 1, "end": 2, "engine_id": "e",
-              "weight_version": "0"}])  # fmt: skip
+    ok = dict(
+        t.model_dump(),
+        placeholder=False,
+        leaf_call_id="a",
+        token_ids=[1, 2],
+        target_mask=[0, 1],
+        behavior_logprobs=[0.0, -0.5],
+        weight_versions=[{"start": 1, "end": 2, "engine_id": "e", "weight_version": "0"}],
+    )
     assert type(t).model_validate(ok | {"temperatures": [0.0, 0.7]}).temperatures == [0.0, 0.7]
     for bad in ([0.0, 0.0], [0.0, -1.0], [1.0, 0.7], [0.7]):
         with pytest.raises(ValueError, match="temperatures"):

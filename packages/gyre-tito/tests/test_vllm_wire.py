@@ -20,12 +20,30 @@ def test_a_vllm_pool_never_pins_kv():
 
 
 def test_the_proxys_sampling_parameters_become_vllms():
-    sp = {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "stop_token_ids": [2],
-          "skip_special_tokens": False, "no_stop_trim": True, "sampling_seed": 5}  # fmt: skip
+    sp = {
+        "max_new_tokens": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "stop_token_ids": [2],
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "sampling_seed": 5,
+    }
     out = vllm_wire.sampling_params(sp)
-    assert out == {"logprobs": 0, "n": 1, "max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 0,
-                   "stop_token_ids": [2], "skip_special_tokens": False, "include_stop_str_in_output": True,
-                   "seed": 5, "detokenize": False}  # fmt: skip
+    assert out == {
+        "logprobs": 0,
+        "n": 1,
+        "max_tokens": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,
+        "stop_token_ids": [2],
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+        "seed": 5,
+        "detokenize": False,
+    }
     assert vllm_wire.sampling_params({"max_new_tokens": 1, "stop": ["\n"]})["detokenize"] is True
     with pytest.raises(ValueError, match="logprob_start_len"):
         vllm_wire.sampling_params({"logprob_start_len": -1})
@@ -33,8 +51,13 @@ def test_the_proxys_sampling_parameters_become_vllms():
 
 def _chunk(ids, lps, finish=None, spans=None, reason=None):
     content = [{"token_id": t, "logprob": lp} for t, lp in zip(ids, lps, strict=True)]
-    choice = {"token_ids": ids, "logprobs": {"content": content}, "finish_reason": finish,
-              "stop_reason": reason, "weight_versions": spans}  # fmt: skip
+    choice = {
+        "token_ids": ids,
+        "logprobs": {"content": content},
+        "finish_reason": finish,
+        "stop_reason": reason,
+        "weight_versions": spans,
+    }
     return {"choices": [choice]}
 
 

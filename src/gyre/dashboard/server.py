@@ -32,8 +32,12 @@ from gyre.rundata import RunView
 __all__ = ["STATIC", "DashboardServer", "is_loopback", "make_app", "page"]
 
 STATIC = Path(__file__).parent / "static"
-ASSETS = {"chart.umd.min.js": "text/javascript", "dashboard.js": "text/javascript", "dashboard.css": "text/css",
-          "chart.js-LICENSE.md": "text/plain"}  # fmt: skip
+ASSETS = {
+    "chart.umd.min.js": "text/javascript",
+    "dashboard.js": "text/javascript",
+    "dashboard.css": "text/css",
+    "chart.js-LICENSE.md": "text/plain",
+}
 COOKIE = "gyre_dashboard"
 
 
@@ -183,8 +187,14 @@ class _Server(uvicorn.Server):
 class DashboardServer:
     """Serves `make_app` on the running event loop: `await start()`, `url`, `await stop()`."""
 
-    def __init__(self, view: RunView, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 refresh_s: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        view: RunView,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        refresh_s: float = 1.0,
+    ) -> None:
         if token is None and not is_loopback(host):
             token = secrets.token_urlsafe(18)
         self.host, self.token = host, token

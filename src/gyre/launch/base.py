@@ -105,9 +105,14 @@ def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def spawn_child(
-    argv: list[str], tokens: dict[str, str], env: dict[str, str], log_path: Path,
-    cwd: str | None = None, stdout_path: Path | None = None, inherit: tuple[int, ...] = (),
-) -> subprocess.Popen:  # fmt: skip
+    argv: list[str],
+    tokens: dict[str, str],
+    env: dict[str, str],
+    log_path: Path,
+    cwd: str | None = None,
+    stdout_path: Path | None = None,
+    inherit: tuple[int, ...] = (),
+) -> subprocess.Popen:
     """A child in its own process group that dies with this process, logging to `log_path` (its stdout to
     `stdout_path` when given); `tokens` maps a `--...-fd` flag to the token the child reads from that inherited fd;
     `inherit`: more fds the child keeps, at the same numbers (a bound socket)."""
@@ -118,9 +123,15 @@ def spawn_child(
     try:
         with log_path.open("ab") as log, (stdout_path or log_path).open("ab") as out:
             return subprocess.Popen(
-                argv, stdout=out, stderr=log, env=child_env, start_new_session=True, cwd=cwd,
-                pass_fds=(*pipes.fds, *inherit), preexec_fn=partial(_die_with_parent, os.getpid()),
-            )  # fmt: skip
+                argv,
+                stdout=out,
+                stderr=log,
+                env=child_env,
+                start_new_session=True,
+                cwd=cwd,
+                pass_fds=(*pipes.fds, *inherit),
+                preexec_fn=partial(_die_with_parent, os.getpid()),
+            )
     finally:
         pipes.close()
 
@@ -169,23 +180,43 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
         elastic = i < c.cells
         index = i if elastic else i - c.cells
         engine = EngineConfig(
-            model_path=str(model_dir), device=c.device, weight_version="0", seed=t.seed + i,
-            cpu_threads=c.cpu_threads_per_cell, scripted_replies=scripted,
-        )  # fmt: skip
+            model_path=str(model_dir),
+            device=c.device,
+            weight_version="0",
+            seed=t.seed + i,
+            cpu_threads=c.cpu_threads_per_cell,
+            scripted_replies=scripted,
+        )
         training = None
         if elastic:
             training = CellTrainingConfig(
-                group_size=s.N, batch_groups=s.B, steps_per_burst=s.mu, lr=t.lr, dtype=t.dtype,
+                group_size=s.N,
+                batch_groups=s.B,
+                steps_per_burst=s.mu,
+                lr=t.lr,
+                dtype=t.dtype,
                 lr_warmup_steps=t.lr_warmup_steps,
-                max_grad_norm=t.max_grad_norm, tokens_per_shard=t.tokens_per_shard,
-                temperature=cfg.model.temperature, loss=t.loss, master_port=master, coordinator_port=coordinator,
-                claim_timeout_s=t.claim_timeout_s, collective_timeout_s=t.collective_timeout_s,
-                snapshot=cfg.weights.snapshot, dump_batches=dbg.dump_batches,
-                hold_core_for_join=dbg.hold_core_for_join, hold_timeout_s=dbg.hold_timeout_s, stop_gate=dbg.stop_gate,
-                backend=t.backend, device=c.device, tensor_parallel=t.tensor_parallel,
-                pipeline_parallel=t.pipeline_parallel, context_parallel=t.context_parallel,
-                expert_parallel=t.expert_parallel, checkpoint_keep=t.checkpoint_keep,
-            )  # fmt: skip
+                max_grad_norm=t.max_grad_norm,
+                tokens_per_shard=t.tokens_per_shard,
+                temperature=cfg.model.temperature,
+                loss=t.loss,
+                master_port=master,
+                coordinator_port=coordinator,
+                claim_timeout_s=t.claim_timeout_s,
+                collective_timeout_s=t.collective_timeout_s,
+                snapshot=cfg.weights.snapshot,
+                dump_batches=dbg.dump_batches,
+                hold_core_for_join=dbg.hold_core_for_join,
+                hold_timeout_s=dbg.hold_timeout_s,
+                stop_gate=dbg.stop_gate,
+                backend=t.backend,
+                device=c.device,
+                tensor_parallel=t.tensor_parallel,
+                pipeline_parallel=t.pipeline_parallel,
+                context_parallel=t.context_parallel,
+                expert_parallel=t.expert_parallel,
+                checkpoint_keep=t.checkpoint_keep,
+            )
         out.append(
             CellWorkerConfig(
                 cell=index,
@@ -218,9 +249,11 @@ def _local_gpus(cfg: RunConfig, workers: int) -> list[list[str]] | None:
     if cfg.launcher.kind != "local" or per == 0:
         return None
     whole, share = (int(per), 1) if per >= 1 else (1, round(1 / per))  # the config refused anything else
-    slots = [list(range(w * whole, (w + 1) * whole)) for w in range(workers)] if share == 1 else [
-        [w // share] for w in range(workers)
-    ]  # fmt: skip
+    slots = (
+        [list(range(w * whole, (w + 1) * whole)) for w in range(workers)]
+        if share == 1
+        else [[w // share] for w in range(workers)]
+    )  # fmt: skip (an aligned table)
     need = slots[-1][-1] + 1
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     pool = [g.strip() for g in listed.split(",") if g.strip()] if listed is not None else None
@@ -238,10 +271,17 @@ def _sglang_launch(cfg: RunConfig, model_dir: Path, port: int, seed: int) -> SGL
     placing the worker elsewhere rebinds it)."""
     sg = cfg.rollout.sglang
     return SGLangLaunchConfig(
-        model_path=str(model_dir), host="127.0.0.1", port=port, tp_size=sg.tp_size,
-        mem_fraction_static=sg.mem_fraction_static, weight_version="0", random_seed=seed,
-        python=sg.python or sys.executable, module=sg.module, extra_args=tuple(sg.extra_args),
-    )  # fmt: skip
+        model_path=str(model_dir),
+        host="127.0.0.1",
+        port=port,
+        tp_size=sg.tp_size,
+        mem_fraction_static=sg.mem_fraction_static,
+        weight_version="0",
+        random_seed=seed,
+        python=sg.python or sys.executable,
+        module=sg.module,
+        extra_args=tuple(sg.extra_args),
+    )
 
 
 def _vllm_launch(cfg: RunConfig, model_dir: Path, port: int, seed: int) -> VLLMLaunchConfig:
@@ -250,13 +290,21 @@ def _vllm_launch(cfg: RunConfig, model_dir: Path, port: int, seed: int) -> VLLML
     settings): a cold compile took 97 of a server's 237 s start."""
     v = cfg.rollout.vllm
     return VLLMLaunchConfig(
-        model_path=str(model_dir), python=v.python or sys.executable, host="127.0.0.1", port=port, dtype=v.dtype,
-        max_model_len=v.max_model_len, weight_version="0", seed=seed, enforce_eager=v.enforce_eager,
+        model_path=str(model_dir),
+        python=v.python or sys.executable,
+        host="127.0.0.1",
+        port=port,
+        dtype=v.dtype,
+        max_model_len=v.max_model_len,
+        weight_version="0",
+        seed=seed,
+        enforce_eager=v.enforce_eager,
         stream_interval=v.stream_interval,
-        enable_sleep_mode=v.enable_sleep_mode, gpu_memory_utilization=v.gpu_memory_utilization,
+        enable_sleep_mode=v.enable_sleep_mode,
+        gpu_memory_utilization=v.gpu_memory_utilization,
         cpu_kv_cache_gib=v.cpu_kv_cache_gib,
         extra_args=tuple(v.extra_args),
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -319,8 +367,13 @@ class Launcher:
         name = f"cell-{cell}"
         used = self.restarts.get(name, 0)
         if used >= self.cell_restarts or cell not in self._cell_configs:
-            log.warning("%s died again after %d restart(s) ([launcher] cell_restarts = %d): it stays lost; see %s",
-                        name, used, self.cell_restarts, self.log_path(name))  # fmt: skip
+            log.warning(
+                "%s died again after %d restart(s) ([launcher] cell_restarts = %d): it stays lost; see %s",
+                name,
+                used,
+                self.cell_restarts,
+                self.log_path(name),
+            )
             return None
         self.restarts[name] = used + 1
         log.warning(
@@ -401,10 +454,14 @@ class Launcher:
 
     def _write_services(self) -> None:
         """RUN/services.json: each service's URL and pid (for operators and the kill -9 tests; never a token)."""
-        info = {"proxy": self.proxy_url or None, "gyre-eval": self.eval_url or None,
-                "cells": self.engine_urls[: len(self.cells)], "standalone": self.engine_urls[len(self.cells) :],
-                "workers": [c.base_url for c in self.cells + self.standalone],
-                "pids": {name: proc.pid for name, proc in self._procs}}  # fmt: skip
+        info = {
+            "proxy": self.proxy_url or None,
+            "gyre-eval": self.eval_url or None,
+            "cells": self.engine_urls[: len(self.cells)],
+            "standalone": self.engine_urls[len(self.cells) :],
+            "workers": [c.base_url for c in self.cells + self.standalone],
+            "pids": {name: proc.pid for name, proc in self._procs},
+        }
         (self.run_dir / "services.json").write_text(json.dumps(info, indent=1) + "\n")
 
     async def start_proxy(
@@ -413,9 +470,21 @@ class Launcher:
         host = await self._service_address("proxy")
         port, listen = await self._listen_args("proxy", host)
         # the proxy writes exports only under its store or an --export-dir: runner.export writes to trajectories/
-        argv = [bin_path("gyre-tito"), "serve", "--tokenizer", str(tokenizer_dir), "--store",
-                str(self.run_dir / "records"), "--host", host, "--port", str(port), *listen,
-                "--export-dir", str(self.run_dir / "trajectories")]  # fmt: skip
+        argv = [
+            bin_path("gyre-tito"),
+            "serve",
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--store",
+            str(self.run_dir / "records"),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            *listen,
+            "--export-dir",
+            str(self.run_dir / "trajectories"),
+        ]
         for url in self.engine_urls:
             argv += ["--engine", url]
         if self.engine_api != "sglang":
@@ -438,8 +507,19 @@ class Launcher:
             out.write(config.model_dump_json(indent=2))
         host = await self._service_address("gyre-eval")
         port, listen = await self._listen_args("gyre-eval", host)
-        argv = [bin_path("gyre-eval"), "serve", "--store", str(self.run_dir), "--host", host, "--port", str(port),
-                *listen, "--config", str(config_file)]  # fmt: skip
+        argv = [
+            bin_path("gyre-eval"),
+            "serve",
+            "--store",
+            str(self.run_dir),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            *listen,
+            "--config",
+            str(config_file),
+        ]
         self.eval_url = f"http://{host}:{port}"
         tokens = {"--token-fd": self.tokens.eval}
         # its state is on disk (RUN/assessments.sqlite): a dead gyre-eval is started again on the same port
@@ -510,8 +590,14 @@ class Launcher:
                 continue
             if name not in self._restartable or self.restarts.get(name, 0) >= MAX_RESTARTS:
                 return False
-            log.warning("%s %s; restarted (%d of at most %d); see %s", name, self._end_of(name, proc),
-                        self.restarts.get(name, 0) + 1, MAX_RESTARTS, self.log_path(name))  # fmt: skip
+            log.warning(
+                "%s %s; restarted (%d of at most %d); see %s",
+                name,
+                self._end_of(name, proc),
+                self.restarts.get(name, 0) + 1,
+                MAX_RESTARTS,
+                self.log_path(name),
+            )
             argv, tokens, health = self._restartable[name]
             del self._procs[i]
             self._hung.pop(name, None)

@@ -71,9 +71,16 @@ class LocalLauncher(Launcher):
             try:
                 await asyncio.to_thread(zygote.wait_ready)
                 logfile = str(self.log_path(name))
-                proc = zygote.spawn("gyre_cell.cli:main", argv[1:], title=" ".join(["gyre-cell", *argv[1:]]),
-                                    env=child_environment(), cwd=os.getcwd(), stdout=logfile, stderr=logfile,
-                                    secrets=secrets)  # fmt: skip
+                proc = zygote.spawn(
+                    "gyre_cell.cli:main",
+                    argv[1:],
+                    title=" ".join(["gyre-cell", *argv[1:]]),
+                    env=child_environment(),
+                    cwd=os.getcwd(),
+                    stdout=logfile,
+                    stderr=logfile,
+                    secrets=secrets,
+                )
             except ZygoteError as exc:
                 self._zygote_unusable(exc)
             else:

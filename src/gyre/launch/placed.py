@@ -62,9 +62,11 @@ def run_placed(cfg: RunConfig, argv: list[str], run_dir: Path, command: str = "r
     out_path.write_bytes(b"")  # this placement's stdout only (a resumed run places again)
     rest = dict(lc.controller_resources)
     num_cpus = rest.pop("CPU", 0.0)
-    actor = ray.remote(max_concurrency=2)(ServiceActor).options(
-        name=f"gyre-controller-{os.getpid()}", num_cpus=num_cpus, resources=rest or None
-    ).remote("controller", str(log_path))  # fmt: skip
+    actor = (
+        ray.remote(max_concurrency=2)(ServiceActor)
+        .options(name=f"gyre-controller-{os.getpid()}", num_cpus=num_cpus, resources=rest or None)
+        .remote("controller", str(log_path))
+    )
     caught: list[int] = []
     previous = {
         sig: signal.signal(sig, lambda s, _f: caught.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)
@@ -111,8 +113,11 @@ def run_placed(cfg: RunConfig, argv: list[str], run_dir: Path, command: str = "r
         return 128 + caught[0]
     if returncode < 0:
         how = signal.Signals(-returncode).name
-        print(f"gyre {command}: the controller on node {node['ip']} ended: killed by {how} (its node lost?); "
-              f"`gyre run --resume {run_dir}` continues the run", file=sys.stderr)  # fmt: skip
+        print(
+            f"gyre {command}: the controller on node {node['ip']} ended: killed by {how} (its node lost?); "
+            f"`gyre run --resume {run_dir}` continues the run",
+            file=sys.stderr,
+        )
         return 1
     return returncode
 

@@ -261,9 +261,12 @@ class RayLauncher(Launcher):
             bundle = self._bundles(i, wc)[0]
             actor = remote_cls.options(
                 name=f"gyre-{names[i]}-{os.getpid()}",
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[i], placement_group_bundle_index=0),
-            ).remote(names[i], str(self.log_path(names[i])))  # fmt: skip
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._groups[i], placement_group_bundle_index=0
+                ),
+            ).remote(names[i], str(self.log_path(names[i])))
             self._actors.append(actor)
         # Each actor's node and free ports there, then the configs rewritten with them (through the controller).
         # One after the other: each actor chooses its ports knowing those chosen before it (none is bound yet).
@@ -287,10 +290,17 @@ class RayLauncher(Launcher):
         )
         self._exits = [a.wait_exit.remote() for a in self._actors]
         self.placement = [
-            {"worker": n, "node_id": node["node_id"], "ip": node["ip"], "pid": node["pid"],
-             "port": wc.port, "placement_group": pg.id.hex(), "bundles": self._bundles(i, wc)}
+            {
+                "worker": n,
+                "node_id": node["node_id"],
+                "ip": node["ip"],
+                "pid": node["pid"],
+                "port": wc.port,
+                "placement_group": pg.id.hex(),
+                "bundles": self._bundles(i, wc),
+            }
             for i, (n, node, wc, pg) in enumerate(zip(names, nodes, placed, self._groups, strict=True))
-        ]  # fmt: skip
+        ]  # fmt: skip (an aligned table)
         self.log_path("placement").with_suffix(".json").write_text(
             json.dumps(self.placement, indent=1) + "\n"
         )
@@ -308,8 +318,12 @@ class RayLauncher(Launcher):
                 raise self.started_badly(names[i], exc) from None
 
         await asyncio.gather(*(ready(i) for i in range(len(clients))))
-        log.info("ray: %d worker actor(s) ready in %.1f s on node(s) %s", len(clients), time.monotonic() - t0,
-                 sorted({p["ip"] for p in self.placement}))  # fmt: skip
+        log.info(
+            "ray: %d worker actor(s) ready in %.1f s on node(s) %s",
+            len(clients),
+            time.monotonic() - t0,
+            sorted({p["ip"] for p in self.placement}),
+        )
 
     # ---- services placed by the config ----------------------------------------------------------------------
     def _service_resources(self, name: str) -> dict[str, float] | None:
@@ -325,9 +339,15 @@ class RayLauncher(Launcher):
 
         rest = dict(resources)
         num_cpus = rest.pop("CPU", 0.0)
-        actor = ray.remote(max_concurrency=2)(ServiceActor).options(
-            name=f"gyre-{name}-{os.getpid()}", num_cpus=num_cpus, resources=rest or None,
-        ).remote(name, str(self.log_path(name)))  # fmt: skip
+        actor = (
+            ray.remote(max_concurrency=2)(ServiceActor)
+            .options(
+                name=f"gyre-{name}-{os.getpid()}",
+                num_cpus=num_cpus,
+                resources=rest or None,
+            )
+            .remote(name, str(self.log_path(name)))
+        )
         try:
             node = await asyncio.to_thread(
                 ray.get, actor.node.remote(True), timeout=self.launcher.start_timeout_s
@@ -369,8 +389,15 @@ class RayLauncher(Launcher):
 
     def _record_service(self, name: str, node: dict, pid: int) -> None:
         """RUN/logs/placement.json lists each placed service beside the workers (its latest process)."""
-        row = {"worker": name, "node_id": node["node_id"], "ip": node["ip"], "pid": pid,
-               "actor_pid": node["actor_pid"], "port": node["port"], "resources": self._service_resources(name)}  # fmt: skip
+        row = {
+            "worker": name,
+            "node_id": node["node_id"],
+            "ip": node["ip"],
+            "pid": pid,
+            "actor_pid": node["actor_pid"],
+            "port": node["port"],
+            "resources": self._service_resources(name),
+        }
         self.placement = [p for p in self.placement if p["worker"] != name] + [row]
         self.log_path("placement").with_suffix(".json").write_text(
             json.dumps(self.placement, indent=1) + "\n"
@@ -388,11 +415,18 @@ class RayLauncher(Launcher):
         with contextlib.suppress(Exception):
             ray.kill(self._actors[cell])
         bundle = self._bundles(cell, wc)[0]
-        actor = ray.remote(max_concurrency=4)(CellActor).options(
-            name=f"gyre-{name}-{os.getpid()}-restart-{attempt}",
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[cell], placement_group_bundle_index=0),
-        ).remote(name, str(self.log_path(name)))  # fmt: skip
+        actor = (
+            ray.remote(max_concurrency=4)(CellActor)
+            .options(
+                name=f"gyre-{name}-{os.getpid()}-restart-{attempt}",
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._groups[cell], placement_group_bundle_index=0
+                ),
+            )
+            .remote(name, str(self.log_path(name)))
+        )
         self._actors[cell] = actor
         try:
             node = await asyncio.to_thread(ray.get, actor.node.remote(), timeout=timeout_s)

@@ -45,8 +45,12 @@ def _node() -> dict:
     import ray
 
     ip = ray.util.get_node_ip_address()
-    return {"ip": ip, "node_id": ray.get_runtime_context().get_node_id(), "iface": interface_of(ip),
-            "python": sys.executable}  # fmt: skip
+    return {
+        "ip": ip,
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "iface": interface_of(ip),
+        "python": sys.executable,
+    }
 
 
 class RankHost:
@@ -143,10 +147,16 @@ class RayRanks:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             ranks_here = sum(self.bundle_of(r) == bundle for r in range(self.size))
-            actor = ray.remote(max_concurrency=2 * ranks_here + 2)(RankHost).options(
-                num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.group, placement_group_bundle_index=bundle),
-            ).remote()  # fmt: skip
+            actor = (
+                ray.remote(max_concurrency=2 * ranks_here + 2)(RankHost)
+                .options(
+                    num_cpus=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.group, placement_group_bundle_index=bundle
+                    ),
+                )
+                .remote()
+            )
             self._hosts[bundle] = (actor, ray.get(actor.node.remote(), timeout=300))
         return self._hosts[bundle]
 

@@ -43,8 +43,12 @@ class ServiceActor:
         import ray
 
         ip = ray.util.get_node_ip_address()
-        where = {"ip": ip, "actor_pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                 "python": sys.executable}  # fmt: skip
+        where = {
+            "ip": ip,
+            "actor_pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "python": sys.executable,
+        }
         if listen:
             if self._sock is None:  # held as long as the actor lives: every start of the service inherits it
                 self._sock = bound_socket(ip)
@@ -52,9 +56,13 @@ class ServiceActor:
         return where
 
     def spawn(
-        self, argv: list[str], tokens: dict[str, str], env: dict[str, str],
-        cwd: str | None = None, stdout_path: str | None = None,
-    ) -> int:  # fmt: skip
+        self,
+        argv: list[str],
+        tokens: dict[str, str],
+        env: dict[str, str],
+        cwd: str | None = None,
+        stdout_path: str | None = None,
+    ) -> int:
         """Start the service; returns its PID. The child is started, then waited for, by one thread that lives as
         long as it: the child's parent-death signal fires when the thread that forked it ends."""
         started = threading.Event()

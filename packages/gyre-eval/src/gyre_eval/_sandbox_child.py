@@ -119,9 +119,12 @@ def _prepare(spec: dict) -> None:
             # Links stay links only where they resolve inside the workspace: a link out of it (to a sibling
             # execution's answer, or a file the check's uid may read) would be scored as this execution's work.
             shutil.copytree(
-                spec["workspace"], work, symlinks=True, copy_function=_copy_regular,
+                spec["workspace"],
+                work,
+                symlinks=True,
+                copy_function=_copy_regular,
                 ignore=partial(_links_out_of, os.path.realpath(spec["workspace"])),
-            )  # fmt: skip
+            )
         except (OSError, shutil.Error) as e:
             full = "No space left" in str(e)
             raise SetupError(

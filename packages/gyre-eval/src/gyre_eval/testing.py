@@ -146,18 +146,27 @@ def _parse(body: dict) -> JudgeRequest:
     if match is None:
         raise ValueError("the user message is not the judge's '# Task / # Rubric / # Artifact' prompt")
     return JudgeRequest(
-        model=str(body.get("model") or ""), system=messages.get("system", ""), task=match["task"],
-        rubric=match["rubric"], artifact=match["artifact"], temperature=body.get("temperature"),
+        model=str(body.get("model") or ""),
+        system=messages.get("system", ""),
+        task=match["task"],
+        rubric=match["rubric"],
+        artifact=match["artifact"],
+        temperature=body.get("temperature"),
         max_tokens=body.get("max_tokens"),
-    )  # fmt: skip
+    )
 
 
 def _completion(model: str, content: str) -> dict:
     return {
-        "id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
-        "model": model, "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}],
-    }  # fmt: skip
+        "id": f"chatcmpl-{secrets.token_hex(8)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        "choices": [
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}
+        ],
+    }  # fmt: skip (an aligned table)
 
 
 def _error(message: str, kind: str) -> dict:

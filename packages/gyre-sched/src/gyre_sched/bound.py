@@ -30,9 +30,16 @@ from gyre_sched.sim import SimResult, Simulator
 from gyre_sched.workload import make_workload
 
 _FREE = (
-    "pipeline_startup_s", "pipeline_drain_s", "optimizer_s", "broadcast_s", "switch_to_training_s",
-    "switch_to_rollout_s", "satellite_join_s", "publish_s", "reroute_penalty_s",
-)  # fmt: skip
+    "pipeline_startup_s",
+    "pipeline_drain_s",
+    "optimizer_s",
+    "broadcast_s",
+    "switch_to_training_s",
+    "switch_to_rollout_s",
+    "satellite_join_s",
+    "publish_s",
+    "reroute_penalty_s",
+)
 
 
 def _free_training(cfg: SimConfig, name: str) -> dict[str, Any]:
@@ -40,9 +47,12 @@ def _free_training(cfg: SimConfig, name: str) -> dict[str, Any]:
     d["name"] = f"{cfg.name}-{name}"
     d["policy"].update(kind="async", async_train_cells=1, streaming=True)
     d["cost"].update(
-        {k: 0.0 for k in _FREE}, train_node_s_per_group=1e-9, microsteps_per_group=1, microstep_overhead_s=0.0,
+        {k: 0.0 for k in _FREE},
+        train_node_s_per_group=1e-9,
+        microsteps_per_group=1,
+        microstep_overhead_s=0.0,
         warmup_s=0.0,
-    )  # fmt: skip
+    )
     d["workload"]["cancel_latency_s"] = 0.0
     return d
 

@@ -104,14 +104,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     )
     results = {k: run_one(c, base_out / k, plots=not args.no_plots) for k, c in cfgs.items()}
     ref = results.get("elastic") or next(iter(results.values()))
-    print(f"{'policy':<10} {'phi':>5} {'mu':>3} {'E[d]':>5} {'time h':>8} {'steps':>5} {'d mean':>7} {'d max':>5} "
-          f"{'train%':>7} {'speedup of ' + ref.policy:>20}")  # fmt: skip
+    print(
+        f"{'policy':<10} {'phi':>5} {'mu':>3} {'E[d]':>5} {'time h':>8} {'steps':>5} {'d mean':>7} {'d max':>5} "
+        f"{'train%':>7} {'speedup of ' + ref.policy:>20}"
+    )
     rows = []
     for k, r in results.items():
         p = cfgs[k].policy
         sp = r.end_time_s / ref.end_time_s
-        print(f"{k:<10} {p.phi:>5.2f} {p.mu:>3} {p.phi + (p.mu - 1) / 2:>5.2f} {r.end_time_s / 3600:>8.2f} "
-              f"{r.steps:>5} {r.mean_staleness:>7.3f} {r.max_staleness:>5} {r.role_share['training']:>7.1%} {sp:>19.2f}x")  # fmt: skip
+        print(
+            f"{k:<10} {p.phi:>5.2f} {p.mu:>3} {p.phi + (p.mu - 1) / 2:>5.2f} {r.end_time_s / 3600:>8.2f} "
+            f"{r.steps:>5} {r.mean_staleness:>7.3f} {r.max_staleness:>5} {r.role_share['training']:>7.1%} {sp:>19.2f}x"
+        )
         rows.append({"policy": k, "phi": p.phi, "mu": p.mu, "time_s": r.end_time_s, "speedup_of_ref": sp})
     (base_out / "compare.json").write_text(json.dumps(rows, indent=2))
     print(f"wrote {base_out}/")
@@ -155,15 +159,27 @@ def cmd_workload(args: argparse.Namespace) -> int:
     worst = max(abs(r["miss"]) / r["tolerance"] for r in rows)
     w = wl
     print(f"workload of {cfg.name}: {args.queries} queries x N={N} executions, seed {args.seed}")
-    print(f"exclusion: {w.exclusion}" + (f" (hang-prone queries {w.hang_query_rate:.3%})" if w.exclusion == "per_query" else "")
-          + f", overall timeouts {w.overall_timeout_rate:.3%} of executions, known at the "
-          + ("overall budget" if w.exclusion_known == "budget" else f"stall + {w.stall_detect_s:.0f} s"))  # fmt: skip
+    print(
+        f"exclusion: {w.exclusion}"
+        + (f" (hang-prone queries {w.hang_query_rate:.3%})" if w.exclusion == "per_query" else "")
+        + f", overall timeouts {w.overall_timeout_rate:.3%} of executions, known at the "
+        + ("overall budget" if w.exclusion_known == "budget" else f"stall + {w.stall_detect_s:.0f} s")
+    )
     for line in format_rows(rows):
         print(line)
     others = {k: round(v, 5) for k, v in stats.items() if k not in targets}
     print("not targeted: " + ", ".join(f"{k} {v}" for k, v in others.items()))
-    print(json.dumps({"workload": cfg.name, "stats": stats, "targets": targets, "worst_in_tolerances": worst,
-                      "parameters": wl.model_dump(exclude={"trace"})}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "workload": cfg.name,
+                "stats": stats,
+                "targets": targets,
+                "worst_in_tolerances": worst,
+                "parameters": wl.model_dump(exclude={"trace"}),
+            }
+        )
+    )
     return 0 if worst <= 1.0 else 1
 
 
@@ -181,17 +197,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     summary = plan(cfg, args.staleness, tolerance=args.tolerance, out=out, log=print)
     for t, b in summary["best"].items():
         rec = b["recommended"]
-        print(f"recommended at E[d]={t}: {b['label']}: {rec['time_h']:.2f} h, realized staleness "
-              f"{rec['staleness']:.3f} (steady {rec['staleness_steady']:.3f}); ideal bound {b['bound_h']:.2f} h "
-              f"({b['over_bound']:.3f}x), capacity bound {b['capacity_bound_h']:.2f} h "
-              f"({b['over_capacity_bound']:.3f}x), dispatch-order reference {b['dispatch_order_h']:.2f} h "
-              f"({b['over_dispatch_order']:.3f}x)")  # fmt: skip
+        print(
+            f"recommended at E[d]={t}: {b['label']}: {rec['time_h']:.2f} h, realized staleness "
+            f"{rec['staleness']:.3f} (steady {rec['staleness_steady']:.3f}); ideal bound {b['bound_h']:.2f} h "
+            f"({b['over_bound']:.3f}x), capacity bound {b['capacity_bound_h']:.2f} h "
+            f"({b['over_capacity_bound']:.3f}x), dispatch-order reference {b['dispatch_order_h']:.2f} h "
+            f"({b['over_dispatch_order']:.3f}x)"
+        )
     print(f"wrote {out}/plan.json, plan.png")
-    print(json.dumps({t: {"label": b["label"], "time_h": round(b["recommended"]["time_h"], 3),
-                          "staleness": round(b["recommended"]["staleness"], 4), "bound_h": round(b["bound_h"], 3),
-                          "capacity_bound_h": round(b["capacity_bound_h"], 3),
-                          "dispatch_order_h": round(b["dispatch_order_h"], 3)}
-                      for t, b in summary["best"].items()}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                t: {
+                    "label": b["label"],
+                    "time_h": round(b["recommended"]["time_h"], 3),
+                    "staleness": round(b["recommended"]["staleness"], 4),
+                    "bound_h": round(b["bound_h"], 3),
+                    "capacity_bound_h": round(b["capacity_bound_h"], 3),
+                    "dispatch_order_h": round(b["dispatch_order_h"], 3),
+                }
+                for t, b in summary["best"].items()
+            }
+        )
+    )
     return 0 if len(summary["best"]) == len(args.staleness) else 1
 
 
@@ -199,15 +227,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from gyre_sched.costfit import fit_costs
 
     fit = fit_costs(args.runs)
-    print(f"micro-step: {fit.overhead_s:.4g} s (+- {fit.overhead_se:.2g}) + {fit.s_per_token:.4g} s/token "
-          f"(+- {fit.s_per_token_se:.2g}); relative RMS error over samples {fit.microstep_rel_rmse:.1%}")  # fmt: skip
+    print(
+        f"micro-step: {fit.overhead_s:.4g} s (+- {fit.overhead_se:.2g}) + {fit.s_per_token:.4g} s/token "
+        f"(+- {fit.s_per_token_se:.2g}); relative RMS error over samples {fit.microstep_rel_rmse:.1%}"
+    )
     print(f"{'cost':<22} {'fitted s':>10} {'samples':>8} {'rel. RMS':>9}")
     for name, c in fit.costs.items():
         print(f"{name:<22} {c['fitted']:>10.4g} {c['samples']:>8} {c['rel_rmse']:>9.1%}")
     print(f"{'run':<24} {'policy':<9} {'recorded s':>10} {'simulated s':>11} {'error':>7}")
     for r in fit.runs:
-        print(f"{r['run']:<24} {r['policy']:<9} {r['recorded_s']:>10.2f} {r['simulated_s']:>11.2f} "
-              f"{r['relative_error']:>7.1%}")  # fmt: skip
+        print(
+            f"{r['run']:<24} {r['policy']:<9} {r['recorded_s']:>10.2f} {r['simulated_s']:>11.2f} "
+            f"{r['relative_error']:>7.1%}"
+        )
     for n in fit.notes:
         print(f"note: {n}")
     print(json.dumps(fit.summary()))

@@ -127,11 +127,16 @@ class CostFit:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "s_per_token": self.s_per_token, "s_per_token_se": self.s_per_token_se,
-            "microstep_overhead_s": self.overhead_s, "microstep_overhead_se": self.overhead_se,
-            "microstep_rel_rmse": self.microstep_rel_rmse, "costs": self.costs, "runs": self.runs,
-            "cost": self.cost.model_dump(exclude_none=True), "notes": self.notes,
-        }  # fmt: skip
+            "s_per_token": self.s_per_token,
+            "s_per_token_se": self.s_per_token_se,
+            "microstep_overhead_s": self.overhead_s,
+            "microstep_overhead_se": self.overhead_se,
+            "microstep_rel_rmse": self.microstep_rel_rmse,
+            "costs": self.costs,
+            "runs": self.runs,
+            "cost": self.cost.model_dump(exclude_none=True),
+            "notes": self.notes,
+        }  # fmt: skip (an aligned table)
 
 
 def _batches(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -269,34 +274,74 @@ def fit_costs(run_dirs: list[str | Path], *, simulate: bool = True) -> CostFit:
     join = max(0.0, mean(up_sat, up) - up)
     tokens_exec = mean(tok_group) / _N(runs)
     cost = CostConfig(
-        model_params_b=params / 1e9, weight_bytes=wbytes, tokens_per_execution=tokens_exec,
-        microstep_tokens=mean(tok_ms), node_train_tflops=6 * params / slope / 1e12, train_scaling=1.0,
-        microstep_overhead_s=max(0.0, overhead), pipeline_startup_microsteps=mean(startup) / compute_ms,
-        pipeline_drain_microsteps=0.0, optimizer_fixed_s=max(0.0, mean(tail) - net),
-        switch_to_training_fixed_s=max(0.0, up - host), switch_to_rollout_fixed_s=max(0.0, mean(down) - host),
-        publish_fixed_s=max(0.0, mean(pub) - net), reroute_context_tokens=0.0,
-        satellite_join_s=join, warmup_s=mean(warm),
-    )  # fmt: skip
+        model_params_b=params / 1e9,
+        weight_bytes=wbytes,
+        tokens_per_execution=tokens_exec,
+        microstep_tokens=mean(tok_ms),
+        node_train_tflops=6 * params / slope / 1e12,
+        train_scaling=1.0,
+        microstep_overhead_s=max(0.0, overhead),
+        pipeline_startup_microsteps=mean(startup) / compute_ms,
+        pipeline_drain_microsteps=0.0,
+        optimizer_fixed_s=max(0.0, mean(tail) - net),
+        switch_to_training_fixed_s=max(0.0, up - host),
+        switch_to_rollout_fixed_s=max(0.0, mean(down) - host),
+        publish_fixed_s=max(0.0, mean(pub) - net),
+        reroute_context_tokens=0.0,
+        satellite_join_s=join,
+        warmup_s=mean(warm),
+    )
     resolved = cost.resolve(nodes_per_cell=1, N=_N(runs))
     costs = {
-        "microstep_s": {"fitted": resolved.microstep_s, "mean": mean([s.value for s in gaps]),
-                        "rel_rmse": ms_rmse, "samples": len(gaps)},
-        "pipeline_startup_s": {"fitted": resolved.pipeline_startup_s, "mean": mean(startup),
-                               "rel_rmse": _rel_rmse(startup, resolved.pipeline_startup_s), "samples": len(startup)},
-        "step_tail_s": {"fitted": resolved.optimizer_s, "mean": mean(tail),
-                        "rel_rmse": _rel_rmse(tail, resolved.optimizer_s), "samples": len(tail)},
-        "switch_to_training_s": {"fitted": resolved.switch_to_training_s, "mean": up,
-                                 "rel_rmse": _rel_rmse(up0 or up_sat, resolved.switch_to_training_s),
-                                 "samples": len(up0 or up_sat)},
-        "satellite_join_s": {"fitted": resolved.satellite_join_s, "mean": join, "rel_rmse": 0.0,
-                             "samples": len(up_sat)},
-        "switch_to_rollout_s": {"fitted": resolved.switch_to_rollout_s, "mean": mean(down),
-                                "rel_rmse": _rel_rmse(down, resolved.switch_to_rollout_s), "samples": len(down)},
-        "publish_s": {"fitted": resolved.publish_s, "mean": mean(pub),
-                      "rel_rmse": _rel_rmse(pub, resolved.publish_s), "samples": len(pub)},
-        "warmup_s": {"fitted": resolved.warmup_s, "mean": mean(warm), "rel_rmse": _rel_rmse(warm, resolved.warmup_s),
-                     "samples": len(warm)},
-    }  # fmt: skip
+        "microstep_s": {
+            "fitted": resolved.microstep_s,
+            "mean": mean([s.value for s in gaps]),
+            "rel_rmse": ms_rmse,
+            "samples": len(gaps),
+        },
+        "pipeline_startup_s": {
+            "fitted": resolved.pipeline_startup_s,
+            "mean": mean(startup),
+            "rel_rmse": _rel_rmse(startup, resolved.pipeline_startup_s),
+            "samples": len(startup),
+        },
+        "step_tail_s": {
+            "fitted": resolved.optimizer_s,
+            "mean": mean(tail),
+            "rel_rmse": _rel_rmse(tail, resolved.optimizer_s),
+            "samples": len(tail),
+        },
+        "switch_to_training_s": {
+            "fitted": resolved.switch_to_training_s,
+            "mean": up,
+            "rel_rmse": _rel_rmse(up0 or up_sat, resolved.switch_to_training_s),
+            "samples": len(up0 or up_sat),
+        },
+        "satellite_join_s": {
+            "fitted": resolved.satellite_join_s,
+            "mean": join,
+            "rel_rmse": 0.0,
+            "samples": len(up_sat),
+        },
+        "switch_to_rollout_s": {
+            "fitted": resolved.switch_to_rollout_s,
+            "mean": mean(down),
+            "rel_rmse": _rel_rmse(down, resolved.switch_to_rollout_s),
+            "samples": len(down),
+        },
+        "publish_s": {
+            "fitted": resolved.publish_s,
+            "mean": mean(pub),
+            "rel_rmse": _rel_rmse(pub, resolved.publish_s),
+            "samples": len(pub),
+        },
+        "warmup_s": {
+            "fitted": resolved.warmup_s,
+            "mean": mean(warm),
+            "rel_rmse": _rel_rmse(warm, resolved.warmup_s),
+            "samples": len(warm),
+        },
+    }  # fmt: skip (an aligned table)
     fit = CostFit(cost, slope, slope_se, overhead, overhead_se, ms_rmse, costs, [], notes)
     if simulate:
         N = _N(runs)
@@ -329,16 +374,38 @@ def replay_run(run: RunData, cost: CostConfig) -> dict[str, Any]:
         "name": f"costfit-{run.path.name}",
         "steps": len(ends),
         "warmup_bursts": 0,
-        "policy": {k: getattr(params, k) for k in ("kind", "N", "B", "phi", "mu", "rho_min", "tau_s", "k_spare",
-                                                   "streaming", "dispatch", "q_c", "async_train_cells")},
+        "policy": {
+            k: getattr(params, k)
+            for k in (
+                "kind",
+                "N",
+                "B",
+                "phi",
+                "mu",
+                "rho_min",
+                "tau_s",
+                "k_spare",
+                "streaming",
+                "dispatch",
+                "q_c",
+                "async_train_cells",
+            )
+        },
         "cluster": {"nodes": params.K, "nodes_per_cell": 1, "slots_per_node": params.C_e, "C_s": params.C_s},
-        "workload": {"trace": str(run.path / "trace.jsonl"), "harness_timeout_s": params.harness_timeout_s,
-                     "overall_budget_s": params.overall_budget_s},
+        "workload": {
+            "trace": str(run.path / "trace.jsonl"),
+            "harness_timeout_s": params.harness_timeout_s,
+            "overall_budget_s": params.overall_budget_s,
+        },
         "cost": cost.model_dump(),
-    }  # fmt: skip
+    }  # fmt: skip (an aligned table)
     res = Simulator(SimConfig.model_validate(raw)).run()
     recorded = ends[-1]
     return {
-        "run": run.path.name, "policy": params.kind, "steps": len(ends), "recorded_s": recorded,
-        "simulated_s": res.end_time_s, "relative_error": abs(res.end_time_s - recorded) / recorded,
-    }  # fmt: skip
+        "run": run.path.name,
+        "policy": params.kind,
+        "steps": len(ends),
+        "recorded_s": recorded,
+        "simulated_s": res.end_time_s,
+        "relative_error": abs(res.end_time_s - recorded) / recorded,
+    }  # fmt: skip (an aligned table)

@@ -144,8 +144,11 @@ class FaultPlaying:
                 self._deliver(WeightsLoaded(cell, version))
         elif kind == "reform":
             _, generation, members = item
-            dying = [f.cell for f in self.faults.faults
-                     if f.kind == "die_in_reform" and f.generation == generation and f.cell in members]  # fmt: skip
+            dying = [
+                f.cell
+                for f in self.faults.faults
+                if f.kind == "die_in_reform" and f.generation == generation and f.cell in members
+            ]
             for cell in dying:
                 self._kill(cell, None)
             dead = [m for m in members if m in self._dead]  # a member that never arrives fails the rendezvous
@@ -192,8 +195,16 @@ class FaultPlaying:
 
     def _reduce_hangs(self, version: int, participants: set[int]) -> float:
         """At the end of batch ``version``: a hung satellite fails the collective; the extra time it costs."""
-        hung = tuple(sorted(f.cell for f in self.faults.faults if f.kind == "hang_in_reduce"
-                            and f.batch == version and f.cell in participants and f.cell not in self._dead))  # fmt: skip
+        hung = tuple(
+            sorted(
+                f.cell
+                for f in self.faults.faults
+                if f.kind == "hang_in_reduce"
+                and f.batch == version
+                and f.cell in participants
+                and f.cell not in self._dead
+            )
+        )
         if not hung:
             return 0.0
         if self.trace:  # as the controller traces the core's report

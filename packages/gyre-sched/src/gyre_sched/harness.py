@@ -117,10 +117,21 @@ class BuiltinHarness:
 
     def argv(self, ctx: HarnessContext) -> list[str]:
         return [
-            self.python, "-m", "gyre.agent", "--workspace", str(ctx.workspace), "--task", ctx.task,
-            "--max-turns", str(self.max_turns), "--max-tokens", str(self.max_tokens),
-            "--temperature", str(self.temperature), *self.extra_args,
-        ]  # fmt: skip
+            self.python,
+            "-m",
+            "gyre.agent",
+            "--workspace",
+            str(ctx.workspace),
+            "--task",
+            ctx.task,
+            "--max-turns",
+            str(self.max_turns),
+            "--max-tokens",
+            str(self.max_tokens),
+            "--temperature",
+            str(self.temperature),
+            *self.extra_args,
+        ]  # fmt: skip (an aligned table)
 
     def env(self, ctx: HarnessContext) -> dict[str, str]:
         return {"OPENAI_BASE_URL": f"{ctx.base_url}/v1", "OPENAI_API_KEY": ctx.credential}
@@ -158,10 +169,20 @@ class ClaudeCodeHarness:
 
     def argv(self, ctx: HarnessContext) -> list[str]:
         return [
-            self.binary, "-p", ctx.task, "--model", ctx.model, "--allowedTools", " ".join(self.allowed_tools),
-            "--max-turns", str(self.max_turns), "--output-format", self.output_format,
-            *(["--tools", ",".join(self.tools)] if self.tools is not None else []), *self.extra_args,
-        ]  # fmt: skip
+            self.binary,
+            "-p",
+            ctx.task,
+            "--model",
+            ctx.model,
+            "--allowedTools",
+            " ".join(self.allowed_tools),
+            "--max-turns",
+            str(self.max_turns),
+            "--output-format",
+            self.output_format,
+            *(["--tools", ",".join(self.tools)] if self.tools is not None else []),
+            *self.extra_args,
+        ]  # fmt: skip (an aligned table)
 
     def home(self, ctx: HarnessContext) -> Path:
         return ctx.workspace.with_name(ctx.workspace.name + ".home")

@@ -146,9 +146,12 @@ class CellHealth:
             return self._load(cell, publishing=True, published=published)
         if version != published:
             return self.load_failed(
-                cell, version, f"serves version {version}, not the published {published}",
-                publishing=publishing, published=published,
-            )  # fmt: skip
+                cell,
+                version,
+                f"serves version {version}, not the published {published}",
+                publishing=publishing,
+                published=published,
+            )
         rec = self.cells[cell]
         rec.health, rec.load_failures = Health.UNTRAINED, 0
         return [CellRestored(cell, trains=False, version=version)]

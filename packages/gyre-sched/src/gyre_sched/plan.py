@@ -69,8 +69,17 @@ def candidates(cfg: SimConfig, target: float) -> list[dict[str, Any]]:
         for k in spares:
             for mode in ("eager", "idle") if k else ("eager",):
                 out.append({"kind": "elastic", "phi": max(phi, 0.0), "mu": mu, "k_spare": k, "spares": mode})
-        out.append({"kind": "elastic", "phi": max(phi, 0.0), "mu": mu, "k_spare": p.k_spare, "spares": p.spares,
-                    "planner": "adaptive", "target_staleness": target})  # fmt: skip
+        out.append(
+            {
+                "kind": "elastic",
+                "phi": max(phi, 0.0),
+                "mu": mu,
+                "k_spare": p.k_spare,
+                "spares": p.spares,
+                "planner": "adaptive",
+                "target_staleness": target,
+            }
+        )
     if abs(target * B - round(target * B)) < 1e-9:
         for a in range(1, K):
             out.append({"kind": "async", "phi": target, "mu": 1, "async_train_cells": a})
@@ -85,11 +94,19 @@ def run_candidate(cfg: SimConfig, policy: dict[str, Any], target: float) -> Plan
     r = Simulator(c).run()
     q = c.policy
     return PlanRow(
-        target=target, kind=q.kind, phi=q.phi, mu=q.mu, k_spare=q.k_spare, spares=q.spares, planner=q.planner,
-        async_train_cells=q.async_train_cells if q.kind == "async" else None, time_h=r.end_time_s / 3600,
-        staleness=r.mean_staleness, staleness_steady=r.mean_staleness_steady,
+        target=target,
+        kind=q.kind,
+        phi=q.phi,
+        mu=q.mu,
+        k_spare=q.k_spare,
+        spares=q.spares,
+        planner=q.planner,
+        async_train_cells=q.async_train_cells if q.kind == "async" else None,
+        time_h=r.end_time_s / 3600,
+        staleness=r.mean_staleness,
+        staleness_steady=r.mean_staleness_steady,
         dropped_groups=r.counters["dropped_groups"],
-    )  # fmt: skip
+    )
 
 
 def recommend(rows: list[PlanRow], target: float, tolerance: float = 0.05) -> PlanRow | None:
@@ -125,12 +142,23 @@ def plan(
         rec_cfg = SimConfig.model_validate(deep_merge(cfg.model_dump(), {"policy": pol}))
         cap = capacity_bound(rec_cfg)
         bound, dispatch = cap.ideal_s / 3600, dispatch_order_reference(rec_cfg).end_time_s / 3600
-        best[target] = {"recommended": asdict(rec), "label": rec.label, "bound_h": bound,
-                        "over_bound": rec.time_h / bound, "capacity_bound_h": cap.end_time_s / 3600,
-                        "over_capacity_bound": rec.time_h * 3600 / cap.end_time_s,
-                        "dispatch_order_h": dispatch, "over_dispatch_order": rec.time_h / dispatch}  # fmt: skip
-    summary = {"config": cfg.name, "steps": cfg.steps, "tolerance": tolerance, "best": best,
-               "runs": [asdict(r) for r in rows]}  # fmt: skip
+        best[target] = {
+            "recommended": asdict(rec),
+            "label": rec.label,
+            "bound_h": bound,
+            "over_bound": rec.time_h / bound,
+            "capacity_bound_h": cap.end_time_s / 3600,
+            "over_capacity_bound": rec.time_h * 3600 / cap.end_time_s,
+            "dispatch_order_h": dispatch,
+            "over_dispatch_order": rec.time_h / dispatch,
+        }
+    summary = {
+        "config": cfg.name,
+        "steps": cfg.steps,
+        "tolerance": tolerance,
+        "best": best,
+        "runs": [asdict(r) for r in rows],
+    }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(json.dumps(summary, indent=2))

@@ -68,17 +68,34 @@ def plan_png(rows, best: dict, path: str | Path, title: str = "") -> None:
     its ideal bound per target."""
     plt = _plt()
     marks = {"elastic": "o", "async": "s", "colocate": "^"}
-    colors = {t: c for t, c in zip(sorted({r.target for r in rows}), ("#1f77b4", "#d62728", "#2ca02c", "#9467bd"),
-                                   strict=False)}  # fmt: skip
+    colors = {
+        t: c
+        for t, c in zip(
+            sorted({r.target for r in rows}), ("#1f77b4", "#d62728", "#2ca02c", "#9467bd"), strict=False
+        )
+    }
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for r in rows:
         face = colors.get(r.target, "#555") if r.planner == "adaptive" else "none"
-        ax.scatter(r.staleness, r.time_h, marker=marks[r.kind], edgecolors=colors.get(r.target, "#555"),
-                   facecolors=face, s=45)  # fmt: skip
+        ax.scatter(
+            r.staleness,
+            r.time_h,
+            marker=marks[r.kind],
+            edgecolors=colors.get(r.target, "#555"),
+            facecolors=face,
+            s=45,
+        )
     for t, b in best.items():
         rec = b["recommended"]
-        ax.scatter(rec["staleness"], rec["time_h"], marker="*", s=260, color=colors.get(t, "#555"), zorder=5,
-                   label=f"E[d]={t}: {b['label']} ({rec['time_h']:.1f} h)")  # fmt: skip
+        ax.scatter(
+            rec["staleness"],
+            rec["time_h"],
+            marker="*",
+            s=260,
+            color=colors.get(t, "#555"),
+            zorder=5,
+            label=f"E[d]={t}: {b['label']} ({rec['time_h']:.1f} h)",
+        )
         ax.axhline(b["bound_h"], color=colors.get(t, "#555"), ls=":", lw=1)
         ax.axvline(t, color=colors.get(t, "#555"), ls="--", lw=0.6)
     if best:  # runs far slower than the recommendations would flatten the plot: they stay above its top

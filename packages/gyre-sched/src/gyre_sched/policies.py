@@ -62,8 +62,11 @@ class AsyncPolicy(PolicyCore):
 
     def _returning(self) -> list[int]:
         """Satellites of the training split back from a loss (or a failed re-form), in rollout: no rollout work."""
-        return [i for i in range(1, self.params.async_train_cells)
-                if i not in self.lost and self.roles[i] is CellRole.ROLLOUT]  # fmt: skip
+        return [
+            i
+            for i in range(1, self.params.async_train_cells)
+            if i not in self.lost and self.roles[i] is CellRole.ROLLOUT
+        ]
 
     def _destinations(self) -> list[str]:
         idle = {cell_engine(i) for i in self._returning()}

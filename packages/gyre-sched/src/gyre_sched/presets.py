@@ -32,28 +32,58 @@ NL2REPO: dict[str, Any] = {
     "seed": 0,
     "warmup_bursts": 1,
     "policy": {
-        "kind": "elastic", "N": 16, "B": 32, "phi": 0.5, "mu": 3, "rho_min": 0.5, "tau_s": 60.0,
-        "k_spare": 1, "streaming": True, "async_train_cells": 2,
+        "kind": "elastic",
+        "N": 16,
+        "B": 32,
+        "phi": 0.5,
+        "mu": 3,
+        "rho_min": 0.5,
+        "tau_s": 60.0,
+        "k_spare": 1,
+        "streaming": True,
+        "async_train_cells": 2,
     },
     "cluster": {"nodes": 32, "nodes_per_cell": 4, "slots_per_node": 36, "standalone_nodes": 0},
     "workload": {
-        "query_median_s": 6090.0, "query_sigma": 0.015, "exec_sigma": 0.294,
-        "hard_query_rate": 0.064, "hard_query_factor": 4.0,
-        "harness_timeout_s": 4 * 3600.0, "overall_budget_s": 5 * 3600.0,
-        "failed_rate": 0.002, "overall_timeout_rate": 0.00872,
-        "exclusion": "per_query", "hang_query_rate": 0.00872, "exclusion_known": "budget",
-        "eval_latency_s": 300.0, "eval_failure_rate": 0.05,
+        "query_median_s": 6090.0,
+        "query_sigma": 0.015,
+        "exec_sigma": 0.294,
+        "hard_query_rate": 0.064,
+        "hard_query_factor": 4.0,
+        "harness_timeout_s": 4 * 3600.0,
+        "overall_budget_s": 5 * 3600.0,
+        "failed_rate": 0.002,
+        "overall_timeout_rate": 0.00872,
+        "exclusion": "per_query",
+        "hang_query_rate": 0.00872,
+        "exclusion_known": "budget",
+        "eval_latency_s": 300.0,
+        "eval_failure_rate": 0.05,
     },
     "cost": {
-        "model_params_b": 122.0, "active_params_b": 10.0, "weight_bytes": 2.0,
-        "trajectories_per_execution": 5.0, "trajectory_tokens": 131_072.0, "attention_layers": 48,
-        "attention_width": 8192, "gpus_per_node": 8, "gpu_peak_tflops": 989.0, "mfu": 0.3,
-        "microstep_tokens": 800_000.0, "train_scaling": 1.0,
-        "pipeline_startup_microsteps": 0.67, "pipeline_drain_microsteps": 0.67, "optimizer_fixed_s": 20.0,
-        "host_gbps": 25.0, "network_gbps": 25.0, "switch_to_training_fixed_s": 6.08,
-        "switch_to_rollout_fixed_s": 1.02, "publish_fixed_s": 10.0, "reroute_context_tokens": 100_000.0,
+        "model_params_b": 122.0,
+        "active_params_b": 10.0,
+        "weight_bytes": 2.0,
+        "trajectories_per_execution": 5.0,
+        "trajectory_tokens": 131_072.0,
+        "attention_layers": 48,
+        "attention_width": 8192,
+        "gpus_per_node": 8,
+        "gpu_peak_tflops": 989.0,
+        "mfu": 0.3,
+        "microstep_tokens": 800_000.0,
+        "train_scaling": 1.0,
+        "pipeline_startup_microsteps": 0.67,
+        "pipeline_drain_microsteps": 0.67,
+        "optimizer_fixed_s": 20.0,
+        "host_gbps": 25.0,
+        "network_gbps": 25.0,
+        "switch_to_training_fixed_s": 6.08,
+        "switch_to_rollout_fixed_s": 1.02,
+        "publish_fixed_s": 10.0,
+        "reroute_context_tokens": 100_000.0,
     },
-}  # fmt: skip
+}  # fmt: skip (an aligned table)
 
 # docs/design/reference-numbers.md, the 2.4T setting: 4 cells x 48 nodes, 384 concurrent executions in all, 61.1% of queries >= 4 h, and in
 # 38.2% of those the longest execution hits the overall timeout. Fitted (two parameters, two targets) on the 122B
@@ -69,14 +99,21 @@ NL2REPO_2_4T: dict[str, Any] = {
     "warmup_bursts": 1,
     "policy": NL2REPO["policy"] | {"B": 8, "async_train_cells": 1},
     "cluster": {"nodes": 192, "nodes_per_cell": 48, "slots_per_node": 2, "standalone_nodes": 0},
-    "workload": NL2REPO["workload"] | {
-        "query_median_s": 8530.0, "overall_timeout_rate": 0.0166, "exclusion": "per_execution",
+    "workload": NL2REPO["workload"]
+    | {
+        "query_median_s": 8530.0,
+        "overall_timeout_rate": 0.0166,
+        "exclusion": "per_execution",
         "hang_query_rate": 1.0,
     },
-    "cost": NL2REPO["cost"] | {
-        "model_params_b": 2400.0, "active_params_b": 100.0, "attention_layers": 96, "attention_width": 16384,
+    "cost": NL2REPO["cost"]
+    | {
+        "model_params_b": 2400.0,
+        "active_params_b": 100.0,
+        "attention_layers": 96,
+        "attention_width": 16384,
     },
-}  # fmt: skip
+}  # fmt: skip (an aligned table)
 
 # The 122B preset with a dense model (every parameter active; 96 layers x 10240 width of attention, assumed):
 # 6,650 node-s a group, 4x the MoE's, more training than rollout can hide at the paper's step times.
@@ -112,8 +149,10 @@ WORKLOADS: dict[str, dict[str, Any]] = {"nl2repo-scaled": NL2REPO_SCALED}
 """Workload definitions for real runs by name (`bench/run_policies.py --workload`)."""
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "nl2repo": NL2REPO, "nl2repo-dense": NL2REPO_DENSE, "nl2repo-2.4t": NL2REPO_2_4T
-}  # fmt: skip
+    "nl2repo": NL2REPO,
+    "nl2repo-dense": NL2REPO_DENSE,
+    "nl2repo-2.4t": NL2REPO_2_4T,
+}  # fmt: skip (an aligned table)
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -43,13 +43,32 @@ __all__ = ["Measured", "Prediction", "calibrate", "params_from_header", "predict
 
 _PARAM_FIELDS = tuple(f.name for f in fields(PolicyParams))
 _POLICY_CONFIG_FIELDS = (
-    "kind", "N", "B", "phi", "mu", "rho_min", "tau_s", "k_spare", "streaming", "dispatch", "q_c", "async_train_cells",
-    "spares", "planner", "target_staleness", "mu_max",
-)  # fmt: skip
+    "kind",
+    "N",
+    "B",
+    "phi",
+    "mu",
+    "rho_min",
+    "tau_s",
+    "k_spare",
+    "streaming",
+    "dispatch",
+    "q_c",
+    "async_train_cells",
+    "spares",
+    "planner",
+    "target_staleness",
+    "mu_max",
+)
 _MEASURABLE = (
-    "switch_to_training_s", "satellite_join_s", "switch_to_rollout_s", "publish_s",
-    "pipeline_startup_s", "optimizer_s", "broadcast_s",
-)  # fmt: skip
+    "switch_to_training_s",
+    "satellite_join_s",
+    "switch_to_rollout_s",
+    "publish_s",
+    "pipeline_startup_s",
+    "optimizer_s",
+    "broadcast_s",
+)
 
 
 class Measured(BaseModel):

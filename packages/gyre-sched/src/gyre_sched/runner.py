@@ -53,12 +53,29 @@ __all__ = [
 ]
 
 DEFAULT_ENV_ALLOW: tuple[str, ...] = (
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TZ",
-    "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES",
-    "TMPDIR", "TEMP", "TMP",
-    "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV",
-    "SSL_CERT_FILE", "SSL_CERT_DIR", "NO_PROXY", "no_proxy",
-)  # fmt: skip
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "TERM",
+    "TZ",
+    "LANG",
+    "LANGUAGE",
+    "LC_ALL",
+    "LC_CTYPE",
+    "LC_MESSAGES",
+    "TMPDIR",
+    "TEMP",
+    "TMP",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "VIRTUAL_ENV",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "NO_PROXY",
+    "no_proxy",
+)
 """The runner's environment variables a harness inherits (when set); everything else is withheld."""
 
 _PLACEHOLDER = re.compile(r"\{(workspace|task)\}")
@@ -164,15 +181,23 @@ def _dying_with_runner(
     return argv, partial(_die_with_runner, runner_pid, ())
 
 
-async def _spawn(argv: Sequence[str], log: Path, env: dict[str, str], cwd: Path,
-                 preexec: Callable[[], None] | None) -> asyncio.subprocess.Process:  # fmt: skip
+async def _spawn(
+    argv: Sequence[str], log: Path, env: dict[str, str], cwd: Path, preexec: Callable[[], None] | None
+) -> asyncio.subprocess.Process:
     """The harness's process, in its own session, its output to `log`. A cancellation that lands while it is being
     created still returns it to the canceller's clean-up: the spawn goes on under a shield, its whole group is killed
     and reaped, then the cancellation goes on (asyncio's own clean-up killed only the group's leader)."""
     with log.open("wb") as out:
-        created = asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=out,
-                                                 stderr=asyncio.subprocess.STDOUT, env=env, cwd=cwd,
-                                                 start_new_session=True, preexec_fn=preexec)  # fmt: skip
+        created = asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=out,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=preexec,
+        )
         spawn = asyncio.ensure_future(created)
         try:
             return await asyncio.shield(spawn)
@@ -305,18 +330,34 @@ class ExecutionRunner:
         outcome = "cancelled"
         if execution_id not in self._cancelled:  # cancelled while registering: never started
             outcome, returncode, start_error = await self._launch(
-                execution_id, chosen, workspace, task, registered["credential"], log, launched_at, timeout_s,
+                execution_id,
+                chosen,
+                workspace,
+                task,
+                registered["credential"],
+                log,
+                launched_at,
+                timeout_s,
                 budget_s,
-            )  # fmt: skip
+            )
         if execution_id in self._cancelled:
             outcome = "cancelled"
         no_work = (start_error or _could_not_start(returncode, log)) if outcome == "failed" else None
         done = Finished(execution_id, outcome, workspace, launched_at, returncode, no_work)
         return await self._end(execution_id, done)
 
-    async def _launch(self, execution_id: str, chosen: Harness, workspace: Path, task: str, credential: str,
-                      log: Path, launched_at: float, timeout_s: float,
-                      budget_s: float | None) -> tuple[str, int | None, str | None]:  # fmt: skip
+    async def _launch(
+        self,
+        execution_id: str,
+        chosen: Harness,
+        workspace: Path,
+        task: str,
+        credential: str,
+        log: Path,
+        launched_at: float,
+        timeout_s: float,
+        budget_s: float | None,
+    ) -> tuple[str, int | None, str | None]:
         """Start the harness (in the sandbox, with its relay and cgroups) and wait for its end: (outcome, exit
         status, why it could not start). Whatever the launch made goes when it ends, however it ends: a
         cancellation (the controller's shutdown at a SIGINT) that lands while the relay starts or the harness is

@@ -44,10 +44,19 @@ from gyre_sched.sandbox_oci import OciBundle, give_to, oci_resources, sweep_oci
 __all__ = ["FORWARDER", "LaunchSandbox", "ProxyRelay", "default_ro_paths"]
 
 ETC_FILES = (
-    "/etc/ssl", "/etc/ca-certificates", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf",
-    "/etc/ld.so.conf.d", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/localtime",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+    "/etc/alternatives",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+    "/etc/hosts",
+    "/etc/localtime",
     "/etc/mime.types",
-)  # fmt: skip
+)
 
 INNER_SOCKET = "/run/gyre/proxy.sock"
 
@@ -266,8 +275,16 @@ class LaunchSandbox:
                 f"the execution sandbox needs bubblewrap ({self.bwrap!r} not found): apt-get install bubblewrap"
             )
 
-    def wrap(self, argv: Sequence[str], workspace: Path, home: Path, env: dict[str, str], proxy_port: int,
-             relay_dir: Path, name: str = "execution") -> list[str]:  # fmt: skip
+    def wrap(
+        self,
+        argv: Sequence[str],
+        workspace: Path,
+        home: Path,
+        env: dict[str, str],
+        proxy_port: int,
+        relay_dir: Path,
+        name: str = "execution",
+    ) -> list[str]:
         """The command line running `argv` in the sandbox (env given explicitly, nothing inherited); `name` (the
         execution id) names its OCI container, removed by `release(name)`."""
         python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
@@ -323,15 +340,25 @@ class LaunchSandbox:
             cmd += ["--setenv", k, v]
         return [*cmd, "--", *inner]
 
-    def _wrap_oci(self, inner: list[str], workspace: Path, home: Path, env: dict[str, str], relay_dir: Path,
-                  name: str) -> list[str]:  # fmt: skip
+    def _wrap_oci(
+        self, inner: list[str], workspace: Path, home: Path, env: dict[str, str], relay_dir: Path, name: str
+    ) -> list[str]:
         self.release(name)  # a container left by an earlier attempt of the same execution
         give_to(self.uid, workspace, home)
         bundle = OciBundle(self.oci_runtime, name)
         resources, self.limits_applied = oci_resources(self.max_processes, self.memory_bytes, self.cpu_cores)
-        bundle.write(process_args=inner, env=env, cwd=workspace, uid=self.uid, ro_paths=self.ro_paths,
-                     etc_files=ETC_FILES, rw_paths=[workspace, home], relay_dir=relay_dir,
-                     inner_socket_dir=str(Path(INNER_SOCKET).parent), resources=resources)  # fmt: skip
+        bundle.write(
+            process_args=inner,
+            env=env,
+            cwd=workspace,
+            uid=self.uid,
+            ro_paths=self.ro_paths,
+            etc_files=ETC_FILES,
+            rw_paths=[workspace, home],
+            relay_dir=relay_dir,
+            inner_socket_dir=str(Path(INNER_SOCKET).parent),
+            resources=resources,
+        )
         self._bundles[name] = bundle
         return bundle.argv()
 

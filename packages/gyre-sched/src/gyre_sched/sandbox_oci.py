@@ -29,8 +29,17 @@ from pathlib import Path
 __all__ = ["OciBundle", "container_id", "give_to", "oci_resources", "sweep_oci"]
 
 _NAMESPACES = ("pid", "network", "ipc", "uts", "mount", "cgroup")
-_MASKED = ("/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
-           "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware")  # fmt: skip
+_MASKED = (
+    "/proc/acpi",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+)
 _READ_ONLY = ("/proc/asound", "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
 
 
@@ -41,8 +50,12 @@ def container_id(name: str) -> str:
 
 
 def _bind(src: str, dst: str, *, ro: bool) -> dict:
-    return {"destination": dst, "type": "bind", "source": src,
-            "options": ["rbind", "nosuid", "nodev", "ro" if ro else "rw"]}  # fmt: skip
+    return {
+        "destination": dst,
+        "type": "bind",
+        "source": src,
+        "options": ["rbind", "nosuid", "nodev", "ro" if ro else "rw"],
+    }
 
 
 class OciBundle:
@@ -52,9 +65,20 @@ class OciBundle:
         self.runtime, self.id = runtime, container_id(name)
         self.dir = Path(tempfile.mkdtemp(prefix=f"gyre-oci-{os.getpid()}-"))  # by pid: `sweep_oci`
 
-    def write(self, *, process_args: Sequence[str], env: Mapping[str, str], cwd: Path, uid: int,
-              ro_paths: Sequence[str], etc_files: Sequence[str], rw_paths: Sequence[Path],
-              relay_dir: Path, inner_socket_dir: str, resources: Mapping[str, object]) -> None:  # fmt: skip
+    def write(
+        self,
+        *,
+        process_args: Sequence[str],
+        env: Mapping[str, str],
+        cwd: Path,
+        uid: int,
+        ro_paths: Sequence[str],
+        etc_files: Sequence[str],
+        rw_paths: Sequence[Path],
+        relay_dir: Path,
+        inner_socket_dir: str,
+        resources: Mapping[str, object],
+    ) -> None:
         """config.json and the empty root (with the host's /bin, /lib... links) of the container."""
         root = self.dir / "rootfs"
         root.mkdir()
@@ -62,17 +86,44 @@ class OciBundle:
             if os.path.islink(f"/{link}"):
                 (root / link).symlink_to(os.readlink(f"/{link}"))
         mounts: list[dict] = [
-            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777"]},
-            {"destination": "/run", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=755"]},
+            {
+                "destination": "/proc",
+                "type": "proc",
+                "source": "proc",
+                "options": ["nosuid", "noexec", "nodev"],
+            },
+            {
+                "destination": "/dev",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+            },
+            {
+                "destination": "/dev/pts",
+                "type": "devpts",
+                "source": "devpts",
+                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+            },
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+            },
+            {
+                "destination": "/tmp",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "nodev", "mode=1777"],
+            },
+            {
+                "destination": "/run",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "nodev", "mode=755"],
+            },
             _bind("/usr", "/usr", ro=True),
-        ]  # fmt: skip
+        ]  # fmt: skip (an aligned table)
         for link in ("bin", "lib", "lib32", "lib64", "sbin"):
             if os.path.isdir(f"/{link}") and not os.path.islink(f"/{link}"):
                 mounts.append(_bind(f"/{link}", f"/{link}", ro=True))

@@ -139,9 +139,11 @@ class Simulator(FaultPlaying):
 
     def header(self) -> dict[str, Any]:
         return {
-            **policy_header(self.params), "seed": self.cfg.seed, "source": "gyre-sched simulator",
+            **policy_header(self.params),
+            "seed": self.cfg.seed,
+            "source": "gyre-sched simulator",
             "initial_roles": [r.value for r in self.policy.roles],
-        }  # fmt: skip
+        }  # fmt: skip (an aligned table)
 
     # ---- event plumbing -------------------------------------------------------------------------------------------
     def _at(self, t: float, item: Any) -> None:

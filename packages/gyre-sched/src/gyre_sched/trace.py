@@ -42,14 +42,30 @@ def policy_header(params: PolicyParams) -> dict[str, Any]:
     """Every policy parameter, for a trace header: what ``gyre-sched predict`` needs to rerun the same policy.
     ``TraceWriter(stream, {**policy_header(params), ...})`` (the real controller adds its own context)."""
     return {
-        "K": params.K, "C_e": params.C_e, "C_s": params.C_s, "N": params.N, "B": params.B, "phi": params.phi,
-        "mu": params.mu, "N_d": params.N_d, "policy": params.kind, "rho_min": params.rho_min, "tau_s": params.tau_s,
-        "k_spare": params.k_spare, "streaming": params.streaming, "dispatch": params.dispatch, "q_c": params.q_c,
-        "async_train_cells": params.async_train_cells, "harness_timeout_s": params.harness_timeout_s,
-        "overall_budget_s": params.overall_budget_s, "spares": params.spares, "planner": params.planner,
-        "target_staleness": params.target_staleness, "mu_max": params.mu_max,
+        "K": params.K,
+        "C_e": params.C_e,
+        "C_s": params.C_s,
+        "N": params.N,
+        "B": params.B,
+        "phi": params.phi,
+        "mu": params.mu,
+        "N_d": params.N_d,
+        "policy": params.kind,
+        "rho_min": params.rho_min,
+        "tau_s": params.tau_s,
+        "k_spare": params.k_spare,
+        "streaming": params.streaming,
+        "dispatch": params.dispatch,
+        "q_c": params.q_c,
+        "async_train_cells": params.async_train_cells,
+        "harness_timeout_s": params.harness_timeout_s,
+        "overall_budget_s": params.overall_budget_s,
+        "spares": params.spares,
+        "planner": params.planner,
+        "target_staleness": params.target_staleness,
+        "mu_max": params.mu_max,
         "launch_order": params.launch_order,
-    }  # fmt: skip
+    }  # fmt: skip (an aligned table)
 
 
 class TraceWriter:

@@ -116,9 +116,16 @@ def _export(a: argparse.Namespace) -> int:
 
     try:
         summary = export_dataset(
-            a.source, a.out, fmt=a.format, rewards=a.rewards, executions=a.execution or None,
-            j_max=a.j_max, seed=a.seed, include_unrewarded=a.include_unrewarded, per_step=a.per_step,
-        )  # fmt: skip
+            a.source,
+            a.out,
+            fmt=a.format,
+            rewards=a.rewards,
+            executions=a.execution or None,
+            j_max=a.j_max,
+            seed=a.seed,
+            include_unrewarded=a.include_unrewarded,
+            per_step=a.per_step,
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"gyre-tito export: {e}", file=sys.stderr)
         return 2
@@ -179,13 +186,17 @@ def main(argv: list[str] | None = None) -> int:
         "--export-dir", action="append", default=[], help="admin export may also write under DIR (repeatable)"
     )
     s.add_argument(
-        "--context-overflow", choices=["clamp", "refuse"], default="clamp",
+        "--context-overflow",
+        choices=["clamp", "refuse"],
+        default="clamp",
         help="max_tokens beyond the room left in the context: clamp it, or refuse in Anthropic's wording",
-    )  # fmt: skip
+    )
     s.add_argument(
-        "--sampling-policy", choices=["pin", "refuse", "pass"], default="pin",
+        "--sampling-policy",
+        choices=["pin", "refuse", "pass"],
+        default="pin",
         help="per-call temperature/top_p/top_k: pin to the run's (top_p=1, top_k=-1), refuse others, or pass",
-    )  # fmt: skip
+    )
     s.add_argument("--temperature", type=float, default=1.0, help="the run's sampling temperature")
     s.add_argument("--no-fsync", action="store_true", help="skip fsync per record (benchmarks only)")
     s.add_argument(

@@ -210,16 +210,23 @@ class EnginePool(KVMoves):
         # /generate streams go through HTTP_POOLS clients chosen by request id: httpcore scans every connection of
         # a pool (idle and expiry checks) each time a request starts or ends, so one pool of 256 busy connections
         # cost 39% of the proxy's CPU at 256 concurrent calls (py-spy); smaller pools make that scan short.
-        self._streams = [self._client] if client is not None else [self._client] + [
-            httpx.AsyncClient(
-                timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
-                limits=httpx.Limits(
-                    max_connections=1024, max_keepalive_connections=256 // self.HTTP_POOLS, keepalive_expiry=2.0
-                ),
-                headers=headers,
-            )
-            for _ in range(self.HTTP_POOLS - 1)
-        ]  # fmt: skip
+        self._streams = (
+            [self._client]
+            if client is not None
+            else [self._client]
+            + [
+                httpx.AsyncClient(
+                    timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
+                    limits=httpx.Limits(
+                        max_connections=1024,
+                        max_keepalive_connections=256 // self.HTTP_POOLS,
+                        keepalive_expiry=2.0,
+                    ),
+                    headers=headers,
+                )
+                for _ in range(self.HTTP_POOLS - 1)
+            ]
+        )  # fmt: skip (an aligned table)
         self.retries = 0  # attempts beyond the first, over the pool's life (for /metrics)
         # vLLM: the weight version each engine last reported (it says only at a request's end)
         self._versions: dict[str, str] = {}

@@ -157,9 +157,19 @@ def encode_incremental(
     body = len(ids)
     _extend(chat, ids, policy, gen, splices)
     ex.encode_state = EncodeState(
-        key, list(conv.turns), msgs_after, tmsgs, real_query, splices, unrecognised,
-        len(ex.text_index), seg, ids, policy, body,
-    )  # fmt: skip
+        key,
+        list(conv.turns),
+        msgs_after,
+        tmsgs,
+        real_query,
+        splices,
+        unrecognised,
+        len(ex.text_index),
+        seg,
+        ids,
+        policy,
+        body,
+    )
     return ids, policy  # shared with the state, which only ever copies a prefix of them (never changes them)
 
 

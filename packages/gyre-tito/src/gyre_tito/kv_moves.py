@@ -87,8 +87,11 @@ class KVMoves:
             fut.set_result(export)
         if export is None:
             self._pins.pop(rid, None)
-            path, body = (vllm_wire.ABORT_PATH, vllm_wire.abort_body(rid)) if vllm else (
-                "/abort_request", {"rid": rid, "abort_all": False})  # fmt: skip
+            path, body = (
+                (vllm_wire.ABORT_PATH, vllm_wire.abort_body(rid))
+                if vllm
+                else ("/abort_request", {"rid": rid, "abort_all": False})
+            )
             with contextlib.suppress(httpx.HTTPError):
                 await self._client.post(f"{url}{path}", json=body, timeout=5.0)
 

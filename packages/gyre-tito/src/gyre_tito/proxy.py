@@ -346,11 +346,14 @@ class Proxy:
             parent, n = ex.records.match(ids)
         max_new = self.fit_max_tokens(len(ids), sampling.max_new_tokens, limit)
         used = self.sampling_used(sampling, body)
-        meta = {**meta, "sampling": {
-            "policy": self.config.sampling_policy,
-            "asked": {**self._asked(body), "max_tokens": sampling.max_new_tokens},
-            "used": {**used, "max_tokens": max_new},
-        }}  # fmt: skip
+        meta = {
+            **meta,
+            "sampling": {
+                "policy": self.config.sampling_policy,
+                "asked": {**self._asked(body), "max_tokens": sampling.max_new_tokens},
+                "used": {**used, "max_tokens": max_new},
+            },
+        }
         role = self.classifiers[api].classify(body or {}, headers)
         sp = {
             "max_new_tokens": max_new,
@@ -416,8 +419,12 @@ class Proxy:
             return limit
         urls = [u.rstrip("/") for u in (route if route is not None else self.config.engines)]
         now = time.monotonic()
-        stale = [u for u in urls if u not in self._engine_context or (
-            self._engine_context[u][0] is None and now - self._engine_context[u][1] > 30.0)]  # fmt: skip
+        stale = [
+            u
+            for u in urls
+            if u not in self._engine_context
+            or (self._engine_context[u][0] is None and now - self._engine_context[u][1] > 30.0)
+        ]
         if stale:
             # one question per engine however many calls arrive meanwhile (256 calls starting together asked 256
             # times: 8% of the proxy's CPU in that minute, py-spy)

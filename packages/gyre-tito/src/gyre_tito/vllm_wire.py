@@ -25,8 +25,21 @@ _RENAMED = {
     "no_stop_trim": "include_stop_str_in_output",
     "sampling_seed": "seed",
 }
-_SAME = {"temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-         "seed", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens"}  # fmt: skip
+_SAME = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_tokens",
+}
 
 
 def sampling_params(sp: dict[str, Any]) -> dict[str, Any]:

@@ -98,8 +98,11 @@ def stack_class(namespace: dict[str, Any], name: str, mixin: type, base: str) ->
     def __getattr__(attr: str) -> Any:
         if attr != name:
             raise AttributeError(f"module {namespace['__name__']!r} has no attribute {attr!r}")
-        cls = type(name, (mixin, resolve(base)), {"__module__": namespace["__name__"], "__qualname__": name,
-                                                  "__doc__": mixin.__doc__})  # fmt: skip
+        cls = type(
+            name,
+            (mixin, resolve(base)),
+            {"__module__": namespace["__name__"], "__qualname__": name, "__doc__": mixin.__doc__},
+        )
         namespace[name] = cls
         return cls
 

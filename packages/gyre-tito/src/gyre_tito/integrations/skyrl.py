@@ -144,10 +144,15 @@ class TitoGeneratorMixin:
             extras = {**(env_extras[i] or {}), "env_class": env_classes[i]}
             async with gate:
                 return await run_episode(
-                    self.session, self.harness, prompts[i], extras,
-                    group_id=f"skyrl-{phase}-{step}-{instance}", metadata={"source": "skyrl", "trajectory_id": name},
-                    j_max=self.j_max, seed=self.seed,
-                )  # fmt: skip
+                    self.session,
+                    self.harness,
+                    prompts[i],
+                    extras,
+                    group_id=f"skyrl-{phase}-{step}-{instance}",
+                    metadata={"source": "skyrl", "trajectory_id": name},
+                    j_max=self.j_max,
+                    seed=self.seed,
+                )
 
         episodes = list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
         rewards = [float(self.reward(e)) for e in episodes]

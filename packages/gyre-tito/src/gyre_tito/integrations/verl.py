@@ -91,10 +91,15 @@ class TitoAgentLoopMixin:
         prompt = kwargs["raw_prompt"]
         uid = kwargs.get("uid") or hashlib.sha256(repr(prompt).encode()).hexdigest()[:12]
         episode: Episode = await run_episode(
-            self.session, self.harness, prompt, dict(kwargs),
-            group_id=f"verl-{uid}", metadata={"source": "verl", "index": str(kwargs.get("index"))},
-            j_max=1, seed=self.seed,
-        )  # fmt: skip
+            self.session,
+            self.harness,
+            prompt,
+            dict(kwargs),
+            group_id=f"verl-{uid}",
+            metadata={"source": "verl", "index": str(kwargs.get("index"))},
+            j_max=1,
+            seed=self.seed,
+        )
         trajectory = episode.trajectories[0]
         prompt_ids, response_ids, logprobs, mask = split_trajectory(trajectory)
         limit = self.rollout_config.prompt_length
