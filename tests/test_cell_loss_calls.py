@@ -57,9 +57,8 @@ def test_a_load_to_a_silent_cell_ends_when_the_cell_is_found_lost(tmp_path, monk
             await asyncio.wait_for(load, 5)
         assert reported == [ev.CellLost(1)]
         assert routes.engines() == []  # no engine of a cell found dead is routed to, before the policy hears
-        assert await effects.absorb(
-            1, CellCommandError("a second failed call")
-        )  # found already: no 2nd report
+        # found already: no 2nd report
+        assert await effects.absorb(1, CellCommandError("a second failed call"))
         down.add(1)
         effects.heard(1)
         assert reported == [ev.CellLost(1)] and effects.unreachable() == {1}

@@ -79,9 +79,8 @@ def test_claude_code_cli_through_proxy(tmp_path):
     home.mkdir()
     replies = _script(work)
     rules = [
-        ScriptRule(
-            absent=["<tools>"], reply="Scripted session"
-        ),  # side calls (no tools): titles and the like
+        # side calls (no tools): titles and the like
+        ScriptRule(absent=["<tools>"], reply="Scripted session"),
         ScriptRule(last_contains=["three.txt (file state"], reply=replies[4]),
         ScriptRule(last_contains=["STEP3_OK"], reply=replies[3]),
         ScriptRule(last_contains=["two.txt (file state"], reply=replies[2]),
@@ -143,9 +142,8 @@ def test_claude_code_cli_through_proxy(tmp_path):
                 if k == 0:
                     assert rec.parent_id is None
                 else:
-                    assert (
-                        rec.parent_id == main[k - 1].call_id
-                    )  # the chain matched despite the billing header
+                    # the chain matched despite the billing header
+                    assert rec.parent_id == main[k - 1].call_id
                     inc = tok.decode(rec.input_ids, skip_special_tokens=False)
                     assert "<tool_response>" in inc
                     assert len(rec.input_ids) < 400  # only new content was encoded, not the 47k-token prompt

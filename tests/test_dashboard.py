@@ -259,9 +259,8 @@ def test_view_reads_every_part_of_a_run(run):
     assert nodes[1]["parent"] == nodes[0]["call_id"] and nodes[2]["parent"] is None
     assert nodes[2]["role_class"] == "main/summary"
     assert nodes[0]["segments"] == [{"engine_id": "engine-0", "weight_version": "0", "start": 0, "end": 5}]
-    assert (
-        sum(n["target_tokens"] for n in nodes) == expect["targets"] == 5 + 4 + 6
-    )  # every output token, once
+    # every output token, once
+    assert sum(n["target_tokens"] for n in nodes) == expect["targets"] == 5 + 4 + 6
     for n in nodes:  # the pieces tile each call's output
         assert n["pieces"][0]["start"] == 0 and n["pieces"][-1]["end"] == n["output_tokens"]
     assert len(detail["trajectories"]) == expect["trajectories"] == 2

@@ -281,9 +281,8 @@ def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
     ]  # fmt: skip (an aligned table)
     assert trace.staleness == expected  # d = v_t - v_d for every consumed group
     batch = defaults.scheduler.B
-    assert (
-        trace.staleness[:batch] == [0] * batch
-    )  # the first batch was dispatched at version 0 and trained at 0
+    # the first batch was dispatched at version 0 and trained at 0
+    assert trace.staleness[:batch] == [0] * batch
     assert max(trace.staleness) >= 1  # phi > 0: later batches hold groups dispatched one version earlier
     assert any(role == "training" for cell in trace.roles for _, _, role in cell)
 
@@ -334,9 +333,8 @@ def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
     assert [s["policy_version"] for s in steps] == list(range(1, steps_n + 1))
     assert all(s["num_microsteps"] >= 4 for s in steps), [s["num_microsteps"] for s in steps]
     assert any(sum(n > 0 for n in s["microsteps_by_cell"].values()) >= 2 for s in steps)
-    assert (
-        run_dir / "checkpoints" / f"policy-v{steps_n}" / "config.json"
-    ).exists()  # the final version, saved
+    # the final version, saved
+    assert (run_dir / "checkpoints" / f"policy-v{steps_n}" / "config.json").exists()
 
     # Role switches went through gyre-cell's role manager (pause, flush, release / offload, resume, load, continue).
     switches = [

@@ -197,9 +197,10 @@ def test_a_cancellation_during_the_launch_leaves_nothing(stack):
     made: list[Path] = []
     make_cgroup = sandbox.make_cgroup
 
+    # the gate: the cgroups are made and the spawn comes next, with no wait between
     def make_then_cancel(
         name,
-    ):  # the gate: the cgroups are made and the spawn comes next, with no wait between
+    ):
         made.extend(make_cgroup(name))
         asyncio.current_task().cancel()
         return made

@@ -118,9 +118,8 @@ class Run:
         name), how it ended (`how`, default its exit by the SIGKILL: the death itself was seen, no timeout ran out)
         and its log."""
         try:
-            self.proc.wait(
-                timeout=300
-            )  # a hang guard: a run that waited out a timeout instead fails on `how`
+            # a hang guard: a run that waited out a timeout instead fails on `how`
+            self.proc.wait(timeout=300)
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()

@@ -67,9 +67,8 @@ def test_step_scalars_cover_every_tag_and_mark_undefined_ones_nan():
     assert first["clip/frac_pos_adv"] == 0.5 and first["clip/frac_neg_adv"] == 0.125
     assert first["is/w_max"] == 1.3 and first["is/capped_frac"] == 0.0625
     assert first["staleness/mean"] == 0.0 and first["staleness/max"] == 0.0
-    assert math.isnan(
-        first["is/mean_l_minus_b_dpos"]
-    )  # no token at d > 0 in the first step: nothing to measure
+    # no token at d > 0 in the first step: nothing to measure
+    assert math.isnan(first["is/mean_l_minus_b_dpos"])
     assert "clip/frac_d1" not in first
     # every cell has a micro-step count, 0 for one that claimed none
     assert (first["microsteps/cell0"], first["microsteps/cell1"], first["microsteps/cell2"]) == (5, 3, 0)

@@ -72,9 +72,8 @@ def test_mini_swe_agent_fixes_fizzbuzz_in_the_sandbox_and_every_call_is_recorded
     ).fetchall()
     con.close()
     scores = {(ev, status, score) for _, ev, status, score in rows}
-    assert ("task-swe-fizzbuzz", "valid", 1.0) in scores, (
-        rows
-    )  # mini-swe-agent's fix, checked by the hidden tests
+    # mini-swe-agent's fix, checked by the hidden tests
+    assert ("task-swe-fizzbuzz", "valid", 1.0) in scores, rows
     assert scores <= {("task-swe-fizzbuzz", "valid", 1.0), ("task-swe-slugify", "valid", 0.25)}, rows
     for eid, ev, _, _ in rows:
         records = [json.loads(x) for x in (run_dir / "records" / "records" / f"{eid}.tito.jsonl").open()]

@@ -426,9 +426,8 @@ def test_hostile_text_in_answers_and_model_output_leaves_every_section_drawn(run
     page, errors = report.page, report.errors
     run_dir, expect = run
     html = (run_dir / "report.html").read_text()
-    assert (
-        "<!--<script>" not in html and "\\u003c!--\\u003cscript\\u003e" in html
-    )  # escaped in the embedded JSON
+    # escaped in the embedded JSON
+    assert "<!--<script>" not in html and "\\u003c!--\\u003cscript\\u003e" in html
     assert not errors, errors
     assert page.eval_on_selector_all("#executions tbody tr", "t => t.length") == (STEPS + 1) * N
     assert page.eval_on_selector_all("#steps tbody tr", "t => t.length") == STEPS
@@ -441,9 +440,8 @@ def test_hostile_text_in_answers_and_model_output_leaves_every_section_drawn(run
     assert page.inner_text("#ev-id") == eid and page.inner_text("#ev-answer") == HOSTILE
     assert HOSTILE in page.inner_text("#ev-tree")  # the model's output, decoded, as text
     assert len(page.query_selector_all("#ev-tree .node")) == expect["calls"][eid]
-    assert (
-        page.evaluate("document.querySelectorAll('script').length") == 3
-    )  # nothing the data wrote was parsed
+    # nothing the data wrote was parsed
+    assert page.evaluate("document.querySelectorAll('script').length") == 3
     assert not errors, errors
 
 

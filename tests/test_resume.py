@@ -125,9 +125,8 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout.splitlines()[-1])
     assert summary["steps"] == 4  # the resumed part's own steps: 3 to 6
-    assert (
-        json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 6
-    )  # the resolved config says so
+    # the resolved config says so
+    assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 6
 
     # Step versions contiguous over both parts; the final checkpoint and the last two step checkpoints.
     assert _versions(steps) == [1, 2, 3, 4, 5, 6]

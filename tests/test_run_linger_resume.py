@@ -84,6 +84,5 @@ def test_sigint_while_lingering_prints_the_summary_and_a_resume_counts_the_whole
     assert json.loads(resumed[1].strip().splitlines()[-1])["steps"] == 1  # the resumed part's own step
     progress = resumed[2]
     assert progress and {e["steps"] for e in progress} == {2}, progress
-    assert progress[0]["step"] >= 1 and progress[-1]["step"] == 2, (
-        progress
-    )  # step 1 was done before the resume
+    # step 1 was done before the resume
+    assert progress[0]["step"] >= 1 and progress[-1]["step"] == 2, progress

@@ -29,9 +29,8 @@ def test_the_suite_is_a_valid_task_file():
     assert len(TASKS) >= 10 and len({t.query_id for t in TASKS}) == len(TASKS)
     for t in TASKS:
         assert t.scoring.kind == "exec" and Path(t.scoring.files).is_dir()
-        assert not Path(t.scoring.files).is_relative_to(
-            Path(t.workspace.dir)
-        )  # hidden tests outside the workspace
+        # hidden tests outside the workspace
+        assert not Path(t.scoring.files).is_relative_to(Path(t.workspace.dir))
         assert t.harness_timeout_s <= t.overall_budget_s
 
 

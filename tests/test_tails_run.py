@@ -70,9 +70,8 @@ def test_every_tail_in_one_run(tmp_path):
     }
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text(json.dumps(task) + "\n")
-    script = (
-        tmp_path / "script.json"
-    )  # the policy's own log-probs for "OK."; a prompt with STALL never answered
+    # the policy's own log-probs for "OK."; a prompt with STALL never answered
+    script = tmp_path / "script.json"
     script.write_text(json.dumps({"default_reply": "OK.", "hold": [STALL]}))
     argv = [
         sys.executable,
@@ -152,9 +151,8 @@ def test_every_tail_in_one_run(tmp_path):
         assert outcome[e3] == "completed"
         # The group's counted members are e1, e2, e3 (the spare took the excluded e0's place), in that order.
         expected = group_advantages([1.0, 0.0, 1.0], "grpo")
-        assert (
-            infos[e3]["group_id"] == gid
-        )  # e3's call was answered: its tokens train, with the group's advantage
+        # e3's call was answered: its tokens train, with the group's advantage
+        assert infos[e3]["group_id"] == gid
         assert infos[e3]["advantage"] == pytest.approx(expected[2], abs=1e-6)
     assert step["mean_reward"] == pytest.approx(2.0 / 3.0, abs=1e-9)
     # No group was dropped: the spare completed each one.

@@ -67,13 +67,11 @@ def test_export_joins_rewards(tmp_path):
         by.setdefault(row["execution_id"], []).append(row)
     assert set(by) == {"e0", "e1", "e3"}
     assert [x["reward"] for x in by["e0"]] == [0.75] and by["e0"][0]["assessment_status"] == "valid"
-    assert (
-        by["e0"][0]["group_id"] == "g0" and sum(by["e0"][0]["target_mask"]) == 5
-    )  # both outputs are targets
+    # both outputs are targets
+    assert by["e0"][0]["group_id"] == "g0" and sum(by["e0"][0]["target_mask"]) == 5
     assert by["e1"][0]["placeholder"] and by["e1"][0]["reward"] == 0.0
-    assert (
-        by["e3"][0]["reward"] == 1.0 and by["e3"][0]["token_ids"] == by["e0"][0]["token_ids"]
-    )  # old-format log
+    # old-format log
+    assert by["e3"][0]["reward"] == 1.0 and by["e3"][0]["token_ids"] == by["e0"][0]["token_ids"]
 
     ds = tmp_path / "ds"
     r = subprocess.run(

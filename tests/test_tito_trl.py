@@ -42,9 +42,8 @@ ANSWERS = itertools.count()
 
 def reply(prompt: str, last: str) -> str:
     n = int(re.findall(r"square of (\d+)", prompt)[-1])
-    if (
-        "<tool_response>" in last
-    ):  # numbered: every execution's outputs differ, so each trained row names its own
+    # numbered: every execution's outputs differ, so each trained row names its own
+    if "<tool_response>" in last:
         return f"The square of {n} is {n * n} (answer {next(ANSWERS)})."
     return f'<tool_call>\n{{"name": "square", "arguments": {{"n": {n}}}}}\n</tool_call>'
 
@@ -151,7 +150,6 @@ def test_trl_trains_exactly_the_recorded_tokens_and_behaviour_logprobs(tmp_path,
         expected = torch.tensor([lp for c in calls for lp in c.output_logprobs])
         assert torch.allclose(logprobs[torch.tensor(mask, dtype=torch.bool)], expected, atol=1e-6)
         assert 0 in mask  # the tool result between the two calls: trained as context, never as a target
-        assert (
-            ids[: len(calls[0].output_ids)] == calls[0].output_ids
-        )  # it starts with the first call's output
+        # it starts with the first call's output
+        assert ids[: len(calls[0].output_ids)] == calls[0].output_ids
     assert matched == set(rewarded)  # every execution trained once, each row its own

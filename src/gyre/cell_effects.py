@@ -231,9 +231,8 @@ class CellEffects:
             list(command.rejoining),
             loop.time() - t0,
         )
-        if (
-            command.members is not None
-        ):  # the run trains on fewer cells from now on: an operator should see it
+        # the run trains on fewer cells from now on: an operator should see it
+        if command.members is not None:
             gone = sorted(set(range(len(self.cells))) - set(members))
             log.warning(
                 "gloo world generation %d: cell(s) %s left out (lost for good); %d cell(s) train",

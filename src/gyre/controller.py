@@ -273,9 +273,8 @@ class Controller:
                     self._spawn(self._transition(cell, dst, moved), cell=cell)
                 case ev.Publish(version):
                     self._spawn(self._publish(version))
-                case ev.OpenBatch(version) if (
-                    self.steps_done < self.target_steps
-                ):  # none after the run's last step
+                # none after the run's last step
+                case ev.OpenBatch(version) if self.steps_done < self.target_steps:
                     final = self.policy.step_in_burst == self.policy.params.mu - 1
                     self._spawn(self._open_batch(version, final))
                 case ev.GroupReady(gid):
@@ -475,9 +474,8 @@ class Controller:
         kv = None
         if dst is CellRole.TO_TRAINING:
             try:
-                await (
-                    reroutes
-                )  # the cell's executions have their new routes: now its in-flight calls can move
+                # the cell's executions have their new routes: now its in-flight calls can move
+                await reroutes
                 kv = await self.routes.drain(cell)
             finally:
                 self.routes.switch_ended(cell)
@@ -510,9 +508,8 @@ class Controller:
 
     async def _publish(self, version: int) -> None:
         await self._publish_to_engines(version)
-        self.events.put_nowait(
-            ev.EnginesLoaded(version)
-        )  # the boundary: the policy may re-form the world first
+        # the boundary: the policy may re-form the world first
+        self.events.put_nowait(ev.EnginesLoaded(version))
 
     async def _publish_to_engines(self, version: int) -> None:
         """Core -> every rollout engine (cells in rollout and the standalone pool); cells in training load later."""

@@ -392,9 +392,8 @@ def train_policy(
     import torch
     from transformers import DynamicCache
 
-    prefix = (
-        _common_prefix(sequences) - 1
-    )  # keep one prefix token in the suffix: it predicts the first suffix token
+    # keep one prefix token in the suffix: it predicts the first suffix token
+    prefix = _common_prefix(sequences) - 1
     prefix_ids = torch.tensor([sequences[0][0][:prefix]])
     rng = random.Random(f"gyre-demo-train-{cfg.seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)

@@ -51,9 +51,8 @@ class Progress:
 
     @property
     def stream(self) -> TextIO:
-        return (
-            self._stream or sys.stderr
-        )  # looked up at each write: sys.stderr may be replaced (tests, redirection)
+        # looked up at each write: sys.stderr may be replaced (tests, redirection)
+        return self._stream or sys.stderr
 
     def update(self, done: int, total: int, elapsed_s: float, last_reward: float | None) -> None:
         """Called at each step end and on the monitor's interval."""

@@ -61,20 +61,16 @@ class ResumePoint:
     next_group: int
     cancelled: list[str] = field(default_factory=list)  # launched, not terminated when the controller stopped
     withdrawn: list[str] = field(default_factory=list)  # dispatched, never launched
-    dropped_groups: list[str] = field(
-        default_factory=list
-    )  # dispatched, not consumed by a step <= V, not carried
-    carried: list[CarriedGroup] = field(
-        default_factory=list
-    )  # not consumed by a step <= V, with a usable execution: ready or completed, then trained
-    carried_scores: dict[str, float | None] = field(
-        default_factory=dict
-    )  # usable executions' designated scores
+    # dispatched, not consumed by a step <= V, not carried
+    dropped_groups: list[str] = field(default_factory=list)
+    # not consumed by a step <= V, with a usable execution: ready or completed, then trained
+    carried: list[CarriedGroup] = field(default_factory=list)
+    # usable executions' designated scores
+    carried_scores: dict[str, float | None] = field(default_factory=dict)
     carried_paths: dict[str, str | None] = field(default_factory=dict)  # their trajectories (None: no_work)
     t_end: float = 0.0  # the trace's last time
-    untraced_steps: list[dict] = field(
-        default_factory=list
-    )  # StepReports <= V the killed controller never traced
+    # StepReports <= V the killed controller never traced
+    untraced_steps: list[dict] = field(default_factory=list)
     before: dict = field(default_factory=dict)  # d, p, f, x of the interrupted part (settled), from the trace
 
     # ---- what the pipeline calls ---------------------------------------------------------------------------

@@ -232,9 +232,8 @@ class RunView:
             if entry.name.endswith(".tito.jsonl") and entry.name not in self._records:
                 self._records[entry.name] = _Tail(Path(entry.path))
         for tail in self._records.values():
-            for rec in _json_lines(
-                tail.read(), strip=9
-            ):  # CallRecord JSON lines (older logs: "<crc32 hex> <CallRecord JSON>", gyre_tito.records)
+            # CallRecord JSON lines (older logs: "<crc32 hex> <CallRecord JSON>", gyre_tito.records)
+            for rec in _json_lines(tail.read(), strip=9):
                 timings = rec.get("timings") or {}
                 call = Call(
                     execution_id=rec["execution_id"],
@@ -390,9 +389,8 @@ class RunView:
     def _switch_rows(self) -> list[dict]:
         ends = list(self._transition_ends)
         rows = []
-        for (
-            sw
-        ) in self.switches:  # matched in order with the trace's transition_end of the same cell and direction
+        # matched in order with the trace's transition_end of the same cell and direction
+        for sw in self.switches:
             cell, a, b = int(sw.get("cell", -1)), sw.get("from_role"), sw.get("to_role")
             t = None
             for i, (te, c, _fa, fb) in enumerate(ends):

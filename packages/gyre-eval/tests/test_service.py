@@ -108,9 +108,8 @@ def test_hanging_check_is_killed_and_stays_unresolved(tmp_path, workspace):
 def test_an_evaluator_that_ignores_its_deadline_is_cut_off_at_the_budget(tmp_path, workspace):
     hangs = Hangs()
     service = _service(tmp_path, {"task": hangs})
-    (a,) = run(
-        _assess(service, submission(workspace, budget_s=0.8))
-    )  # it sleeps 3600 s: only the cut ends it
+    # it sleeps 3600 s: only the cut ends it
+    (a,) = run(_assess(service, submission(workspace, budget_s=0.8)))
     assert (a.status, a.score, a.attempts, len(hangs.calls)) == ("unresolved", None, 1, 1)
     assert "cut off at the execution's overall budget deadline" in a.provenance.last_error
 

@@ -103,9 +103,8 @@ def test_groups_of_cancelled_executions_settle_and_the_burst_trains(driver):
 def test_elastic_prefix_skips_the_lost_cell(driver):
     d = driver(make_policy(params(phi=0.0), deep_checks=True))
     d.send(CellLost(1), dt=1.0)  # its two executions move to cell 0
-    for eid in list(
-        d.running
-    ):  # both groups become ready: the core joins, then the next live cell (2, not 1)
+    # both groups become ready: the core joins, then the next live cell (2, not 1)
+    for eid in list(d.running):
         d.finish(eid)
         d.finish_transitions()
     for _ in range(3):
@@ -316,9 +315,8 @@ def test_a_carried_open_group_gets_the_executions_it_lacks_first_and_counts_its_
     assert rest[0].group_id == "g6" and not rest[0].carried
     launched = [x.spec for x in d.of(Launch)]
     assert [(x.execution_id, x.dispatch_index) for x in launched[:2]] == [("g4.e3", 3), ("g4.e4", 4)]
-    assert (
-        policy.ledger.d == 2 + 9 and policy.ledger.carried == 3
-    )  # 1.5 * N_d * B new; the old three: not again
+    # 1.5 * N_d * B new; the old three: not again
+    assert policy.ledger.d == 2 + 9 and policy.ledger.carried == 3
     d.finish("g4.e4", status="valid")  # the spare finishes first; index order decides who counts
     assert policy.ledger.groups["g4"].state.value == "open"
     d.finish("g4.e3", status="no_work")

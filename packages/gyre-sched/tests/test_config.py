@@ -40,9 +40,8 @@ def test_compare_matches_eq2_per_policy():
         "async": (1.5, 1),
         "colocate": (0.0, 4),
     }  # docs/design/reference-numbers.md settings
-    assert (
-        len({c.workload.model_dump_json() + str(c.seed) for c in cfgs.values()}) == 1
-    )  # same workload, seed
+    # same workload, seed
+    assert len({c.workload.model_dump_json() + str(c.seed) for c in cfgs.values()}) == 1
 
 
 def test_compare_colocate_with_extra_dispatch_needs_standalone_pool():

@@ -20,17 +20,15 @@ def test_preset_reproduces_the_paper_switch_times():
 
 NODE_FLOPS = 8 * 989e12 * 0.3  # the preset's node: 8 GPUs x dense bf16 peak x 30% MFU
 MATRICES = 6 * 10e9  # FLOPs a token: 6 x active parameters
-ATTENTION = (
-    6 * 48 * 8192 * 131_072
-)  # 6 x layers x width x row (causal: 4 x width x t forward at t, L / 2 on average)
+# 6 x layers x width x row (causal: 4 x width x t forward at t, L / 2 on average)
+ATTENTION = 6 * 48 * 8192 * 131_072
 
 
 def test_training_follows_active_parameters_tokens_and_attention_over_the_row():
     c = costs()
     group_tokens = 16 * 5 * 131_072  # N executions x J_max trajectories x full-context rows
-    assert c.train_node_s_per_group == pytest.approx(
-        (MATRICES + ATTENTION) * group_tokens / NODE_FLOPS
-    )  # 1631
+    # 1631
+    assert c.train_node_s_per_group == pytest.approx((MATRICES + ATTENTION) * group_tokens / NODE_FLOPS)
     assert c.microsteps_per_group == 14 and c.microstep_s == pytest.approx(c.train_node_s_per_group / 4 / 14)
     assert c.pipeline_startup_s == pytest.approx(0.67 * c.microstep_s)
     double = costs(trajectories_per_execution=10.0)
@@ -50,9 +48,8 @@ def test_training_follows_active_parameters_tokens_and_attention_over_the_row():
     assert costs(
         node_train_tflops=1600.0, attention_layers=0, tokens_per_execution=200_000.0
     ).train_node_s_per_group == (
-        pytest.approx(
-            MATRICES * 16 * 200_000 / 1600e12
-        )  # the explicit figures of the previous preset: 120 node-s
+        # the explicit figures of the previous preset: 120 node-s
+        pytest.approx(MATRICES * 16 * 200_000 / 1600e12)
     )
     assert costs(N=8).cell_train_s_per_group == pytest.approx(c.cell_train_s_per_group / 2)
     bigger_cells = costs(nodes_per_cell=8)
@@ -64,9 +61,8 @@ def test_the_basis_states_what_the_cost_comes_to():
     cost = CostConfig.model_validate(NL2REPO["cost"])
     basis = cost.basis(nodes_per_cell=4, N=16)
     assert basis["model"] == "moe" and basis["tokens_per_execution"] == 5 * 131_072
-    assert basis["attention_share"] == pytest.approx(
-        ATTENTION / (MATRICES + ATTENTION)
-    )  # 84%: attention dominates
+    # 84%: attention dominates
+    assert basis["attention_share"] == pytest.approx(ATTENTION / (MATRICES + ATTENTION))
     assert basis["node_train_tflops"] == pytest.approx(NODE_FLOPS / 1e12)
     assert basis["cell_train_s_per_group"] == pytest.approx(costs().cell_train_s_per_group)
     assert CostConfig.model_validate(NL2REPO_DENSE["cost"]).basis(nodes_per_cell=4, N=16)["model"] == "dense"

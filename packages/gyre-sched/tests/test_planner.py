@@ -29,9 +29,8 @@ def test_the_planner_meets_its_staleness_target(small, target):
     res, lines, sim = traced(cfg)
     # realized, per consumed group, warm-up burst and refills aside (as eq. 2 is checked): within 0.05 of the target
     assert abs(res.mean_staleness_steady - target) <= 0.05, res.mean_staleness_steady
-    assert (
-        res.mean_staleness <= target + 0.05
-    )  # every group: the run's end leaves the oldest groups unconsumed
+    # every group: the run's end leaves the oldest groups unconsumed
+    assert res.mean_staleness <= target + 0.05
     s = summarize_trace(lines)  # the trace recomputes exactly what the policy reports
     assert s.staleness == res.staleness
     plans = [x for x in lines if x["ev"] == "burst_plan"]

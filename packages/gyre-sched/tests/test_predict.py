@@ -53,9 +53,8 @@ def test_predicting_a_simulated_trace_reproduces_the_simulator(small, tmp_path, 
     assert m["microsteps_per_group"].value == c.microsteps_per_group
     assert m["pipeline_startup_s"].value == pytest.approx(c.pipeline_startup_s, abs=1e-4)
     assert m["publish_s"].value == pytest.approx(c.publish_s, abs=1e-4)
-    assert m["optimizer_s"].value == pytest.approx(
-        c.pipeline_drain_s + c.optimizer_s, abs=1e-3
-    )  # the step's tail
+    # the step's tail
+    assert m["optimizer_s"].value == pytest.approx(c.pipeline_drain_s + c.optimizer_s, abs=1e-3)
     if kind == "elastic":  # satellites train in non-final steps: the broadcast after them separates out
         assert m["broadcast_s"].value == pytest.approx(c.broadcast_s, abs=1e-3)
     if kind != "async":  # async never switches

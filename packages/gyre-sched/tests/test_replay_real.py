@@ -58,9 +58,8 @@ def test_the_recording_holds_the_crash_condition():
     durations, reroutes, _ = recorded(REAL)
     assert next(iter_trace(REAL))["real"] is True
     default = replay_cfg(REAL).costs().reroute_penalty_s  # the penalty the replay below charges by default
-    assert (
-        default > 5.0
-    )  # 15.25 s: re-prefilling 100k tokens of context on one node of the default (122B) model
+    # 15.25 s: re-prefilling 100k tokens of context on one node of the default (122B) model
+    assert default > 5.0
     assert reroutes and all(durations[e] < default for e in reroutes)
 
 

@@ -122,9 +122,8 @@ def test_an_executions_cgroup_limits_and_kills_its_whole_tree(root):
         LaunchSandbox.remove_cgroups(cgroups)
 
     assert forker.wait(timeout=10) == -9
-    assert not any(
-        cg.exists() for cg in cgroups
-    )  # rmdir succeeds only on an empty cgroup: the children died too
+    # rmdir succeeds only on an empty cgroup: the children died too
+    assert not any(cg.exists() for cg in cgroups)
     for pid in tree - {forker.pid}:
         state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() else "gone"
         assert state in ("gone", "Z"), (pid, state)

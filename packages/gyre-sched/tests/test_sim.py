@@ -165,9 +165,8 @@ def test_replay_with_censored_executions_and_bad_lines(small, tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_bytes(raw)
     wl = cfg.workload.model_copy(update={"trace": str(path)})
-    replay = Simulator(
-        cfg.model_copy(update={"workload": wl, "steps": 2 * cfg.steps})
-    ).run()  # cycles the groups
+    # cycles the groups
+    replay = Simulator(cfg.model_copy(update={"workload": wl, "steps": 2 * cfg.steps})).run()
     assert replay.steps == 2 * cfg.steps
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(raw.splitlines()[0] + b'\n{"t": 1.0, "ev": "launch"}\n')

@@ -29,9 +29,8 @@ def test_idle_spares_wait_behind_regular_entries_and_jump_ahead_when_needed(driv
     d.send(Assessed("g0.e0", "excluded"))  # g0's spare now counts: it goes to the front
     d.finish("g1.e0")
     assert launched(d)[-1] == "g0.e2"
-    d.finish(
-        "g1.e1"
-    )  # the freed slot has nothing else to run: g1's spare uses it, then g1 is ready without it
+    # the freed slot has nothing else to run: g1's spare uses it, then g1 is ready without it
+    d.finish("g1.e1")
     assert launched(d)[-1] == "g1.e2" and d.cancelled == ["g1.e2"]
     d.settle_cancels()
     d.finish("g0.e2")  # g0 ready with e1 and the spare (dispatch-index order, e0 excluded)

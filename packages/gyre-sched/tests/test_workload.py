@@ -51,9 +51,8 @@ def plans(cfg: WorkloadConfig, groups: int, n: int = 16, seed: int = 0):
 def test_per_query_hangs_take_whole_queries_and_per_execution_ones_do_not():
     per_query = plans(wl(NL2REPO, overall_timeout_rate=0.05, hang_query_rate=0.05), 600)
     broken = [g for g in per_query if any(p.outcome == "overall_timeout" for p in g)]
-    assert all(
-        p.outcome in ("overall_timeout", "failed") for g in broken for p in g
-    )  # all but complete failures
+    # all but complete failures
+    assert all(p.outcome in ("overall_timeout", "failed") for g in broken for p in g)
     assert 10 <= len(broken) <= 50  # 5% of 600
     per_exec = plans(wl(NL2REPO, overall_timeout_rate=0.05, exclusion="per_execution"), 600)
     hung = [sum(p.outcome == "overall_timeout" for p in g) for g in per_exec]

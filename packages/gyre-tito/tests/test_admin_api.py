@@ -79,9 +79,8 @@ def test_a_malformed_body_is_a_400_naming_the_field(srv, method, path, body, fie
     assert srv.proxy.get("e1").route is None and srv.proxy.loaded_executions() == ["e1"]
 
 
-@pytest.mark.parametrize(
-    ("method", "path"), sorted({(m, p) for m, p, _, _ in MALFORMED})
-)  # the routes with a body
+# the routes with a body
+@pytest.mark.parametrize(("method", "path"), sorted({(m, p) for m, p, _, _ in MALFORMED}))
 @pytest.mark.parametrize(
     ("raw", "problem"), [(b"{not json", "body: Invalid JSON"), (b"[1]", "body: Input should be")]
 )

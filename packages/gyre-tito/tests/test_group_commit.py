@@ -57,9 +57,8 @@ def test_appends_waiting_together_share_one_fsync_and_none_returns_before_it(tmp
     first = store.committer.submit(logs[0], _rec("ex0", 0))
     assert gate.entered.wait(30)  # the committer is inside the first batch's sync
     rest = [store.committer.submit(r, _rec(r.execution_id, 0)) for r in logs[1:]]
-    assert not first.done() and not any(
-        f.done() for f in rest
-    )  # nothing acknowledged before its sync returns
+    # nothing acknowledged before its sync returns
+    assert not first.done() and not any(f.done() for f in rest)
     assert len(logs[0].tree) == 0  # nor visible in the tree
     gate.release.set()
     assert [f.result(30).call_id for f in [first, *rest]] == [f"ex{i}/c0" for i in range(9)]

@@ -122,9 +122,8 @@ def test_incremental_encoding_equals_whole_encoding(setup, seed):
         if r < 0.18:
             thinking = {"type": "disabled"} if thinking is None else None
             continue
-        if (
-            r < 0.25
-        ):  # a harness-written assistant turn with reasoning (not one of ours), maybe calling a tool
+        # a harness-written assistant turn with reasoning (not one of ours), maybe calling a tool
+        if r < 0.25:
             hid = f"toolu_h{len(history)}"
             own = (
                 [{"type": "tool_use", "id": hid, "name": "Bash", "input": {"x": "h"}}]

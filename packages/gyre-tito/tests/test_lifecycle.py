@@ -118,9 +118,8 @@ def test_ended_execution_is_unloaded_and_exports_the_same(tok_dir, tmp_path, eng
         _assert_ended_401(srv, c1)
         assert srv.admin("POST", f"/admin/executions/{e1}/end").status_code == 200  # idempotent
         assert srv.admin("POST", "/admin/executions", {"execution_id": "e1"}).status_code == 409
-        assert (
-            _msg(srv.url, c2, [{"role": "user", "content": "task two"}]).status_code == 200
-        )  # e2 unaffected
+        # e2 unaffected
+        assert _msg(srv.url, c2, [{"role": "user", "content": "task two"}]).status_code == 200
         metrics = srv.admin("GET", "/metrics").text
         assert 'gyre_tito_executions{state="ended"} 1' in metrics
         assert 'gyre_tito_executions{state="active"} 1' in metrics

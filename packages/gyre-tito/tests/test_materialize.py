@@ -87,9 +87,8 @@ def test_prefix_already_fixed_is_context_in_the_second_trajectory():
     trajs = select_trajectories(tree, "g", SelectionConfig(seed=0))
     assert len(trajs) == 2
     first, second = trajs
-    assert (
-        first.num_targets == tree.path_len(first.leaf_call_id) - 3
-    )  # all outputs on its path (inputs: 3 tokens)
+    # all outputs on its path (inputs: 3 tokens)
+    assert first.num_targets == tree.path_len(first.leaf_call_id) - 3
     # The shared node `a` was fixed in the first trajectory: in the second it is context (mask 0, logprob 0.0).
     assert second.target_mask[2:5] == [0, 0, 0] and second.behavior_logprobs[2:5] == [0.0, 0.0, 0.0]
     assert second.num_targets == tree.node(second.leaf_call_id).n_output

@@ -68,9 +68,8 @@ def test_streamed_chunks_take_their_versions_from_the_last_chunks_spans():
     spans = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]
     vllm_wire.apply_chunk(att, _chunk([7], [-0.5], "stop", spans), "3")
     assert att.ids == [5, 6, 7] and att.logprobs == [-1.0, -2.0, -0.5] and att.versions == ["3", "4", "4"]
-    assert (
-        att.finish == "stop" and att.matched == 7
-    )  # an EOS: vLLM gives no stop_reason, the last token is it
+    # an EOS: vLLM gives no stop_reason, the last token is it
+    assert att.finish == "stop" and att.matched == 7
 
 
 @pytest.mark.parametrize(

@@ -321,9 +321,8 @@ def main() -> None:
     status_fd = int(sys.argv[2])
     service = int(spec.get("parent", os.getppid()))
     _die_with_parent(service)
-    resource.setrlimit(
-        resource.RLIMIT_CORE, (0, 0)
-    )  # mirroring a fatal signal must not dump this process's core
+    # mirroring a fatal signal must not dump this process's core
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     try:
         _join_cgroups(spec)
         if spec["isolate"]:
@@ -341,9 +340,8 @@ def main() -> None:
                 os.close(status_fd)
                 _forward_exit(pid)
             outer = os.getppid()
-            _die_with_parent(
-                outer
-            )  # the namespace's init (PID 1) dies with the outer process: so does the namespace
+            # the namespace's init (PID 1) dies with the outer process: so does the namespace
+            _die_with_parent(outer)
             _isolate(spec)
             _prepare(spec)
             _drop_privileges(spec, in_userns)

@@ -44,9 +44,8 @@ class EvalClient:
         """`retry_s`: how long a call keeps retrying when the service cannot be reached (a restart in progress);
         every call is safe to repeat (submissions are idempotent)."""
         self.retry_s = retry_s
-        headers = (
-            {"authorization": f"Bearer {token}"} if token else None
-        )  # the service's token, if it has one
+        # the service's token, if it has one
+        headers = {"authorization": f"Bearer {token}"} if token else None
         self._http = client or httpx.AsyncClient(
             base_url=base_url.rstrip("/"), timeout=timeout, headers=headers
         )

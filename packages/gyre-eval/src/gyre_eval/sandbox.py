@@ -202,9 +202,8 @@ class Sandbox:
         finally:
             if cgroup is not None:
                 await asyncio.to_thread(cgroup.remove)  # kills what is left in it first
-            await asyncio.to_thread(
-                _remove_root, root, owner
-            )  # the lock goes last: no sweep sees a live root
+            # the lock goes last: no sweep sees a live root
+            await asyncio.to_thread(_remove_root, root, owner)
             if lease is not None:
                 os.close(lease[1])
 

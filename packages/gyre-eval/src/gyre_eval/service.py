@@ -199,9 +199,8 @@ class AssessmentService:
                 min=self.config.retry_wait_min_s,
                 max=self.config.retry_wait_max_s,
             ),
-            retry=retry_if_exception_type(
-                Exception
-            ),  # any evaluator exception is a failure; cancellation is not
+            # any evaluator exception is a failure; cancellation is not
+            retry=retry_if_exception_type(Exception),
             reraise=True,
         )
         verdict: Verdict | None = None

@@ -164,9 +164,8 @@ class AssessmentStore:
                 raise ConflictError(
                     f"group {sub.group_id} has size {group['size']}; submission says {sub.group_size}"
                 )
-            elif (
-                sub.dispatched > group["dispatched"]
-            ):  # a resumed run dispatched more into a group it carried over
+            # a resumed run dispatched more into a group it carried over
+            elif sub.dispatched > group["dispatched"]:
                 db.execute(
                     "UPDATE groups SET dispatched = ? WHERE group_id = ?", (sub.dispatched, sub.group_id)
                 )

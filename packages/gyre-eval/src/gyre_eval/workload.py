@@ -38,9 +38,8 @@ class WorkloadEvaluator:
         plan = plan_of(self.workload, self.seed, request.execution_id)
         number = self._attempts[request.execution_id] = self._attempts.get(request.execution_id, 0) + 1
         latency, succeeded = plan.evaluation[number - 1] if number <= len(plan.evaluation) else (0.0, True)
-        await asyncio.sleep(
-            latency
-        )  # the evaluator's drawn latency (wall time: this evaluator plays a workload)
+        # the evaluator's drawn latency (wall time: this evaluator plays a workload)
+        await asyncio.sleep(latency)
         if not succeeded:
             raise EvaluatorError(f"the workload drew a failure for attempt {number}")
         group, index = execution_of(request.execution_id)

@@ -70,9 +70,8 @@ def model_size(run_dir: Path) -> tuple[int, float]:
     V, H, I, L = c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]  # noqa: E741
     heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
     hd = c.get("head_dim", H // heads)
-    layer = (
-        H * heads * hd * 2 + H * kv * hd * 2 + 3 * H * I + 2 * H + 2 * hd
-    )  # q, o, k, v, MLP, 2 norms, q/k norms
+    # q, o, k, v, MLP, 2 norms, q/k norms
+    layer = H * heads * hd * 2 + H * kv * hd * 2 + 3 * H * I + 2 * H + 2 * hd
     params = V * H * (1 if c.get("tie_word_embeddings") else 2) + L * layer + H
     return params, float(_DTYPE_BYTES.get(str(c.get("dtype") or c.get("torch_dtype") or "bfloat16"), 2))
 
@@ -202,9 +201,8 @@ def fit_costs(run_dirs: list[str | Path], *, simulate: bool = True) -> CostFit:
             for ts in by_cell.values():
                 ts.sort()
                 for i, ((t0, _), (t1, ready)) in enumerate(itertools.pairwise(ts)):
-                    if (
-                        ready > t0
-                    ):  # its group became ready after the cell's last claim: the gap may hold a wait
+                    # its group became ready after the cell's last claim: the gap may hold a wait
+                    if ready > t0:
                         continue
                     (gaps if i else firsts).append(Sample(r.path.name, t1 - t0, tokens))
             tails.append(Sample(r.path.name, b["end"] - max(b["claims"])[0], tokens))

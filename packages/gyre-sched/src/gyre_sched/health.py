@@ -130,9 +130,8 @@ class CellHealth:
         return [CellGone(cell, reason)]
 
     def _load(self, cell: int, *, publishing: bool, published: int, after_s: float = 0.0) -> list[Decision]:
-        if (
-            publishing
-        ):  # the core refreshes its buffer in place while it publishes: load the new version after
+        # the core refreshes its buffer in place while it publishes: load the new version after
+        if publishing:
             self.cells[cell].load_waits = True
             return []
         return [LoadWeights(cell, published, after_s)]
@@ -221,9 +220,8 @@ class CellHealth:
         for i, rec in enumerate(self.cells):
             if not rec.unformed:
                 continue
-            if (
-                rec.health is not Health.SERVING
-            ):  # lost meanwhile (its restart rejoins it), or untrained already
+            # lost meanwhile (its restart rejoins it), or untrained already
+            if rec.health is not Health.SERVING:
                 rec.unformed = False
             elif roles[i] is not CellRole.ROLLOUT and not trains_through:
                 break  # still switching: the next boundary

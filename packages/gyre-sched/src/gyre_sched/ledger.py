@@ -297,9 +297,8 @@ class Ledger:
             return self._drop(g)
         needed = [execs[i] for i in indices]
         if state == "pending":
-            if self.idle_spares and any(
-                e.status == "excluded" for e in execs
-            ):  # a spare now counts: launch it next
+            # a spare now counts: launch it next
+            if self.idle_spares and any(e.status == "excluded" for e in execs):
                 for e in needed:
                     if e.index >= self.N and e.state is ExecState.QUEUED and e.id not in self._promoted:
                         self._promoted.add(e.id)

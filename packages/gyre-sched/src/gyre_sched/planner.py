@@ -123,9 +123,8 @@ class AdaptivePlanner:
         start = min(p.mu, self.mu_max)
         if self.mu_rule == "fixed":
             return start
-        if (
-            self.mu_rule == "learn"
-        ):  # the mu whose recent bursts took least per step; each untried neighbour once
+        # the mu whose recent bursts took least per step; each untried neighbour once
+        if self.mu_rule == "learn":
             seen = {m: sum(v[-3:]) / len(v[-3:]) for m, v in self.seconds_per_step.items()}
             if not seen:
                 return start

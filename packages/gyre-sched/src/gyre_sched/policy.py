@@ -381,9 +381,8 @@ class PolicyCore:
     def _cell_untrained(self, cell: int) -> list[Decision]:
         """A live satellite's training world is gone (a failed re-form, at a burst boundary): rollout-only."""
         if cell == 0 or cell in self.lost:
-            raise InvariantError(
-                f"cell {cell} cannot become rollout-only (core or lost)"
-            )  # health never says so
+            # health never says so
+            raise InvariantError(f"cell {cell} cannot become rollout-only (core or lost)")
         if self.roles[cell] is not CellRole.ROLLOUT:
             raise InvariantError(f"cell {cell} lost its training world while {self.roles[cell].value}")
         self.rollout_only.add(cell)
@@ -495,9 +494,8 @@ class PolicyCore:
         self.mu_now, self.k_now = plan.mu, plan.k_spare
         self.ledger.N_d = self.params.N + plan.k_spare  # refills of this burst get the same spares
         out: list[Decision] = []
-        if (
-            self.params.planner != "fixed"
-        ):  # a fixed plan is the header's (phi, mu, k_spare): traces stay as they were
+        # a fixed plan is the header's (phi, mu, k_spare): traces stay as they were
+        if self.params.planner != "fixed":
             out.append(BurstPlanned(self.version, plan.mu, plan.dispatch, plan.k_spare))
         return out + [self.ledger.dispatch() for _ in range(plan.dispatch)]
 

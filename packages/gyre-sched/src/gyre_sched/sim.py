@@ -237,9 +237,8 @@ class Simulator(FaultPlaying):
             if cell in self._busy or cell in self._dead or self.policy.roles[cell] is not CellRole.TRAINING:
                 continue
             if cell not in self._warm and (b.todo or self.policy.ledger.ready):
-                self._warm.add(
-                    cell
-                )  # a cell's first claim of the run waits for its warm-up (load, first kernels)
+                # a cell's first claim of the run waits for its warm-up (load, first kernels)
+                self._warm.add(cell)
                 if self.costs.warmup_s > 0:
                     self._busy.add(cell)
                     self._at(self.now + self.costs.warmup_s, ("warm", cell))

@@ -117,9 +117,8 @@ class TraceWriter:
         for d in decisions:
             match d:
                 case Dispatch(gid, qid, ids, v_d, refill, carried):
-                    more = (
-                        {"carried": True} if carried else {}
-                    )  # a resumed run's further executions of the group
+                    # a resumed run's further executions of the group
+                    more = {"carried": True} if carried else {}
                     self.write(
                         t,
                         "dispatch",

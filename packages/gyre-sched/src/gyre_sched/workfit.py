@@ -81,9 +81,8 @@ def workload_stats(
 ) -> dict[str, float]:
     """Every statistic of ``STATS`` for ``queries`` sampled queries of ``N`` executions (hangs to the budget)."""
     d = draws or Draws.sample(queries, N, seed)
-    c = cfg.model_copy(
-        update={"exclusion_known": "budget"}
-    )  # what the paper measured: hangs ran to the budget
+    # what the paper measured: hangs ran to the budget
+    c = cfg.model_copy(update={"exclusion_known": "budget"})
     end, code, _ = terminations(
         c, z_query=d.z_query, u_hard=d.u_hard, u_prone=d.u_prone, z_exec=d.z_exec, u_exec=d.u_exec
     )

@@ -85,9 +85,8 @@ def export_target(proxy, path: Any) -> Path:
             400, "invalid_request_error", "path: must be a non-empty string (at most 4096 chars)"
         )
     try:
-        target = Path(
-            path
-        ).resolve()  # `..` and symlinks resolved: what is checked is where the bytes would go
+        # `..` and symlinks resolved: what is checked is where the bytes would go
+        target = Path(path).resolve()
     except (OSError, RuntimeError) as e:
         raise ProtocolError(400, "invalid_request_error", f"path: {e}") from None
     inside = any(target != root and target.is_relative_to(root) for root in roots)

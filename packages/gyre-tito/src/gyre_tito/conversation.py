@@ -72,9 +72,8 @@ class Conversation:
     system: str | None
     turns: list[Turn]
     tools: list[dict[str, Any]]  # OpenAI function form: {"type": "function", "function": {...}}
-    volatile: list[str] = field(
-        default_factory=list
-    )  # text removed from the system prompt (kept as metadata)
+    # text removed from the system prompt (kept as metadata)
+    volatile: list[str] = field(default_factory=list)
     enable_thinking: bool | None = None
 
     def template_messages(self, recorded_for: Callable[[Turn], int | None]) -> list[dict[str, Any]]:

@@ -80,13 +80,11 @@ class Execution:
     metadata: dict[str, Any] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # guards tree reads against an append in flight
     turn_cache: TurnCache = field(default_factory=lambda: TurnCache())  # parsed messages (see anthropic_api)
-    encode_state: EncodeState = field(
-        default_factory=EncodeState
-    )  # the last request, encoded (incremental.py)
+    # the last request, encoded (incremental.py)
+    encode_state: EncodeState = field(default_factory=EncodeState)
     inflight: int = 0  # calls between `Proxy.finish` start and end: an ended execution is unloaded only at 0
-    serving: set[asyncio.Task] = field(
-        default_factory=set
-    )  # its calls' generations: `Proxy.end` cancels them
+    # its calls' generations: `Proxy.end` cancels them
+    serving: set[asyncio.Task] = field(default_factory=set)
 
     def recorded_call(self, t: Turn) -> str | None:
         """Call id of our recorded response that assistant turn `t` replays (tool-call payload cache), or None."""

@@ -83,9 +83,8 @@ class EncodeState:
     splices: Splices | None = None
     unrecognised: list[int] = field(default_factory=list)  # text-only assistant turns no record matched
     text_index_len: int = 0
-    seg: list[int] = field(
-        default_factory=list
-    )  # token offset of part p (0: head, 1 + j: message j), -1: mid-part
+    # token offset of part p (0: head, 1 + j: message j), -1: mid-part
+    seg: list[int] = field(default_factory=list)
     ids: array = field(default_factory=lambda: array("i"))  # the whole request's, generation prompt last
     policy: bytearray = field(default_factory=bytearray)
     body: int = 0  # tokens before the generation prompt

@@ -200,9 +200,8 @@ class KVMoves:
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 rec.status, rec.reason = "failed", repr(e)
         rec.takeover_s = time.perf_counter() - t0
-        if (
-            rec.status != "installed"
-        ):  # the source may still hold the pin: give it back now instead of at expiry
+        # the source may still hold the pin: give it back now instead of at expiry
+        if rec.status != "installed":
             with contextlib.suppress(httpx.HTTPError):
                 await self._client.post(
                     f"{src}/kv/release", json={"migration_id": export.get("migration_id")}, timeout=5.0

@@ -180,9 +180,8 @@ class Proxy:
                 raise ProtocolError(400, "invalid_request_error", f"{name}: {problem}")
         if eid in self.executions or eid in self.ended or eid in self.quarantined:
             raise ProtocolError(409, "invalid_request_error", f"execution {eid!r} already exists")
-        if self.records.path(
-            eid
-        ).exists():  # a log without a registration (a registry line was lost): keep it
+        # a log without a registration (a registry line was lost): keep it
+        if self.records.path(eid).exists():
             raise ProtocolError(409, "invalid_request_error", f"execution {eid!r} already has a record log")
         credential = "tito-" + secrets.token_urlsafe(24)
         ev = {

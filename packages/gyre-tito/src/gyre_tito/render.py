@@ -253,9 +253,8 @@ class ChatTokenizer:
         return len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes
 
     def _encode_piece(self, piece: str) -> array:
-        if (
-            len(piece) >= self.BIG_PIECE_CHARS
-        ):  # releases the GIL: other threads and the event loop keep running
+        # releases the GIL: other threads and the event loop keep running
+        if len(piece) >= self.BIG_PIECE_CHARS:
             return array("i", self.tokenizer.encode_batch([piece], add_special_tokens=False)[0].ids)
         return array("i", self.tokenizer.encode(piece, add_special_tokens=False).ids)
 

@@ -90,9 +90,8 @@ def create_app(proxy: Proxy) -> FastAPI:
         counters[(api, status)] = counters.get((api, status), 0) + 1
 
     @app.exception_handler(Exception)
-    async def _unexpected(
-        req: Request, exc: Exception
-    ) -> JSONResponse:  # last resort: still the protocol's shape
+    # last resort: still the protocol's shape
+    async def _unexpected(req: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error on %s", req.url.path)
         e = ProtocolError(500, "api_error", f"internal error: {type(exc).__name__}")
         return _openai_error(e) if req.url.path.startswith("/v1/chat") else _anthropic_error(e)
@@ -106,9 +105,8 @@ def create_app(proxy: Proxy) -> FastAPI:
         status, not a 200 carrying an error. The generation runs as its own task: a harness that disconnects does not
         cancel it, so the call is still recorded (and its tool-call payloads cached) when the harness retries."""
         task = asyncio.ensure_future(proxy.finish(call))
-        task.add_done_callback(
-            lambda t: t.cancelled() or t.exception()
-        )  # never "exception was never retrieved"
+        # never "exception was never retrieved"
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         accepted = asyncio.ensure_future(call.accepted.wait())
         try:
             await asyncio.wait(
