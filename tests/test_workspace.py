@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -100,6 +101,24 @@ def test_light_package_does_not_import_torch(module):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"{module} imported {out.stdout.strip()}"
+
+
+@pytest.mark.parametrize(
+    "module", ["gyre", "gyre_cell", "gyre_eval", "gyre_sched", "gyre_tito", "gyre_train"]
+)
+def test_every_package_declares_its_public_api_and_importing_it_is_light(module):
+    """Each package's `__init__` names its API (`__all__`, every name resolves), and importing the package itself loads
+    no torch: the heavy packages' names load on first use."""
+    code = (
+        "import importlib, json, sys\n"
+        f"pkg = importlib.import_module({module!r})\n"
+        "light = 'torch' not in sys.modules\n"
+        "missing = [name for name in pkg.__all__ if getattr(pkg, name, None) is None]\n"
+        "print(json.dumps([len(pkg.__all__), light, missing]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    count, light, missing = json.loads(out.stdout)
+    assert count > 0 and light and missing == [], out.stdout
 
 
 # The README's test command: the `dev` group brings what the tests import (SGLang, Megatron-core, Ray, playwright...),
