@@ -33,7 +33,7 @@ NO_SCORE = 3
 SANDBOX_UID = 65534
 ETC_FILES = ("/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/localtime", "/etc/ssl",
              "/etc/ca-certificates", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf",
-             "/etc/ld.so.conf.d", "/etc/mime.types")  # fmt: skip
+             "/etc/ld.so.conf.d", "/etc/mime.types", "/etc/terminfo")  # fmt: skip
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -147,8 +147,9 @@ def _give(path: str, uid: int) -> None:
             os.lchown(os.path.join(dirpath, name), uid, uid)
 
 
-def bwrap_argv(spec: dict, workspace: str, tests: str, logs: str, root: bool) -> list[str]:
-    """The bubblewrap command line running the task's test.sh (see the module's docstring)."""
+def sandbox_base(root: bool) -> list[str]:
+    """bubblewrap's namespaces and the read-only part of the root: ``/usr``, its links, a few files of ``/etc``,
+    ``/proc`` and ``/dev`` (also gyre.harbor_env's)."""
     bwrap = shutil.which("bwrap") or "bwrap"
     if root:  # no user namespace: it would map the verifier back to root on the host; setpriv drops instead
         cmd = [
@@ -161,7 +162,7 @@ def bwrap_argv(spec: dict, workspace: str, tests: str, logs: str, root: bool) ->
         ]
     else:
         cmd = [bwrap, "--unshare-all"]
-    cmd += ["--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
+    cmd += ["--die-with-parent", "--ro-bind", "/usr", "/usr"]
     for link in ("bin", "lib", "lib64", "sbin"):
         if os.path.islink(f"/{link}"):
             cmd += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
@@ -170,7 +171,18 @@ def bwrap_argv(spec: dict, workspace: str, tests: str, logs: str, root: bool) ->
     for path in ETC_FILES:
         if os.path.exists(path):
             cmd += ["--ro-bind", path, path]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
+    return [*cmd, "--proc", "/proc", "--dev", "/dev"]
+
+
+def drop_privileges() -> list[str]:
+    """The argv prefix that runs a command as `SANDBOX_UID` without capabilities or new privileges (run by root)."""
+    return ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--no-new-privs"]  # fmt: skip
+
+
+def bwrap_argv(spec: dict, workspace: str, tests: str, logs: str, root: bool) -> list[str]:
+    """The bubblewrap command line running the task's test.sh (see the module's docstring)."""
+    cmd = [*sandbox_base(root), "--new-session", "--perms", "1777", "--tmpfs", "/tmp"]
     cmd += ["--bind", workspace, spec["workdir"], "--ro-bind", tests, "/tests", "--bind", logs, "/logs"]
     cmd += ["--chdir", spec["workdir"], "--clearenv"]
     env = {"PATH": PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", **spec.get("env", {})}
@@ -179,8 +191,7 @@ def bwrap_argv(spec: dict, workspace: str, tests: str, logs: str, root: bool) ->
     script = "/tests/test.sh"
     run = [script] if os.access(os.path.join(tests, "test.sh"), os.X_OK) else ["bash", script]
     if root:
-        run = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
-               "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", *run]  # fmt: skip
+        run = [*drop_privileges(), *run]
     shell = 'exec "$@" > /logs/verifier/test-stdout.txt 2>&1'
     return [*cmd, "--", "/bin/sh", "-c", shell, "sh", *run]
 
