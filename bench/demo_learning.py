@@ -16,7 +16,7 @@ process, nothing else changed) and the bench reads what the run left behind:
   (training) and a publication was under way (publication). The last four overlap (the point of the scheduler),
   so they do not add up to 1;
 - calls per execution, executions with 2+ trajectories, steps where 2+ cells claimed micro-steps;
-- held-out: the initial and each run's final policy play the same 64 held-out episodes (`gyre.demo_eval`: same
+- held-out: the initial and each run's final policy play the same 64 held-out episodes (`gyre.demo.evaluation`: same
   queries, same sampling seed, in this process), so query order and difficulty leave the comparison; the figure is
   final / initial mean reward (the training curve's quarters also differ by which queries each step met).
 
@@ -41,8 +41,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from gyre.config import RunConfig
-from gyre.demo_eval import evaluate_policy
-from gyre.demo_model import demo_policy
+from gyre.demo.evaluation import evaluate_policy
+from gyre.demo.model import demo_policy
 from gyre_sched.trace import iter_trace
 from gyre_tito.records import read_log
 

@@ -139,7 +139,7 @@ def start_worker(tree: Path, model: str, run_dir: Path) -> dict:
 def worker_section(args: argparse.Namespace, tmp: Path) -> dict:
     model = args.model
     if model is None:
-        from gyre.demo_model import demo_policy
+        from gyre.demo.model import demo_policy
 
         model = str(demo_policy())
     rev = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=ROOT, check=True, text=True,

@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 
-from gyre import agent
-from gyre.agent import NOTES_HEADER, compact, run_conversation, run_tool
+from gyre.demo import agent
+from gyre.demo.agent import NOTES_HEADER, compact, run_conversation, run_tool
 
 
 def test_read_and_list(tmp_path):

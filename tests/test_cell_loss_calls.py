@@ -1,4 +1,4 @@
-"""A call to a satellite whose port never answers gives up once the cell is found lost (gyre.cell_effects).
+"""A call to a satellite whose port never answers gives up once the cell is found lost (gyre.run.cell_effects).
 
 A killed cell's port taken by a listener that never answers (or a host gone quiet) keeps an HTTP call open for the
 client's whole timeout (600 s); a publication waiting on such a load held stop 32's CI run for good. Here the
@@ -13,9 +13,9 @@ import socket
 
 import pytest
 
-import gyre.cell_effects as cell_effects
-from gyre.cell_effects import CellEffects
-from gyre.engine_routes import EngineRoutes
+import gyre.run.cell_effects as cell_effects
+from gyre.run.cell_effects import CellEffects
+from gyre.run.engine_routes import EngineRoutes
 from gyre_cell.worker_client import CellCommandError, CellWorkerClient
 from gyre_cell.worker_types import PublishedWeights
 from gyre_sched import events as ev

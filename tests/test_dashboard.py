@@ -21,9 +21,9 @@ import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
 
-from gyre.dashboard.server import DashboardServer, is_loopback, make_app
-from gyre.metrics import INTERVAL_TAGS, STEP_TAGS
-from gyre.rundata import RunView
+from gyre.observe.dashboard.server import DashboardServer, is_loopback, make_app
+from gyre.observe.metrics import INTERVAL_TAGS, STEP_TAGS
+from gyre.observe.rundata import RunView
 from gyre_eval.store import AssessmentStore
 from gyre_eval.types import AttemptRecord, Provenance, Submission
 from gyre_tito.export import write_trajectories
@@ -277,7 +277,7 @@ def test_view_reads_every_part_of_a_run(run):
 def test_report_reads_the_run_with_one_refresh(run, monkeypatch):
     """report.html shows up to 200 executions' details: one refresh of the view for all of them, not one each (a
     refresh re-reads every assessment; a finished default demo spent 12 s that way), with the same details."""
-    from gyre.report import report_data
+    from gyre.observe.report import report_data
 
     run_dir, _ = run
     fresh = RunView(run_dir)

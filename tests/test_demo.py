@@ -14,10 +14,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from gyre import demo_eval, demo_model, tasks
+from gyre import tasks
 from gyre.cli import main
 from gyre.config import RunConfig
-from gyre.pipeline import _assessment_config
+from gyre.demo import evaluation as demo_eval
+from gyre.demo import model as demo_model
+from gyre.run.pipeline import _assessment_config
 from gyre_sched.trace import iter_trace, read_trace
 from gyre_tito.records import read_log
 from gyre_tito.render import ChatTokenizer
@@ -360,7 +362,7 @@ def test_summary_wall_time_counts_the_whole_process():
     # The process busies itself 0.3 s before asking: its age includes that (and interpreter start), not just the run.
     code = (
         "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 0.3: pass\n"
-        "from gyre.pipeline import process_age_s\nprint(process_age_s(), time.monotonic() - t)"
+        "from gyre.run.pipeline import process_age_s\nprint(process_age_s(), time.monotonic() - t)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -1,4 +1,4 @@
-"""The proxy's engine list (gyre.engine_routes) against a real TITO proxy and real (scripted) engines on loopback.
+"""The proxy's engine list (gyre.run.engine_routes) against a real TITO proxy and real (scripted) engines on loopback.
 
 Seen in a fault run: a restored cell's list was computed while cell 0 was switching to training (its engine not
 drained yet), the proxy dropped cell 0's engine, and cell 0's drain was a 404 that ended the run
@@ -11,7 +11,7 @@ import asyncio
 
 import httpx
 
-from gyre.engine_routes import EngineRoutes
+from gyre.run.engine_routes import EngineRoutes
 from gyre_cell.worker_client import CellWorkerClient
 from gyre_sched.types import CellRole
 from gyre_tito.proxy import ProxyConfig

@@ -159,8 +159,8 @@ def test_dashboard_answers_malformed_requests_below_500(tmp_path, token):
     from eval_helpers import serve_in_thread
     from test_dashboard import make_run
 
-    from gyre.dashboard.server import make_app
-    from gyre.rundata import RunView
+    from gyre.observe.dashboard.server import make_app
+    from gyre.observe.rundata import RunView
 
     make_run(tmp_path / "run")
     with serve_in_thread(make_app(RunView(tmp_path / "run"), token=token)) as url:

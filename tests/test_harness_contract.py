@@ -113,7 +113,7 @@ def test_every_adapter_satisfies_the_interface(tmp_path):
     )
     assert argv[argv.index("--model") + 1] == "pol" and env["ANTHROPIC_MODEL"] == "pol"
     assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "4096" and env["HOME"] == str(tmp_path / "ws.home")
-    assert BuiltinHarness(max_turns=3).argv(ctx)[1:3] == ["-m", "gyre.agent"]
+    assert BuiltinHarness(max_turns=3).argv(ctx)[1:3] == ["-m", "gyre.demo.agent"]
     for bad in (
         "emacs",
         {"kind": "command"},

@@ -13,8 +13,8 @@ import time
 
 from gyre.config import JudgeSection
 from gyre.datasets import task_queries
-from gyre.judging import JUDGE_EXECUTION, judge_endpoint
-from gyre.pipeline import _assessment_config
+from gyre.run.judging import JUDGE_EXECUTION, judge_endpoint
+from gyre.run.pipeline import _assessment_config
 from gyre_eval.config import load_config
 from gyre_eval.service import AssessmentService
 from gyre_eval.store import AssessmentStore

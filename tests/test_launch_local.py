@@ -22,7 +22,7 @@ def test_local_is_the_default_and_needs_no_ray_nor_torch():
     zygote), and a torch import in the controller cost every `gyre run` ~2.5 s of CPU before its zygote started."""
     code = (
         "import sys; from gyre.config import load_config; from gyre.launch import make_launcher;"
-        "from gyre import pipeline, cli, controller, resume, report;"
+        "from gyre import cli; from gyre.run import pipeline, controller, resume; from gyre.observe import report;"
         "l = make_launcher(load_config(None));"
         "print(l.kind, *sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'torch', 'transformers'}))"
     )

@@ -13,10 +13,10 @@ import types
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from gyre import progress
-from gyre.metrics import INTERVAL_TAGS, STEP_TAGS, MetricsSink, interval_scalars, step_scalars
-from gyre.progress import Progress, format_duration
-from gyre.rundata import Call, percentile, time_unit
+from gyre.observe import progress
+from gyre.observe.metrics import INTERVAL_TAGS, STEP_TAGS, MetricsSink, interval_scalars, step_scalars
+from gyre.observe.progress import Progress, format_duration
+from gyre.observe.rundata import Call, percentile, time_unit
 
 
 def row(version: int, **over) -> dict:

@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import pytest
 
 from gyre.cli import main
-from gyre.report import report_data, sample_details, script_json
-from gyre.rundata import RunView
+from gyre.observe.report import report_data, sample_details, script_json
+from gyre.observe.rundata import RunView
 from gyre_eval.store import AssessmentStore
 from gyre_eval.types import AttemptRecord, Provenance, Submission
 from gyre_tito.records import ExecutionRecords

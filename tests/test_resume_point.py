@@ -1,4 +1,4 @@
-"""What `gyre run --resume RUN` reads from an interrupted run directory (gyre.resume.find_resume_point), without
+"""What `gyre run --resume RUN` reads from an interrupted run directory (gyre.run.resume.find_resume_point), without
 running anything: the settlement of unfinished work, untrained groups carried over (ready or open), a step checkpointed but never traced,
 torn last lines, and the one-line refusals of the command line."""
 
@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from gyre.config import load_config
-from gyre.resume import ResumeError, find_resume_point
+from gyre.run.resume import ResumeError, find_resume_point
 from gyre_eval.store import AssessmentStore
 from gyre_eval.types import Provenance, Submission
 from gyre_sched.config import PolicyParams

@@ -6,8 +6,8 @@ import asyncio
 
 import httpx
 
-from gyre.dashboard.server import DashboardServer, openable_host
-from gyre.rundata import RunView
+from gyre.observe.dashboard.server import DashboardServer, openable_host
+from gyre.observe.rundata import RunView
 
 
 def test_a_dashboard_on_every_interface_prints_an_address_that_opens(tmp_path):

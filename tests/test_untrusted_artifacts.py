@@ -1,5 +1,5 @@
 """What an agent leaves in its workspace is untrusted data for everyone who reads it after the run: the report and the
-dashboard (gyre.rundata.read_artifact; the report's own case is in test_report) and gyre-eval's checks. A FIFO, a
+dashboard (gyre.observe.rundata.read_artifact; the report's own case is in test_report) and gyre-eval's checks. A FIFO, a
 directory, a symlink to a sibling's answer or to a root-only file, and a huge sparse file."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.rundata import read_artifact
+from gyre.observe.rundata import read_artifact
 
 
 def test_read_artifact_reads_regular_files_only_and_never_blocks(tmp_path):
@@ -80,7 +80,7 @@ def test_a_check_never_scores_a_file_outside_its_workspace(tmp_path, kind):
 
 def test_the_run_directory_is_private(tmp_path):
     from gyre.config import RunConfig
-    from gyre.pipeline import prepare_run_dir
+    from gyre.run.pipeline import prepare_run_dir
 
     old_umask = os.umask(0o022)
     try:

@@ -1,5 +1,7 @@
 """gyre: the meta-package of Gyre. It assembles a run from the five packages (`gyre run`, `gyre demo`): the config
-(`load_config`, `RunConfig`), the pipeline (`run`: launchers, controller, monitor) and the CLI (`main`).
+(`load_config`, `RunConfig`) and the CLI (`main`). Its rooms: `gyre.run` (the pipeline and the controller),
+`gyre.launch` (launchers), `gyre.observe` (metrics, dashboard, report), `gyre.demo` (the demo's agent, model and
+evaluation); the config, tasks and datasets at the top.
 
 The names below load on first use (PEP 562): `gyre --help` and `gyre config` load no torch.
 """
@@ -12,16 +14,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gyre.cli import main
     from gyre.config import ConfigError, RunConfig, load_config
-    from gyre.pipeline import run
 
-__all__ = ["ConfigError", "RunConfig", "load_config", "main", "run"]
+__all__ = ["ConfigError", "RunConfig", "load_config", "main"]
 
 _SOURCES = {
     "ConfigError": "gyre.config",
     "RunConfig": "gyre.config",
     "load_config": "gyre.config",
     "main": "gyre.cli",
-    "run": "gyre.pipeline",
 }
 
 

@@ -163,7 +163,7 @@ async def _run_until_signal(cfg: RunConfig, command: str, resume=None) -> int:
 
     services = make_launcher(cfg, resume.run_dir if resume else None)
     services.warm_up(cfg)  # before the controller's own imports: the cells' start overlaps them
-    from gyre.pipeline import RunDirError, run
+    from gyre.run.pipeline import RunDirError, run
 
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
@@ -230,7 +230,7 @@ def _place(cfg: RunConfig, argv: list[str], run_dir: Path, command: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    from gyre import progress
+    from gyre.observe import progress
 
     progress.setup(quiet=getattr(args, "quiet", False), log_format=getattr(args, "log_format", "text"))
     if args.command == "tasks":
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return validate_main(str(args.file))
     try:
         if args.command == "report":
-            from gyre.report import write_report
+            from gyre.observe.report import write_report
 
             if not (args.run_dir / "trace.jsonl").exists():
                 print(f"gyre report: {args.run_dir} has no trace.jsonl", file=sys.stderr)
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             print(write_report(args.run_dir))
             return 0
         if getattr(args, "resume", None) is not None:
-            from gyre.resume import ResumeError, find_resume_point
+            from gyre.run.resume import ResumeError, find_resume_point
 
             if args.config is not None or args.set or args.run_dir or args.ray:
                 print(

@@ -36,7 +36,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     path: str | None = None
     """A local Hugging Face checkpoint; None copies the demo policy into RUN/model (a small Qwen3 model built
-    offline and briefly trained on the demo's tasks on first use, cached under ~/.cache/gyre: gyre.demo_model)."""
+    offline and briefly trained on the demo's tasks on first use, cached under ~/.cache/gyre: gyre.demo.model)."""
     builtin: Literal["demo", "long-context"] = "demo"
     """Without `path`: the demo policy (2048 positions), or `long-context`: a random-init tiny Qwen3 with 65536
     positions built offline into RUN/model (gyre_cell.tiny_model), for harnesses whose prompts are far longer than
@@ -228,7 +228,7 @@ class LauncherConfig(_Section):
     start_timeout_s: float = Field(300.0, gt=0)
     """Ray: how long the placement groups may wait for resources."""
     cell_restarts: int = Field(1, ge=0)
-    """Restarts of one satellite cell's worker after it died mid-run (gyre.cell_effects); past them it stays lost."""
+    """Restarts of one satellite cell's worker after it died mid-run (gyre.run.cell_effects); past them it stays lost."""
     service_hang_s: float = Field(30.0, gt=0)
     """The proxy or gyre-eval answering no health probe (every 5 s) for this long is hung: killed, then handled as a
     dead one (gyre-eval restarted on its port; the proxy's death ends the run with one line naming it)."""
@@ -321,7 +321,7 @@ class HarnessConfig(_Section):
 
 
 class JudgeSection(_Section):
-    """The model scoring tasks whose scoring rule is a judge rubric (gyre-eval's judge; see gyre.judging)."""
+    """The model scoring tasks whose scoring rule is a judge rubric (gyre-eval's judge; see gyre.run.judging)."""
 
     base_url: str | None = None
     """An OpenAI-compatible endpoint root (http://host:port/v1). None: the run's own TITO proxy, where the judge is

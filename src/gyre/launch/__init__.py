@@ -25,7 +25,7 @@ __all__ = ["Launcher", "ServiceError", "free_port", "make_launcher"]
 
 
 def make_launcher(cfg: RunConfig, run_dir: Path | None = None) -> Launcher:
-    """The launcher `cfg.launcher.kind` names (its run directory is set again by `gyre.pipeline.run`)."""
+    """The launcher `cfg.launcher.kind` names (its run directory is set again by `gyre.run.pipeline.run`)."""
     run_dir = run_dir if run_dir is not None else Path(".")
     if cfg.launcher.kind == "ray":
         from gyre.launch.ray import RayLauncher

@@ -7,7 +7,7 @@ harness never sees the proxy's admin token or any other credential.
 
 Adapters (``make_harness(spec)``; ``spec`` is a name or ``{"kind": NAME, ...options}``, chosen per run or per task):
 
-- ``builtin`` (alias ``openai-agent``): Gyre's built-in OpenAI-compatible agent (``python -m gyre.agent``) with
+- ``builtin`` (alias ``openai-agent``): Gyre's built-in OpenAI-compatible agent (``python -m gyre.demo.agent``) with
   ``OPENAI_BASE_URL`` = proxy/v1 and ``OPENAI_API_KEY`` = the credential.
 - ``command``: any argv template; ``{workspace}``, ``{task}``, ``{base_url}``, ``{model}`` are substituted; the base
   URL and key are passed as ``OPENAI_BASE_URL`` (proxy/v1) / ``OPENAI_API_KEY`` and ``ANTHROPIC_BASE_URL`` /
@@ -106,7 +106,7 @@ class CommandHarness:
 
 @dataclass(frozen=True)
 class BuiltinHarness:
-    """Gyre's built-in agent (OpenAI Chat Completions with tools), as ``python -m gyre.agent``."""
+    """Gyre's built-in agent (OpenAI Chat Completions with tools), as ``python -m gyre.demo.agent``."""
 
     python: str = sys.executable
     max_turns: int = 8
@@ -119,7 +119,7 @@ class BuiltinHarness:
         return [
             self.python,
             "-m",
-            "gyre.agent",
+            "gyre.demo.agent",
             "--workspace",
             str(ctx.workspace),
             "--task",

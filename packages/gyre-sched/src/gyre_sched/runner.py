@@ -15,7 +15,7 @@ whole process group is killed, so nothing it started outlives the execution.
 
 The harness is an adapter (``gyre_sched.harness``: ``builtin``, ``command``, ``claude-code``; chosen per run, and per
 execution through ``run(..., harness=...)``), or a command template (``harness_argv``): ``{workspace}`` and ``{task}``
-are substituted in every argument per execution, e.g. ``[sys.executable, "-m", "gyre.agent", "--workspace",
+are substituted in every argument per execution, e.g. ``[sys.executable, "-m", "gyre.demo.agent", "--workspace",
 "{workspace}", "--task", "{task}"]``. ``run(..., setup=fn)`` fills the fresh workspace before the harness starts. The harness runs in its workspace with an environment built from an allow-list of the
 runner's variables (``DEFAULT_ENV_ALLOW``: PATH, HOME, locale, TMPDIR, the Python environment...) plus ``extra_env``
 and the execution's own: ``OPENAI_BASE_URL`` (proxy/v1), ``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL`` (proxy),

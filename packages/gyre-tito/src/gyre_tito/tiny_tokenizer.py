@@ -126,7 +126,7 @@ QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
 
 # Fixed training corpus: the kinds of text an agent transcript holds (chat scaffolding, JSON tool calls, shell,
 # Python, prose). Its content only shapes the merges; byte-level BPE encodes any string. Public: the demo model's
-# tokenizer (gyre.demo_model) trains on it too.
+# tokenizer (gyre.demo.model) trains on it too.
 CORPUS: tuple[str, ...] = (
     "system\nYou are a helpful assistant. You are an interactive agent that helps users with software engineering tasks.",
     "user\nPlease write a file named hello.txt that contains the text hello world, then list the directory.",

@@ -1,6 +1,6 @@
 """What the demo policy does before RL, measured in this process: the agent loop against the model, no proxy, no engine.
 
-`evaluate_policy(model_dir)` plays queries of the demo's task family with the built policy (`gyre.demo_model`) and
+`evaluate_policy(model_dir)` plays queries of the demo's task family with the built policy (`gyre.demo.model`) and
 reports its mean reward, how often it reaches the end of a chain, calls per execution, the share of well-formed tool
 calls and context resets. Requests are encoded exactly as the TITO proxy encodes them, so what it measures is what the
 demo run starts from. Kept apart from the build: it is not part of what the build's cache key hashes.
@@ -13,8 +13,9 @@ import random
 import tempfile
 from pathlib import Path
 
-from gyre import agent, tasks
-from gyre.demo_model import DemoPolicyConfig
+from gyre import tasks
+from gyre.demo import agent
+from gyre.demo.model import DemoPolicyConfig
 
 __all__ = ["evaluate_policy"]
 

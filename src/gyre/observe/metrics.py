@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from gyre.rundata import Call, percentile
+from gyre.observe.rundata import Call, percentile
 
 __all__ = [
     "INTERVAL_TAGS",
@@ -204,7 +204,7 @@ class _Wandb:
 
 
 class MetricsSink:
-    """Writes every metric as it is made; `close()` flushes. Used by gyre.monitor during a run."""
+    """Writes every metric as it is made; `close()` flushes. Used by gyre.observe.monitor during a run."""
 
     def __init__(
         self,

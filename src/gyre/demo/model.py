@@ -4,7 +4,7 @@ A random tiny model never emits a tool call, so nothing of the agentic path (too
 tool results as context, trees with several leaves, J_max selection) would do any work, and there is nothing for RL
 to amplify. `demo_policy()` therefore builds, once per machine, a model that can act:
 
-1. **Transcripts.** The built-in agent's own conversation loop (`gyre.agent.run_conversation`, context resets
+1. **Transcripts.** The built-in agent's own conversation loop (`gyre.demo.agent.run_conversation`, context resets
    included) runs queries of the demo's task family (`gyre.tasks.random_query`) against a scripted teacher, with
    real files and real tools. The teacher is deliberately uneven, like the data a base model is pre-trained on:
    after reading a file that links on it follows the link, answers at once with that file's code, or reads a
@@ -27,7 +27,7 @@ reaches the end of a chain about one time in five and scores about 0.27 on avera
 the rest. The build takes about 85 s of one core. The
 directory lands in the user's cache (`$GYRE_CACHE_DIR`, else `$XDG_CACHE_HOME/gyre`, else `~/.cache/gyre`) under a
 key that hashes this module, the task family and the agent, so changing any of them rebuilds it; builds are atomic
-(written aside, then renamed) and serialized by a file lock. `python -m gyre.demo_model [--out DIR]` builds it and
+(written aside, then renamed) and serialized by a file lock. `python -m gyre.demo.model [--out DIR]` builds it and
 prints where it is and what the build measured.
 """
 
@@ -49,7 +49,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gyre import agent, tasks
+from gyre import tasks
+from gyre.demo import agent
 
 log = logging.getLogger("gyre")
 
@@ -576,7 +577,7 @@ def demo_policy(cfg: DemoPolicyConfig | None = None, root: Path | None = None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gyre.demo_model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gyre.demo.model", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--out", type=Path, default=None, help="build into this directory instead of the cache"
     )

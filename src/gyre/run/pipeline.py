@@ -1,7 +1,7 @@
 """Assembly of a run: model, cell workers, standalone engines, proxy, evaluator, controller; the whole loop for real.
 
 `run(cfg)` is what `gyre run CONFIG` and `gyre demo` (a preset of it) execute. Without `model.path` it uses the demo
-policy (`gyre.demo_model`: a small Qwen3 model built offline on first use, then cached); it starts one cell worker
+policy (`gyre.demo.model`: a small Qwen3 model built offline on first use, then cached); it starts one cell worker
 process per cell (rollout engine + training side, `gyre-cell worker`), the standalone engines and the TITO proxy,
 then lets the scheduler policy drive executions of the built-in agent through the proxy, assessments by gyre-eval,
 streamed GSPO steps claimed by the training cells and weight publications, until `train.steps` optimizer steps are
@@ -19,17 +19,17 @@ import sys
 import time
 from pathlib import Path
 
-from gyre import agent
 from gyre.config import AssessmentSection, HarnessConfig, RunConfig, resolve_transports
-from gyre.controller import Controller
 from gyre.datasets import task_queries
-from gyre.demo_model import demo_policy
-from gyre.judging import judge_endpoint, judge_evaluator
+from gyre.demo import agent
+from gyre.demo.model import demo_policy
 from gyre.launch import Launcher, make_launcher
 from gyre.launch.base import cell_configs
-from gyre.monitor import RunMonitor
-from gyre.report import write_report
-from gyre.resume import ResumePoint
+from gyre.observe.monitor import RunMonitor
+from gyre.observe.report import write_report
+from gyre.run.controller import Controller
+from gyre.run.judging import judge_endpoint, judge_evaluator
+from gyre.run.resume import ResumePoint
 from gyre.tasks import demo_queries, scoring_command
 from gyre_eval.config import PluginConfig, ServiceConfig
 from gyre_eval.exec_check import ExecCheckConfig
@@ -64,7 +64,7 @@ def _launch_sandbox(cfg: HarnessConfig) -> LaunchSandbox | None:
 def _assessment_config(
     run_dir: Path, queries, judge: dict | None = None, settings: AssessmentSection | None = None
 ) -> ServiceConfig:
-    """gyre-eval's config for this run: one exec check or judge (`judge`: its endpoint, gyre.judging) per task;
+    """gyre-eval's config for this run: one exec check or judge (`judge`: its endpoint, gyre.run.judging) per task;
     artifacts only from the run's workspaces; `settings`: the run's `[assessment]`."""
     settings = settings or AssessmentSection()
     sandbox = settings.check_sandbox
@@ -113,7 +113,7 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
 
 async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePoint | None = None) -> dict:
     """One run; `services` lets the caller stop the processes from a signal handler (see gyre.cli); `resume`
-    continues an interrupted one (gyre.resume; `cfg` is then its config)."""
+    continues an interrupted one (gyre.run.resume; `cfg` is then its config)."""
     cfg, run_dir = (resume.cfg, resume.run_dir) if resume else prepare_run_dir(cfg)
     started = time.monotonic() - process_age_s()  # wall_s counts interpreter start and imports too
     model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
@@ -124,7 +124,7 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
             shape = TinyModelConfig(max_position_embeddings=LONG_CONTEXT, seed=cfg.train.seed)
             build_tiny_model(model_dir, shape)
         else:
-            shutil.copytree(demo_policy(), model_dir)  # built on first use, then cached (gyre.demo_model)
+            shutil.copytree(demo_policy(), model_dir)  # built on first use, then cached (gyre.demo.model)
 
     params = cfg.policy_params()
     policy = make_policy(params) if resume is None else resume.policy(make_policy(params))
@@ -213,7 +213,9 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
             resume.carry_into(controller)
         monitor = RunMonitor(cfg, run_dir, controller)  # metrics sink, live dashboard, progress bar
         controller.on_step = monitor.on_step
-        controller.enable_restarts(services.restart_cell)  # a dead satellite starts again (gyre.cell_effects)
+        controller.enable_restarts(
+            services.restart_cell
+        )  # a dead satellite starts again (gyre.run.cell_effects)
         await monitor.start()
         log.info(
             "running %d optimizer steps (policy %s, K=%d, N=%d, B=%d, phi=%g, mu=%d)",

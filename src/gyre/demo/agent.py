@@ -13,7 +13,7 @@ the full history, as long-horizon harnesses compact their context. The proxy see
 the execution's tree gets a second branch from the root, and J_max selection a second trajectory to choose.
 
 It needs only the standard library, so it starts in a few tens of milliseconds:
-`python -I -S .../gyre/agent.py --workspace DIR --task TEXT` (or `python -m gyre.agent ...`) with `OPENAI_BASE_URL`
+`python -I -S .../gyre/agent.py --workspace DIR --task TEXT` (or `python -m gyre.demo.agent ...`) with `OPENAI_BASE_URL`
 (…/v1) and `OPENAI_API_KEY` (the execution's credential) in the environment. Exit status 0 = finished, 2 = usage,
 3 = the model endpoint refused or failed. The conversation loop (`run_conversation`) takes any `complete` function,
 so the demo policy's synthetic pre-training transcripts come from this same code.
@@ -303,7 +303,7 @@ def run_agent(config: AgentConfig, task: str) -> AgentResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gyre.agent", description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gyre.demo.agent", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--workspace", type=Path, required=True)
     parser.add_argument("--task", required=True)
     parser.add_argument("--max-turns", type=int, default=6)
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     base_url = os.environ.get("OPENAI_BASE_URL")
     api_key = os.environ.get("OPENAI_API_KEY")
     if not base_url or not api_key:
-        print("gyre.agent: OPENAI_BASE_URL and OPENAI_API_KEY must be set", file=sys.stderr)
+        print("gyre.demo.agent: OPENAI_BASE_URL and OPENAI_API_KEY must be set", file=sys.stderr)
         return 2
     config = AgentConfig(
         base_url=base_url,
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_agent(config, args.task)
     except EndpointError as exc:
-        print(f"gyre.agent: model endpoint failed: {exc}", file=sys.stderr)
+        print(f"gyre.demo.agent: model endpoint failed: {exc}", file=sys.stderr)
         return 3
     print(
         json.dumps(

@@ -19,10 +19,10 @@ from typing import Any
 
 import orjson
 
-from gyre import progress as progress_mod
 from gyre.config import RunConfig
-from gyre.metrics import MetricsSink
-from gyre.rundata import RunView
+from gyre.observe import progress as progress_mod
+from gyre.observe.metrics import MetricsSink
+from gyre.observe.rundata import RunView
 
 __all__ = ["RunMonitor", "live_state"]
 
@@ -79,7 +79,7 @@ class RunMonitor:
         (self.run_dir / "metrics" / "clock.json").write_bytes(orjson.dumps({"unix_t0": t0}))
         d = self.cfg.dashboard
         if d.enabled:
-            from gyre.dashboard.server import DashboardServer
+            from gyre.observe.dashboard.server import DashboardServer
 
             self.dashboard = DashboardServer(self.view, d.host, d.port, d.token, d.refresh_s)
             self.url = await self.dashboard.start()

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import orjson
 
-from gyre.cell_effects import CellEffects, Restart, rejoin_refused
 from gyre.config import RunConfig
-from gyre.engine_routes import EngineRoutes
+from gyre.run.cell_effects import CellEffects, Restart, rejoin_refused
+from gyre.run.engine_routes import EngineRoutes
 from gyre.tasks import Query
 from gyre_cell.worker_client import CellCommandError, CellWorkerClient
 from gyre_cell.worker_types import PublishedWeights
@@ -285,7 +285,7 @@ class Controller:
                     self._apply_health(d)
 
     def _apply_health(self, d: ev.Decision) -> None:
-        """The cell-health machine's decisions (gyre_sched.health), carried out by `gyre.cell_effects`."""
+        """The cell-health machine's decisions (gyre_sched.health), carried out by `gyre.run.cell_effects`."""
         match d:
             case ev.RestartCell(cell):
                 self._spawn(self.effects.restart_cell(cell))
@@ -376,7 +376,7 @@ class Controller:
         scores: dict[str, float | None],
         trajectories: dict[str, str | None],
     ) -> None:
-        """A resumed run's carried groups (gyre.resume), in the policy already (ready, or open with more executions
+        """A resumed run's carried groups (gyre.run.resume), in the policy already (ready, or open with more executions
         dispatched); their usable members' designated scores and exported trajectories as the interrupted run
         recorded them. `run` sends the ready ones to the core; an open one goes when it is ready, as any group."""
         for group in carried:

@@ -27,7 +27,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
-from gyre.rundata import RunView
+from gyre.observe.rundata import RunView
 
 __all__ = ["STATIC", "DashboardServer", "is_loopback", "make_app", "page"]
 

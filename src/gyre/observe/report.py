@@ -12,7 +12,7 @@ the last step's groups first, the rest evenly spread in dispatch order); the tab
 Everything an agent or the model wrote (answers, model output) is in the embedded JSON: its `<`, `>` and `&` are
 written as `\u003c`, `\u003e`, `\u0026`, so no text (`</script>`, `<!--<script>`) can end or reopen the script element.
 
-Everything is read from the run directory (`gyre.rundata.RunView`), so `gyre report RUN` rebuilds it for any run:
+Everything is read from the run directory (`gyre.observe.rundata.RunView`), so `gyre report RUN` rebuilds it for any run:
 finished, still running, or interrupted (a torn last line of any file is ignored).
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import orjson
 
-from gyre.dashboard.server import STATIC, page
-from gyre.rundata import RunView
+from gyre.observe.dashboard.server import STATIC, page
+from gyre.observe.rundata import RunView
 
 __all__ = ["MAX_DETAILS", "report_data", "sample_details", "script_json", "write_report"]
 
