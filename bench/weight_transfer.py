@@ -1,24 +1,30 @@
 """Weight transfer and role-switch times.
 
-1. Move a random fp32 state dict (~50M parameters; `--quick`: 5M) from a publisher process to this process:
-   Mooncake TCP on loopback (`WeightSubscriber.read` + copy into same-shaped tensors: `mooncake_s`; read alone,
-   which is the whole cost for a model bound to the buffer with `WeightSubscriber.bind`: `mooncake_bound_s`) vs the baseline of
-   safetensors written to disk by the publisher and loaded here (what `update_weights_from_disk` costs).
-   The baseline's load reads from the page cache (the file was just written), so it flatters the disk path.
+1. Move a random fp32 state dict (~50M parameters; `--quick`: 5M) from a publisher process to this process, the
+   paths alternating each round: Mooncake TCP on loopback (`WeightSubscriber.read` + copy into same-shaped tensors:
+   `mooncake_s`; read alone, the whole cost for a model bound to the buffer with `WeightSubscriber.bind`:
+   `mooncake_bound_s`), the publisher's shared buffer mapped here (`read_apply` copying straight into the tensors:
+   `shm_s`), and the baseline of safetensors written to disk by the publisher and loaded here (what
+   `update_weights_from_disk` costs; it reads from the page cache, the file was just written, which flatters it).
+   Beside them, raw TCP on loopback: the same bytes sent by another process into a preallocated buffer
+   (`raw_tcp_s`; `mooncake_of_raw_tcp` = raw / Mooncake read time).
 2. Publication from a core to 2 rollout engines (`publish` section), each a TorchEngine in its own process like a
    cell worker, on the tiny model and on a ~52M-parameter Qwen3 (`--quick`: ~4M): the core's `WeightPublisher.publish`
-   then both engines `pull_into_engine` concurrently (Mooncake) vs the core's `save_pretrained` then both engines
-   `TorchEngine.update_weights_from_disk` concurrently (disk). Timed until both engines serve the new version; the
-   weights change before every publication (not timed), and every engine's parameters are checked bit-equal to the
-   core's after every publication. Paths alternate ABAB; medians; publish_ratio = disk / mooncake.
+   then both engines `pull_into_engine` concurrently, from the core's shared buffer (shm, what engines on the
+   core's host do) or over Mooncake TCP (what engines on other hosts do), vs the core's `save_pretrained` then both
+   engines `TorchEngine.update_weights_from_disk` concurrently (disk). Timed until both engines serve the new
+   version; the weights change before every publication (not timed), and every engine's parameters are checked
+   bit-equal to the core's after every publication. Paths alternate (shm, mooncake, disk, ...); medians;
+   ratio = disk / shm, ratio_mooncake_tcp = disk / mooncake.
 3. Role switches of one cell on the CPU torch engine (`gyre-cell engine serve` subprocess, Qwen3 built offline):
    rollout -> training and training -> rollout with `CellRoleManager` (paper: 8.52 s and 3.46 s at 122B, 4-node cells).
 Each figure is the median of `--repeats` runs.
 
-    uv run python bench/weight_transfer.py [--quick]
+    uv run python bench/weight_transfer.py [--quick] [--sections transfer,publish,switch]
 
-Last line: one JSON object; ratio = baseline_disk_s / mooncake_s, ratio_bound = baseline_disk_s / mooncake_bound_s,
-publish_ratio_{tiny,large} = publish disk / publish mooncake (2 engines); `--sections` picks sections.
+Last line: one JSON object (with the load average at start and end); ratio = baseline_disk_s / mooncake_s,
+ratio_bound = baseline_disk_s / mooncake_bound_s, ratio_shm = baseline_disk_s / shm_s, publish_ratio_{tiny,large}
+= publish disk / publish shm (2 engines); `--sections` picks sections.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import shutil
 import socket
 import statistics
@@ -43,7 +50,7 @@ from safetensors.torch import load_file
 from gyre_cell.client import TorchEngineClient
 from gyre_cell.roles import CellRoleManager, DiskWeights, TorchTrainingState
 from gyre_cell.tiny_model import TinyModelConfig, build_tiny_model
-from gyre_cell.transfer import WeightManifest, WeightPublisher, WeightSubscriber
+from gyre_cell.transfer import SubscriberConfig, WeightManifest, WeightPublisher, WeightSubscriber
 from gyre_cell.transfer.peer import PeerProcess, engine_process, params_digest, publisher_process
 
 
@@ -74,53 +81,114 @@ class _Peer:
                 self.proc.join()
 
 
+def _raw_tcp_sender(conn, nbytes: int) -> None:
+    """Child: serve `nbytes` over one loopback TCP connection per request (the raw-TCP reference)."""
+    payload = memoryview(bytearray(nbytes))
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        conn.send(srv.getsockname()[1])
+        with srv.accept()[0] as sock:
+            while sock.recv(1):  # one byte asks for the payload; EOF ends
+                sock.sendall(payload)
+
+
+def raw_tcp(nbytes: int, repeats: int) -> list[float]:
+    """Seconds to move `nbytes` over loopback TCP from another process into a preallocated buffer."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_raw_tcp_sender, args=(child, nbytes), daemon=True)
+    proc.start()
+    into = memoryview(bytearray(nbytes))
+    times = []
+    try:
+        with socket.create_connection(("127.0.0.1", parent.recv())) as sock:
+            for r in range(repeats + 1):  # the first warms up
+                t0 = time.perf_counter()
+                sock.sendall(b"x")
+                got = 0
+                while got < nbytes:
+                    got += sock.recv_into(into[got:])
+                if r:
+                    times.append(time.perf_counter() - t0)
+    finally:
+        proc.join(timeout=20)
+        if proc.is_alive():
+            proc.kill()
+    return times
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
+            "max": round(max(values), 4)}  # fmt: skip
+
+
 def bench_transfer(num_params: int, repeats: int, tmp: Path) -> dict:
+    """Publisher in another process; into same-shaped tensors here: Mooncake TCP (read, then copy), the shared
+    buffer (copy straight from it: `read_apply`), disk (save there, load here, copy); raw TCP beside them. ABAB."""
     peer = _Peer({"random": num_params, "seed": 0})
     try:
         manifest = WeightManifest.model_validate_json(peer.call("manifest"))  # type: ignore[arg-type]
         target = {e.name: torch.empty(e.shape, dtype=torch.float32) for e in manifest.tensors}
-        mc, mc_read = [], []
-        with WeightSubscriber(manifest) as sub:
-            sub.read()  # warm-up: connection and handshake
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                snap = sub.read()
-                t1 = time.perf_counter()
-                for n, t in snap.tensors.items():
-                    target[n].copy_(t)
-                mc.append(time.perf_counter() - t0)
-                mc_read.append(t1 - t0)
-            mooncake_copy = {n: t.clone() for n, t in target.items()}
-        disk = []
-        for i in range(repeats):
-            out = tmp / f"ckpt{i}"
-            t0 = time.perf_counter()
-            peer.call("save", str(out))
-            loaded = load_file(str(out / "model.safetensors"))
-            for n, t in loaded.items():
+
+        def copy_in(tensors: dict[str, torch.Tensor], _version: int = 0) -> None:
+            for n, t in tensors.items():
                 target[n].copy_(t)
-            disk.append(time.perf_counter() - t0)
-            (out / "model.safetensors").unlink()
-        same = all(torch.equal(mooncake_copy[n], target[n]) for n in target)
+
+        runs: dict[str, list[float]] = {"mooncake": [], "mooncake_read": [], "shm": [], "disk": []}
+        tcp = WeightSubscriber(manifest, config=SubscriberConfig(shared_memory=False))
+        shm = WeightSubscriber(manifest)
+        assert shm.shared, "the publisher's buffer is not mapped here"
+        with tcp, shm:
+            tcp.read(), shm.read_apply(copy_in)  # warm-up: connection, handshake, first touch of the pages
+            for i in range(repeats):
+                t0 = time.perf_counter()
+                snap = tcp.read()
+                t1 = time.perf_counter()
+                copy_in(snap.tensors)
+                runs["mooncake"].append(time.perf_counter() - t0)
+                runs["mooncake_read"].append(t1 - t0)
+                mooncake_copy = {n: t.clone() for n, t in target.items()}
+                t0 = time.perf_counter()
+                shm.read_apply(copy_in)
+                runs["shm"].append(time.perf_counter() - t0)
+                same = all(torch.equal(mooncake_copy[n], target[n]) for n in target)
+                out = tmp / f"ckpt{i}"
+                t0 = time.perf_counter()
+                peer.call("save", str(out))
+                copy_in(load_file(str(out / "model.safetensors")))
+                runs["disk"].append(time.perf_counter() - t0)
+                (out / "model.safetensors").unlink()
+                same = same and all(torch.equal(mooncake_copy[n], target[n]) for n in target)
     finally:
         peer.close()
+    runs["raw_tcp"] = raw_tcp(manifest.data_bytes, repeats)
+    med = {k: statistics.median(v) for k, v in runs.items()}
     return {
         "params": sum(t.numel() for t in target.values()),
         "bytes": manifest.data_bytes,
-        "mooncake_s": statistics.median(mc),
-        "mooncake_read_s": statistics.median(mc_read),
-        "mooncake_gib_s": manifest.data_bytes / statistics.median(mc_read) / 2**30,
-        "baseline_disk_s": statistics.median(disk),
+        "mooncake_s": med["mooncake"],
+        "mooncake_read_s": med["mooncake_read"],
+        "mooncake_gib_s": manifest.data_bytes / med["mooncake_read"] / 2**30,
+        "shm_s": med["shm"],
+        "raw_tcp_s": med["raw_tcp"],
+        "raw_tcp_gib_s": manifest.data_bytes / med["raw_tcp"] / 2**30,
+        "mooncake_of_raw_tcp": med["raw_tcp"] / med["mooncake_read"],
+        "baseline_disk_s": med["disk"],
+        "spread": {k: spread(v) for k, v in runs.items()},
         "bytes_equal": same,
     }
 
 
 def bench_publish(label: str, model_cfg: TinyModelConfig, repeats: int, tmp: Path, engines: int = 2) -> dict:
-    """One core, `engines` engine processes; Mooncake pull vs disk per publication, ABAB."""
+    """One core, `engines` engine processes; per publication the shared buffer, a Mooncake TCP pull, or disk,
+    alternating (shm, mooncake, disk, shm, ...)."""
     from transformers import AutoModelForCausalLM
 
     model_dir = build_tiny_model(tmp / f"{label}-init", model_cfg)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    threads = torch.get_num_threads()
+    # The core runs on one thread, as a cell worker does (`cpu_threads`) and as the engines here do: on 2 shared
+    # cores, two threads made its copies slower and erratic (0.16-1.0 s instead of 0.07 s for 52M parameters).
+    torch.set_num_threads(1)
     params = sum(p.numel() for p in model.parameters())
     peers = [PeerProcess(engine_process, str(model_dir), 1, timeout_s=600) for _ in range(engines)]
     version = 0
@@ -150,13 +218,15 @@ def bench_publish(label: str, model_cfg: TinyModelConfig, repeats: int, tmp: Pat
 
     try:
         with WeightPublisher(model, version=0) as pub:
-            all_call("subscribe", pub.manifest().model_dump_json())
+            manifest = pub.manifest().model_dump_json()
+            assert all_call("subscribe", manifest, True) == [True] * engines  # they map the core's buffer
+            assert all_call("subscribe", manifest, False) == [False] * engines  # they pull over Mooncake TCP
 
-            def mooncake() -> tuple[float, float]:
+            def pull(shared: bool) -> tuple[float, float]:
                 t0 = time.perf_counter()
                 pub.publish(model, version=version)
                 t1 = time.perf_counter()
-                assert all_call("pull") == [str(version)] * engines
+                assert all_call("pull", shared) == [str(version)] * engines
                 return time.perf_counter() - t0, t1 - t0
 
             def disk() -> tuple[float, float]:
@@ -169,9 +239,10 @@ def bench_publish(label: str, model_cfg: TinyModelConfig, repeats: int, tmp: Pat
                 shutil.rmtree(out)
                 return dt
 
-            runs: dict[str, list[tuple[float, float]]] = {"mooncake": [], "disk": []}
-            for r in range(repeats + 1):  # the first round warms up both paths (connections, allocator)
-                for name, fn in (("mooncake", mooncake), ("disk", disk)):
+            runs: dict[str, list[tuple[float, float]]] = {"shm": [], "mooncake": [], "disk": []}
+            paths = (("shm", lambda: pull(True)), ("mooncake", lambda: pull(False)), ("disk", disk))
+            for r in range(repeats + 1):  # the first round warms up every path (connections, allocator)
+                for name, fn in paths:
                     version += 1
                     change_weights()
                     dt = fn()
@@ -179,20 +250,25 @@ def bench_publish(label: str, model_cfg: TinyModelConfig, repeats: int, tmp: Pat
                     if r:
                         runs[name].append(dt)
     finally:
+        torch.set_num_threads(threads)
         for p in peers:
             p.close()
     mc = statistics.median(t for t, _ in runs["mooncake"])
+    sh = statistics.median(t for t, _ in runs["shm"])
     dk = statistics.median(t for t, _ in runs["disk"])
     return {
         "params": params,
         "bytes": params * 4,
         "engines": engines,
         "repeats": repeats,
+        "shm_s": round(sh, 4),
         "mooncake_s": round(mc, 4),
-        "mooncake_core_publish_s": round(statistics.median(c for _, c in runs["mooncake"]), 4),
+        "core_publish_s": round(statistics.median(c for _, c in runs["mooncake"] + runs["shm"]), 4),
         "disk_s": round(dk, 4),
         "disk_save_s": round(statistics.median(c for _, c in runs["disk"]), 4),
-        "ratio": round(dk / mc, 2),
+        "ratio": round(dk / sh, 2),
+        "ratio_mooncake_tcp": round(dk / mc, 2),
+        "shm_runs_s": [round(t, 4) for t, _ in runs["shm"]],
         "mooncake_runs_s": [round(t, 4) for t, _ in runs["mooncake"]],
         "disk_runs_s": [round(t, 4) for t, _ in runs["disk"]],
         "bytes_equal": True,  # check() asserted it after every publication
@@ -292,7 +368,11 @@ def main(argv: list[str] | None = None) -> int:
             head_dim=64,
         )
     )
-    result: dict = {"bench": "weight_transfer"}
+    result: dict = {
+        "bench": "weight_transfer",
+        "cpus": os.cpu_count(),
+        "load_avg_1m_start": os.getloadavg()[0],
+    }
     with tempfile.TemporaryDirectory(prefix="gyre-bench-wt-") as d:
         tmp = Path(d)
         if "transfer" in sections:
@@ -304,10 +384,16 @@ def main(argv: list[str] | None = None) -> int:
                     "bytes": transfer["bytes"],
                     "mooncake_s": round(transfer["mooncake_s"], 4),
                     "mooncake_gib_s": round(transfer["mooncake_gib_s"], 3),
+                    "shm_s": round(transfer["shm_s"], 4),
+                    "raw_tcp_s": round(transfer["raw_tcp_s"], 4),
+                    "raw_tcp_gib_s": round(transfer["raw_tcp_gib_s"], 3),
+                    "mooncake_of_raw_tcp": round(transfer["mooncake_of_raw_tcp"], 3),
                     "baseline_disk_s": round(transfer["baseline_disk_s"], 4),
                     "mooncake_bound_s": round(transfer["mooncake_read_s"], 4),
                     "ratio": round(transfer["baseline_disk_s"] / transfer["mooncake_s"], 2),
                     "ratio_bound": round(transfer["baseline_disk_s"] / transfer["mooncake_read_s"], 2),
+                    "ratio_shm": round(transfer["baseline_disk_s"] / transfer["shm_s"], 2),
+                    "spread": transfer["spread"],
                     "bytes_equal": transfer["bytes_equal"],
                 }
             )
@@ -318,7 +404,22 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(json.dumps({"publish": publish}), flush=True)
             result["publish"] = {
-                k: {f: v[f] for f in ("params", "engines", "mooncake_s", "disk_s", "ratio", "bytes_equal")}
+                k: {
+                    f: v[f]
+                    for f in (
+                        "params",
+                        "engines",
+                        "shm_s",
+                        "mooncake_s",
+                        "disk_s",
+                        "ratio",
+                        "ratio_mooncake_tcp",
+                        "shm_runs_s",
+                        "mooncake_runs_s",
+                        "disk_runs_s",
+                        "bytes_equal",
+                    )
+                }
                 for k, v in publish.items()
             }
             result["publish_ratio_tiny"] = publish["tiny"]["ratio"]
@@ -335,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                     "paper_to_rollout_s": 3.46,
                 }
             )
+    result["load_avg_1m"] = os.getloadavg()[0]
     print(json.dumps(result))
     return 0
 

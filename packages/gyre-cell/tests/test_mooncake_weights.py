@@ -1,4 +1,5 @@
-"""Weight transfer over Mooncake TCP between two real processes (publisher in a spawned child, subscriber here)."""
+"""Weight transfer over Mooncake TCP between two real processes (publisher in a spawned child, subscriber here);
+the reads also run over the publisher's shared memory (same host: `gyre_cell.transfer.shm`), the same seqlock."""
 
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ class Peer:
     def manifest(self) -> WeightManifest:
         return WeightManifest.model_validate_json(self.call("manifest"))
 
+    def manifest_url(self) -> str:
+        """Where the publisher serves its manifest (started by the first call)."""
+        if not hasattr(self, "_url"):
+            self._url = self.call("serve_manifest")
+        return self._url
+
     def close(self) -> None:
         try:
             if self.proc.is_alive():
@@ -81,6 +88,18 @@ def peer(tiny_model: Path) -> Iterator[Peer]:
         p.close()
 
 
+@pytest.fixture(params=["mooncake", "shm"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _subscriber(manifest: WeightManifest, transport: str, **config: Any) -> WeightSubscriber:
+    """A subscriber reading over `transport` (asserted: on this host the default is the shared buffer)."""
+    sub = WeightSubscriber(manifest, config=SubscriberConfig(shared_memory=transport == "shm", **config))
+    assert sub.shared == (transport == "shm")
+    return sub
+
+
 def _to_model(path: Path) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -89,13 +108,13 @@ def _to_model(path: Path) -> torch.nn.Module:
 
 @pytest.mark.slow
 def test_read_equals_published_bytes_and_loads_model(
-    peer: Peer, tiny_model: Path, tiny_model_b: Path
+    peer: Peer, tiny_model: Path, tiny_model_b: Path, transport: str
 ) -> None:
     expected_a = load_checkpoint_dir(tiny_model)
     peer.call("publish", {"dir": str(tiny_model)}, 1)
-    manifest = fetch_manifest(peer.call("serve_manifest"))  # handshake over real HTTP
+    manifest = fetch_manifest(peer.manifest_url())  # handshake over real HTTP
     assert manifest.version == 1 and {e.name for e in manifest.tensors} == set(expected_a)
-    with WeightSubscriber(manifest, config=SubscriberConfig(bucket_bytes=4096)) as sub:
+    with _subscriber(manifest, transport, bucket_bytes=4096) as sub:
         snap = sub.read()
         assert snap.version == 1 and snap.attempts == 1
         assert snap.nbytes == manifest.length - HEADER_BYTES
@@ -125,7 +144,7 @@ def test_read_equals_published_bytes_and_loads_model(
 
 
 def test_version_change_during_read_is_detected_and_retried(
-    peer: Peer, tiny_model: Path, tiny_model_b: Path
+    peer: Peer, tiny_model: Path, tiny_model_b: Path, transport: str
 ) -> None:
     peer.call("publish", {"dir": str(tiny_model)}, 10)
     fired: list[int] = []
@@ -135,7 +154,7 @@ def test_version_change_during_read_is_detected_and_retried(
             fired.append(1)
             peer.call("publish", {"dir": str(tiny_model_b)}, 11)
 
-    with WeightSubscriber(peer.manifest()) as sub:
+    with _subscriber(peer.manifest(), transport) as sub:
         snap = sub.read(after_data=publish_midway)
         assert fired and snap.attempts == 2 and snap.version == 11
         expected_b = load_checkpoint_dir(tiny_model_b)
@@ -144,12 +163,12 @@ def test_version_change_during_read_is_detected_and_retried(
 
 
 def test_reads_during_continuous_publishing_are_never_torn(
-    peer: Peer, tiny_model: Path, tiny_model_b: Path
+    peer: Peer, tiny_model: Path, tiny_model_b: Path, transport: str
 ) -> None:
     states = [load_checkpoint_dir(tiny_model), load_checkpoint_dir(tiny_model_b)]  # even version: a, odd: b
     peer.call("publish", {"dir": str(tiny_model)}, 100)
-    with WeightSubscriber(
-        peer.manifest(), config=SubscriberConfig(bucket_bytes=8192, max_attempts=500, retry_backoff_s=0.001)
+    with _subscriber(
+        peer.manifest(), transport, bucket_bytes=8192, max_attempts=500, retry_backoff_s=0.001
     ) as sub:
         peer.call("churn", {"dir": str(tiny_model)}, {"dir": str(tiny_model_b)}, 101, 0.02)
         versions: set[int] = set()
@@ -166,11 +185,9 @@ def test_reads_during_continuous_publishing_are_never_torn(
     assert len(versions) > 1 and max(versions) <= last  # the reads really overlapped the publishing
 
 
-def test_open_write_is_never_read_then_becomes_visible(peer: Peer, tiny_model: Path) -> None:
+def test_open_write_is_never_read_then_becomes_visible(peer: Peer, tiny_model: Path, transport: str) -> None:
     peer.call("publish", {"dir": str(tiny_model)}, 20)
-    with WeightSubscriber(
-        peer.manifest(), config=SubscriberConfig(max_attempts=3, retry_backoff_s=0.001)
-    ) as sub:
+    with _subscriber(peer.manifest(), transport, max_attempts=3, retry_backoff_s=0.001) as sub:
         peer.call("begin_write")
         try:
             with pytest.raises(TornSnapshotError, match="no consistent snapshot"):
@@ -181,7 +198,7 @@ def test_open_write_is_never_read_then_becomes_visible(peer: Peer, tiny_model: P
 
 
 def test_subscriber_close_frees_its_port(peer: Peer) -> None:
-    sub = WeightSubscriber(peer.manifest())
+    sub = _subscriber(peer.manifest(), "mooncake")
     port = sub._engine.get_rpc_port()
     assert not _refused(port)
     sub.close()

@@ -82,7 +82,8 @@ class InProcessEngine:
         subscriber: WeightSubscriber | None,
     ) -> str:
         if own is not None:  # the core: its own published buffer
-            self.engine.update_weights(own, weight_version=str(ref.version))
+            # its publisher refused NaN/inf (`WeightPublisher.check_finite`)
+            self.engine.update_weights(own, weight_version=str(ref.version), check_finite=False)
             return str(ref.version)
         if subscriber is not None:
             from gyre_cell.transfer.engine_loader import pull_into_engine

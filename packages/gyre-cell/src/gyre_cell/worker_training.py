@@ -265,7 +265,12 @@ class CellTraining:
         path = None
         with self._resident():
             if self.publisher is not None:
-                self.publisher.publish(self.backend.hf_state_dict(), version=version)
+                try:  # it refuses NaN/inf weights, which the engines then need not check
+                    self.publisher.publish(self.backend.hf_state_dict(), version=version)
+                except ValueError as exc:
+                    raise CommandRefused(
+                        409, f"cell {self.cfg.cell}: version {version} not published: {exc}"
+                    ) from exc
             if save or self.publisher is None:
                 path = str(self._save_hf(version))
         self.published = PublishedWeights(

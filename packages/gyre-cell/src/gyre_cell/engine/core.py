@@ -257,12 +257,14 @@ class TorchEngine:
         abort_all_requests: bool = False,
         strict: bool = False,
         model_path: str | None = None,
+        check_finite: bool = True,
     ) -> int:
-        """Apply tensors by HF name between two steps; running requests continue on the new weights."""
+        """Apply tensors by HF name between two steps; running requests continue on the new weights.
+        `check_finite=False`: the source checked them (`WeightStore.apply`)."""
         with self._lock:
             if abort_all_requests:
                 self.abort(abort_all=True, message="Aborted by weight update")
-            n = self.weights.apply(named, strict=strict)
+            n = self.weights.apply(named, strict=strict, check_finite=check_finite)
             if flush_cache and self.kv.allocated:
                 self.migrator.drop_adopted()
                 self.kv.flush()  # cached prefixes were computed with the old weights
@@ -271,6 +273,10 @@ class TorchEngine:
             if model_path is not None:
                 self.model_path = model_path
             return n
+
+    def between_steps(self) -> threading.RLock:
+        """Held: no step runs (control operations take it too; re-entrant, so `update_weights` inside is fine)."""
+        return self._lock
 
     def update_weights_from_disk(self, model_path: str, **kw: Any) -> int:
         check_allowed_dir(model_path, self.config.weight_dirs)

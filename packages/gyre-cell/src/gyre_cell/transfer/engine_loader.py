@@ -1,7 +1,9 @@
 """Feeding a Mooncake snapshot into a rollout engine.
 
 - In-process CPU torch engine (`pull_into_engine`, `published_weights_loader`): the subscriber reads next to the
-  engine and the tensors are applied by HF name with `TorchEngine.update_weights` (no HTTP, no serialization).
+  engine and the tensors are applied by HF name with `TorchEngine.update_weights` (no HTTP, no serialization),
+  copied in place into the parameters from the subscriber's buffer or, on the publisher's host, from the
+  publisher's shared buffer itself.
 - Any engine over HTTP (`mooncake_engine_loader`, for SGLang): no engine has an "update from Mooncake" endpoint, so
   the subscriber reads next to the client and pushes the tensors with `/update_weights_from_tensor` inside a
   begin/end session (SGLang 0.5.23 rules; `push_tensors`, which a cell worker also uses for the core's own buffer).
@@ -10,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -30,10 +33,19 @@ def pull_into_engine(engine: TorchEngine, subscriber: WeightSubscriber) -> str:
     weight-version spans show where), the prefix cache is flushed, and `/model_info` reports the new version.
     Blocking (Mooncake read + copy): call it from a worker thread in async code.
     """
-    with subscriber.lock:  # the snapshot's views are refilled by the next read on this subscriber
-        snap = subscriber.read()
-        version = str(snap.version)
-        engine.update_weights(snap.tensors, weight_version=version, flush_cache=True, strict=True)
+    # The publisher refused NaN/inf (finite_checked): no second pass over the weights here.
+    checked = subscriber.manifest.finite_checked
+
+    def apply(tensors: dict[str, torch.Tensor], version: int) -> None:
+        engine.update_weights(
+            tensors, weight_version=str(version), flush_cache=True, strict=True, check_finite=not checked
+        )
+
+    # From the publisher's shared buffer, a write overlapping the copy makes it run again: no step may run on the
+    # weights in between. A Mooncake read fills the subscriber's own buffer first, while the engine keeps stepping.
+    held = engine.between_steps() if subscriber.shared else contextlib.nullcontext()
+    with subscriber.lock, held:  # the snapshot's views are refilled by the next read on this subscriber
+        version = str(subscriber.read_apply(apply))
     return version
 
 

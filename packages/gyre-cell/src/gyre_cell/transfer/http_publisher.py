@@ -49,13 +49,15 @@ class HttpWeightPublisher(WeightPublisher):
         *,
         version: int = 0,
         secret: str,
+        check_finite: bool = True,
     ) -> None:
         if not secret:
             raise ValueError("the HTTP weight transport needs the run's secret (the engine token)")
         self._secret = secret.encode()
         self.after_send: Callable[[], None] | None = None
         """Test gate: runs in the serving thread between the data and the closing sequence number."""
-        super().__init__(source, version=version)
+        # its readers pull over HTTP: no shared memory
+        super().__init__(source, version=version, check_finite=check_finite, shared_memory=False)
 
     def _expose(self) -> str:
         """Nothing to register: peers reach the buffer through `serve_manifest`, which names it."""

@@ -33,7 +33,7 @@ class HttpSnapshotChannel(MooncakeSnapshotChannel):
         self.host, self._secret = host, secret
 
     def _new_publisher(self, named: dict[str, torch.Tensor], batch: int) -> tuple[HttpWeightPublisher, str]:
-        publisher = HttpWeightPublisher(named, version=batch, secret=self._secret)
+        publisher = HttpWeightPublisher(named, version=batch, secret=self._secret, check_finite=False)
         return publisher, publisher.serve_manifest(self.host)
 
     def _new_subscriber(self, url: str) -> HttpWeightSubscriber:

@@ -1,7 +1,8 @@
 """The weight manifest (wire type) and the flat-buffer layout it describes.
 
 Buffer layout (one registered region on the publisher):
-    [0, HEADER_BYTES)            header: int64 seq (even = stable, odd = write in progress), int64 version, int64 magic
+    [0, HEADER_BYTES)            header: int64 seq (even = stable, odd = write in progress), int64 version, int64 magic,
+                                 16 bytes of nonce (a buffer in shared memory: `gyre_cell.transfer.shm`)
     [HEADER_BYTES, length)       tensors, each at a 64-byte aligned offset; tied tensors share one offset
 A reader compares the header before and after copying the tensors (a seqlock), so it never keeps a torn snapshot.
 """
@@ -20,6 +21,8 @@ HEADER_BYTES = 64
 ALIGN = 64
 MAGIC = 0x47595245_57544221  # "GYREWTB!": guards against reading a wrong address
 SEQ, VERSION, MAGIC_SLOT = 0, 1, 2
+NONCE_SLICE = slice(24, 40)
+"""Bytes of the header holding a shared buffer's nonce (`SharedMemoryRef.nonce`)."""
 
 DTYPES: dict[str, torch.dtype] = {
     dtype_name(d): d
@@ -69,6 +72,17 @@ class TensorEntry(_Wire):
         return self
 
 
+class SharedMemoryRef(_Wire):
+    """Where a subscriber on the publisher's host maps its buffer (`gyre_cell.transfer.shm`)."""
+
+    path: str = Field(min_length=1, max_length=256)
+    """`/proc/<pid>/fd/<fd>` of the publisher's memory file."""
+    boot_id: str = Field(min_length=1, max_length=64)
+    """The host's boot id: a subscriber elsewhere does not try the path."""
+    nonce: str = Field(pattern=r"^[0-9a-f]{32}$")
+    """Hex of the 16 bytes the publisher wrote at `NONCE_SLICE` of its header: the mapped file is its buffer."""
+
+
 class WeightManifest(_Wire):
     """Handshake for pulling a publisher's weights: where the buffer is and what it holds."""
 
@@ -81,6 +95,10 @@ class WeightManifest(_Wire):
     version: int = Field(ge=0)
     """Policy version published when this manifest was made (the header holds the live one)."""
     tensors: list[TensorEntry]
+    shm: SharedMemoryRef | None = None
+    """The buffer in shared memory, for subscribers on the publisher's host (None: Mooncake only)."""
+    finite_checked: bool = False
+    """The publisher refuses NaN or infinite floating-point values: a loader need not check them again."""
 
     @model_validator(mode="after")
     def _fits(self) -> WeightManifest:

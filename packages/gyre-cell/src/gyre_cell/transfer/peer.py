@@ -222,19 +222,20 @@ def params_digest(model: torch.nn.Module) -> str:
 def engine_process(conn: Connection, model_dir: str, cpu_threads: int | None = 1) -> None:
     """Child-process main: a TorchEngine on `model_dir` (not served over HTTP) that takes weight publications.
 
-    ("subscribe", manifest_json) opens a WeightSubscriber; ("pull",) -> version (`pull_into_engine`);
+    ("subscribe", manifest_json[, shared_memory]) opens a WeightSubscriber -> whether it maps the publisher's
+    buffer; ("pull"[, shared_memory]) -> version (`pull_into_engine`, with that kind of subscriber if it has one);
     ("disk", path, version) -> version (`TorchEngine.update_weights_from_disk`); ("digest",) -> `params_digest`
     of the engine's model; ("version",) -> the served weight version; ("close",).
     """
     from ..engine import EngineConfig, TorchEngine
     from .engine_loader import pull_into_engine
     from .manifest import WeightManifest
-    from .subscriber import WeightSubscriber
+    from .subscriber import SubscriberConfig, WeightSubscriber
 
     engine = TorchEngine(
         EngineConfig(model_path=model_dir, device="cpu", cpu_threads=cpu_threads, max_total_tokens=1024)
     )
-    sub: WeightSubscriber | None = None
+    subs: dict[bool, WeightSubscriber] = {}  # by shared_memory: one of each kind at most
     try:
         while True:
             cmd, *args = conn.recv()
@@ -242,12 +243,17 @@ def engine_process(conn: Connection, model_dir: str, cpu_threads: int | None = 1
                 if cmd == "close":
                     conn.send(("ok", None))
                     return
-                if cmd == "subscribe":
-                    if sub is not None:
-                        sub.close()
-                    sub = WeightSubscriber(WeightManifest.model_validate_json(args[0]))
-                    value: Any = None
+                if cmd == "subscribe":  # optional second argument: False reads over Mooncake even on one host
+                    shared = bool(args[1]) if len(args) > 1 else True
+                    if shared in subs:
+                        subs.pop(shared).close()
+                    subs[shared] = WeightSubscriber(
+                        WeightManifest.model_validate_json(args[0]),
+                        config=SubscriberConfig(shared_memory=shared),
+                    )
+                    value: Any = subs[shared].shared
                 elif cmd == "pull":
+                    sub = subs.get(bool(args[0]) if args else True) or next(iter(subs.values()), None)
                     if sub is None:
                         raise RuntimeError("no subscriber: send ('subscribe', manifest_json) first")
                     value = pull_into_engine(engine, sub)
@@ -266,7 +272,7 @@ def engine_process(conn: Connection, model_dir: str, cpu_threads: int | None = 1
             except Exception as e:
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        if sub is not None:
+        for sub in subs.values():
             sub.close()
         engine.close()
         conn.close()

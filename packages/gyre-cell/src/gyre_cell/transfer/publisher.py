@@ -1,4 +1,7 @@
-"""Core side: a registered flat buffer holding the authoritative weights, refreshed in place after each step."""
+"""Core side: a registered flat buffer holding the authoritative weights, refreshed in place after each step.
+
+The buffer is allocated once, registered once, and lives in shared memory where the host allows it
+(`gyre_cell.transfer.shm`): subscribers on other hosts pull it over Mooncake, those on this host map it."""
 
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ from typing import Any
 
 import torch
 
+from ..engine.weights import all_finite
 from .manifest import MAGIC, MAGIC_SLOT, SEQ, VERSION, WeightManifest, plan_layout, tensor_views
 from .mooncake import MooncakeConfig, open_transfer_engine, peer_address
+from .shm import SharedBuffer
 
 MANIFEST_PATH = "/weights/manifest"
 
@@ -26,7 +31,10 @@ class WeightPublisher:
     """Owns one registered buffer; `publish` copies new weights into it under a seqlock.
 
     The layout (names, dtypes, shapes) is fixed by the first state dict; later publishes must match it.
-    Readers pull the bytes with Mooncake (no work on this side beyond the copy in `publish`).
+    Readers pull the bytes with Mooncake or map them (same host; no work on this side beyond the copy in `publish`).
+    `check_finite`: `publish` refuses NaN or infinite values (checked per tensor right after its copy, while it is in
+    cache), so that the engines loading it need not check again (`WeightManifest.finite_checked`).
+    `shared_memory=False` keeps the buffer in private memory (Mooncake only).
     """
 
     def __init__(
@@ -35,11 +43,17 @@ class WeightPublisher:
         *,
         version: int = 0,
         config: MooncakeConfig | None = None,
+        check_finite: bool = True,
+        shared_memory: bool = True,
     ) -> None:
         self.config = config or MooncakeConfig()
+        self.check_finite = check_finite
         named = named_tensors(source)
         self._entries, length = plan_layout(named)
-        self._buffer = torch.zeros(length, dtype=torch.uint8)
+        self._shared = SharedBuffer.create(length) if shared_memory else None
+        self._buffer = (
+            self._shared.tensor if self._shared is not None else torch.zeros(length, dtype=torch.uint8)
+        )
         self._header = self._buffer[: 3 * 8].view(torch.int64)
         self._views = tensor_views(self._buffer, self._entries)
         self._lock = threading.Lock()
@@ -76,6 +90,8 @@ class WeightPublisher:
             length=self._buffer.numel(),
             version=self.version,
             tensors=self._entries,
+            shm=self._shared.ref if self._shared is not None else None,
+            finite_checked=self.check_finite,
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -126,7 +142,9 @@ class WeightPublisher:
         *,
         version: int,
     ) -> None:
-        """Copy every tensor of `source` into the buffer (all names of the layout must be present)."""
+        """Copy every tensor of `source` into the buffer (all names of the layout must be present). With
+        `check_finite`, a NaN or infinite value raises ValueError and aborts the write: readers get no snapshot
+        until the next publish (they retry, then fail as on any torn write), never the bad one."""
         named = named_tensors(source) if isinstance(source, torch.nn.Module | Mapping) else list(source)
         given = dict(named)
         missing = [e.name for e in self._entries if e.name not in given]
@@ -140,7 +158,10 @@ class WeightPublisher:
                 raise ValueError(f"{e.name}: shape {list(given[e.name].shape)} != layout {e.shape}")
         with torch.no_grad(), self.writing(version) as views:
             for name, t in given.items():
-                views[name].copy_(t)
+                view = views[name]
+                view.copy_(t)
+                if self.check_finite and not all_finite(view):
+                    raise ValueError(f"{name}: NaN or infinite values; not published")
 
     # ---- handshake over HTTP -----------------------------------------------------------------
     def serve_manifest(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -176,6 +197,8 @@ class WeightPublisher:
         if self._engine is not None:
             self._engine.unregister_memory(self._buffer.data_ptr())
             self._engine = None  # dropping the last reference stops Mooncake's threads and closes its ports
+        if self._shared is not None:
+            self._shared.close()
 
     def __enter__(self) -> WeightPublisher:
         return self

@@ -1,4 +1,8 @@
-"""Satellite / engine side: pull the publisher's whole buffer with Mooncake and load it into a torch model."""
+"""Satellite / engine side: pull the publisher's whole buffer with Mooncake and load it into a torch model.
+
+On the publisher's host the subscriber maps its buffer instead (`gyre_cell.transfer.shm`; `SubscriberConfig.
+shared_memory`): `read` copies the mapped bytes into the subscriber's buffer under the same seqlock, and
+`read_apply` hands the mapped tensors straight to a loader (one copy, into the model's parameters)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .manifest import HEADER_BYTES, MAGIC, MAGIC_SLOT, SEQ, VERSION, WeightManifest, tensor_views
 from .mooncake import MooncakeConfig, open_transfer_engine
+from .shm import SharedMapping, map_shared
 
 
 class TornSnapshotError(RuntimeError):
@@ -35,6 +40,8 @@ class SubscriberConfig(BaseModel):
     """Reads tried before giving up on a publisher that keeps writing."""
     retry_backoff_s: float = 0.01
     """Sleep before retrying a read that overlapped a write (doubles, capped at 0.5 s)."""
+    shared_memory: bool = True
+    """Map the publisher's buffer when it is on this host (False: Mooncake always)."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +82,26 @@ class WeightSubscriber:
         self._views = tensor_views(self._buffer, manifest.tensors)
         self.lock = threading.Lock()
         """Held by callers that use a snapshot's views after `read` returns (the next read refills them)."""
+        self._mapping: SharedMapping | None = None
+        self._shared: torch.Tensor | None = None
+        self._shared_views: dict[str, torch.Tensor] = {}
         self._engine: Any = self._open(mooncake)
 
+    @property
+    def shared(self) -> bool:
+        """The publisher's buffer is mapped here (same host): `read_apply` reads it in place."""
+        return self._shared is not None
+
     def _open(self, mooncake: MooncakeConfig | None) -> Any:
-        """What reads the publisher's buffer (here: a Mooncake engine with this buffer registered); None once
-        closed. A subscriber over another transport (`HttpWeightSubscriber`) overrides it and `_attempt`."""
+        """What reads the publisher's buffer (here: its mapping on the same host, else a Mooncake engine with this
+        buffer registered); None once closed. A subscriber over another transport (`HttpWeightSubscriber`)
+        overrides it and `_attempt`."""
+        if self.config.shared_memory and self.manifest.shm is not None:
+            self._mapping = map_shared(self.manifest.shm, self.manifest.length)
+            if self._mapping is not None:
+                self._shared = self._mapping.tensor
+                self._shared_views = tensor_views(self._shared, self.manifest.tensors)
+                return "shm"
         engine = open_transfer_engine(mooncake)
         rc = engine.register_memory(self._buffer.data_ptr(), self._buffer.numel())
         if rc != 0:
@@ -88,6 +110,16 @@ class WeightSubscriber:
 
     # ---- reading -----------------------------------------------------------------------------
     def _read_header(self, dst: torch.Tensor) -> tuple[int, int]:
+        if self._shared is not None:
+            if (
+                not self._mapping.alive()
+            ):  # its pages stay mapped here: they would read as the last publication
+                raise TransferError(
+                    f"the publisher {self.manifest.peer} is gone (its shared buffer was closed)"
+                )
+            dst.copy_(self._shared[:HEADER_BYTES])
+            h = dst[:24].view(torch.int64)
+            return int(h[SEQ]), int(h[VERSION])
         rc = self._engine.transfer_sync_read(
             self.manifest.peer, dst.data_ptr(), self.manifest.buffer_addr, HEADER_BYTES
         )
@@ -99,6 +131,10 @@ class WeightSubscriber:
         return int(h[SEQ]), int(h[VERSION])
 
     def _read_data(self) -> None:
+        if self._shared is not None:
+            end = self.manifest.length
+            self._buffer[HEADER_BYTES:end].copy_(self._shared[HEADER_BYTES:end])
+            return
         base_local = self._buffer.data_ptr()
         base_peer = self.manifest.buffer_addr
         bucket = self.config.bucket_bytes
@@ -136,6 +172,33 @@ class WeightSubscriber:
         raise TornSnapshotError(
             f"no consistent snapshot from {self.manifest.peer} in {self.config.max_attempts} attempts: "
             "the publisher is writing continuously or a write failed midway"
+        )
+
+    def read_apply(self, apply: Callable[[dict[str, torch.Tensor], int], None]) -> int:
+        """Run `apply(tensors, version)` on a consistent snapshot; its version.
+
+        Mapped publisher (`shared`): `apply` gets the publisher's own tensors (no copy here) between the two header
+        reads, and runs again when a write overlapped it, so what it wrote last is one publication: the caller keeps
+        its target out of use until this returns. Otherwise `apply` gets the views of a `read`.
+        """
+        if self._engine is None:
+            raise TransferError("subscriber is closed")
+        if self._shared is None:
+            snap = self.read()
+            apply(snap.tensors, snap.version)
+            return snap.version
+        backoff = self.config.retry_backoff_s
+        for _ in range(self.config.max_attempts):
+            seq0, version = self._read_header(self._before)
+            if seq0 % 2 == 0:
+                apply(self._shared_views, version)
+                if self._read_header(self._after)[0] == seq0:
+                    return version
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 0.5)
+        raise TornSnapshotError(
+            f"no consistent snapshot of the shared buffer of {self.manifest.peer} in {self.config.max_attempts} "
+            "attempts: the publisher is writing continuously or a write failed midway"
         )
 
     def _attempt(self, after_data: Callable[[], None] | None) -> int | None:
@@ -176,6 +239,8 @@ class WeightSubscriber:
             t.data = self._views[name]
 
     def close(self) -> None:
+        if self._shared is not None:  # the mapping goes with the last view of it
+            self._mapping, self._shared, self._shared_views, self._engine = None, None, {}, None
         if self._engine is not None:
             self._engine.unregister_memory(self._buffer.data_ptr())
             self._engine = None  # dropping the last reference stops Mooncake's threads and closes its ports

@@ -1,0 +1,117 @@
+"""The publisher's buffer in shared memory, so that a subscriber on the same host reads it without a transfer.
+
+Mooncake's TCP transport moves a 210 MB buffer over loopback at ~1.5 GiB/s (0.14 s, and CPU on both ends); a
+process on the same host can map the publisher's pages instead and copy straight from them into its parameters
+(0.04 s). The publisher's buffer is an anonymous memory file (`memfd_create`): it is registered with Mooncake like
+any memory (peers on other hosts pull it as before), leaves nothing behind when the publisher exits, and is reached
+by `/proc/<pid>/fd/<fd>`, which only processes of the same user may open. The manifest names that path, the host's
+boot id and a random nonce the publisher wrote into its header; a subscriber maps the path read-only and uses it
+only if the boot id is its own and the nonce is there (another host, another PID namespace: Mooncake as before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .manifest import NONCE_SLICE, SharedMemoryRef
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str | None:
+    """This host's boot id (Linux), or None."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return None
+
+
+def _frombuffer(mm: mmap.mmap) -> torch.Tensor:
+    with warnings.catch_warnings():  # a read-only mapping: torch warns that the tensor must not be written
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+@dataclass
+class SharedBuffer:
+    """A zeroed uint8 tensor in a memory file; `ref` tells a same-host subscriber how to map it."""
+
+    tensor: torch.Tensor
+    ref: SharedMemoryRef
+    _fd: int
+    _map: mmap.mmap
+
+    @classmethod
+    def create(cls, length: int) -> SharedBuffer | None:
+        """None where memory files or the boot id are missing (then the publisher uses private memory)."""
+        host = boot_id()
+        if host is None or not hasattr(os, "memfd_create"):
+            return None
+        try:
+            fd = os.memfd_create("gyre-weights", os.MFD_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            os.ftruncate(fd, length)
+            mm = mmap.mmap(fd, length, mmap.MAP_SHARED)
+        except OSError:
+            os.close(fd)
+            return None
+        tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        nonce = secrets.token_bytes(NONCE_SLICE.stop - NONCE_SLICE.start)
+        tensor[NONCE_SLICE] = torch.frombuffer(bytearray(nonce), dtype=torch.uint8)
+        ref = SharedMemoryRef(path=f"/proc/{os.getpid()}/fd/{fd}", boot_id=host, nonce=nonce.hex())
+        return cls(tensor, ref, fd, mm)
+
+    def close(self) -> None:
+        """Close the file; the pages go once no mapping (a subscriber's included) and no tensor holds them."""
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+@dataclass
+class SharedMapping:
+    """A publisher's buffer mapped read-only here. The mapping outlives the publisher, so `alive` asks whether its
+    memory file is still the one at the manifest's path (gone, or a reused pid's other file: the publisher left)."""
+
+    tensor: torch.Tensor
+    path: str
+    identity: tuple[int, int]
+
+    def alive(self) -> bool:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity
+
+
+def map_shared(ref: SharedMemoryRef, length: int) -> SharedMapping | None:
+    """The publisher's buffer mapped read-only, if it is on this host and is the one the manifest describes."""
+    if ref.boot_id != boot_id():
+        return None
+    try:
+        fd = os.open(ref.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # another PID namespace, another user, the publisher gone
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_size != length:
+            return None
+        mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)  # the mapping keeps the pages
+    tensor = _frombuffer(mm)
+    if bytes(tensor[NONCE_SLICE].numpy()) != bytes.fromhex(ref.nonce):
+        return None  # the same path in another process (a PID namespace): not this publisher's buffer
+    return SharedMapping(tensor, ref.path, (st.st_dev, st.st_ino))

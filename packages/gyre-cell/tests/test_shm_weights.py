@@ -1,0 +1,97 @@
+"""The publisher's buffer in shared memory (`gyre_cell.transfer.shm`), the publisher's finite check, and an engine
+loading published weights in place from the mapped buffer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre_cell.engine import EngineConfig, TorchEngine
+from gyre_cell.engine.weights import all_finite, load_checkpoint_dir
+from gyre_cell.transfer import SubscriberConfig, TornSnapshotError, WeightPublisher, WeightSubscriber
+from gyre_cell.transfer.engine_loader import pull_into_engine
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(64, 32, generator=g), "b.bias": torch.randn(7, generator=g)}
+
+
+def test_a_manifest_from_another_host_or_process_falls_back_to_mooncake() -> None:
+    with WeightPublisher(_state(0), version=3) as pub:
+        manifest = pub.manifest()
+        assert manifest.shm is not None and manifest.shm.path.startswith("/proc/")
+        with WeightSubscriber(manifest) as sub:
+            assert sub.shared and sub.read().version == 3  # the same host: mapped
+        elsewhere = [  # another boot id (host); the path naming another file (another PID namespace)
+            manifest.shm.model_copy(update={"boot_id": "not-this-host"}),
+            manifest.shm.model_copy(update={"nonce": "0" * 32}),
+        ]
+        for ref in elsewhere:
+            with WeightSubscriber(manifest.model_copy(update={"shm": ref})) as sub:
+                assert not sub.shared
+                snap = sub.read()  # over Mooncake TCP instead
+                assert snap.version == 3 and torch.equal(snap.tensors["a.weight"], _state(0)["a.weight"])
+
+
+def test_the_publisher_refuses_nan_and_readers_never_get_it() -> None:
+    bad = _state(1)
+    bad["b.bias"][3] = float("nan")
+    with WeightPublisher(_state(0), version=1) as pub:
+        assert pub.manifest().finite_checked
+        with WeightSubscriber(
+            pub.manifest(), config=SubscriberConfig(max_attempts=2, retry_backoff_s=0)
+        ) as sub:
+            with pytest.raises(ValueError, match=r"b\.bias: NaN or infinite"):
+                pub.publish(bad, version=2)
+            with pytest.raises(TornSnapshotError):  # the aborted write: no snapshot, never the bad one
+                sub.read()
+            pub.publish(_state(2), version=3)
+            snap = sub.read()
+            assert snap.version == 3 and torch.equal(snap.tensors["b.bias"], _state(2)["b.bias"])
+    with WeightPublisher(_state(0), version=1, check_finite=False) as pub:  # the satellites' flat snapshots
+        assert not pub.manifest().finite_checked
+        pub.publish(bad, version=2)
+        assert pub.version == 2
+
+
+@pytest.mark.parametrize(
+    ("values", "finite"),
+    [([1.0, 3e38, 3e38, 3e38], True), ([1.0, float("inf")], False), ([float("-inf"), float("inf")], False),
+     ([0.0, float("nan")], False), ([], True)],
+)  # fmt: skip
+def test_all_finite(values: list[float], finite: bool) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        assert all_finite(torch.tensor(values, dtype=dtype)) is finite
+    assert all_finite(torch.tensor([1, 2])) is True  # integers hold no NaN
+
+
+def test_an_engine_loads_in_place_from_the_shared_buffer(tiny_model: Path, tiny_model_b: Path) -> None:
+    engine = TorchEngine(EngineConfig(model_path=str(tiny_model_b), device="cpu", cpu_threads=1))
+    try:
+        params = dict(engine.model.named_parameters())
+        addresses = {n: p.data_ptr() for n, p in params.items()}
+        with (
+            WeightPublisher(load_checkpoint_dir(tiny_model), version=7) as pub,
+            WeightSubscriber(pub.manifest(), config=SubscriberConfig(max_attempts=2)) as sub,
+        ):
+            assert sub.shared
+            assert pull_into_engine(engine, sub) == "7" and engine.weight_version == "7"
+            for name, t in load_checkpoint_dir(tiny_model).items():
+                assert torch.equal(params[name].detach(), t), name
+            assert {n: p.data_ptr() for n, p in params.items()} == addresses  # copied into the parameters
+            # straight from the publisher's pages: nothing staged in the subscriber's own data region
+            assert not sub._buffer[: sub.manifest.length].any()
+
+            pub.begin_write()  # a write in progress: no load, the engine keeps version 7 and its weights
+            with pytest.raises(TornSnapshotError):
+                pull_into_engine(engine, sub)
+            pub.abort_write()
+            assert engine.weight_version == "7"
+            assert torch.equal(
+                params["lm_head.weight"].detach(), load_checkpoint_dir(tiny_model)["lm_head.weight"]
+            )
+    finally:
+        engine.close()
