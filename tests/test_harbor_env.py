@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        shutil.which("bwrap") is None or shutil.which("nsenter") is None,
-        reason="needs bubblewrap and nsenter",
+        any(shutil.which(t) is None for t in ("bwrap", "nsenter", "setpriv")),
+        reason="needs bubblewrap, util-linux",
     ),
 ]
 

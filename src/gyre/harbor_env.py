@@ -59,9 +59,9 @@ class GyreEnvironment(BaseEnvironment):
     def _validate_definition(self) -> None:
         from gyre.harbor_tasks import load_harbor_task  # refuses what needs an image, with one line
 
-        if shutil.which("bwrap") is None or shutil.which("nsenter") is None:
+        if any(shutil.which(tool) is None for tool in ("bwrap", "nsenter", "setpriv")):
             raise RuntimeError(
-                "the Gyre sandbox needs bubblewrap and nsenter (apt-get install bubblewrap util-linux)"
+                "the Gyre sandbox needs bubblewrap, nsenter and setpriv (apt-get install bubblewrap util-linux)"
             )
         task = load_harbor_task(Path(self.environment_dir).parent)
         self._workdir = self.task_env_config.workdir or task.workdir

@@ -21,6 +21,7 @@ verifier runs without network: a ``test.sh`` that downloads its test tools canno
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -312,6 +313,9 @@ class HarborTaskQuery:
 
 def harbor_queries(path: str | Path, limit: int | None = None) -> list[HarborTaskQuery]:
     """The run's queries from Harbor task folders (the first `limit`)."""
-    if shutil.which("bwrap") is None:
-        raise HarborTaskError(f"{path}: Harbor verifiers run under bubblewrap: apt-get install bubblewrap")
+    if shutil.which("bwrap") is None or (os.geteuid() == 0 and shutil.which("setpriv") is None):
+        raise HarborTaskError(
+            f"{path}: Harbor verifiers run under bubblewrap (and setpriv, run by root): "
+            "apt-get install bubblewrap util-linux"
+        )
     return [HarborTaskQuery(t) for t in load_harbor_tasks(path)[:limit]]

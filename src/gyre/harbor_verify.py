@@ -199,12 +199,12 @@ def bwrap_argv(spec: dict, workspace: str, tests: str, logs: str, root: bool) ->
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     workspace, tests = os.environ["GYRE_WORKSPACE"], os.environ["GYRE_CHECK_FILES"]
-    if shutil.which("bwrap") is None:
-        print("harbor verifier: needs bubblewrap (apt-get install bubblewrap)", file=sys.stderr)
+    if shutil.which("bwrap") is None or (os.geteuid() == 0 and shutil.which("setpriv") is None):
+        print("harbor verifier: needs bubblewrap and, run by root, setpriv (apt-get install bubblewrap util-linux)",
+              file=sys.stderr)  # fmt: skip
         return NO_SCORE
-    logs = os.path.join(
-        os.path.dirname(workspace), "tmp", "harbor-logs"
-    )  # beside the copy: the check's own root
+    # beside the copy: in the check's own root
+    logs = os.path.join(os.path.dirname(workspace), "tmp", "harbor-logs")
     root = os.geteuid() == 0
     os.makedirs(logs, mode=0o755)
     for sub in ("verifier", "agent", "artifacts"):
