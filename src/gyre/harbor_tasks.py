@@ -117,7 +117,9 @@ class HarborTask:
                 raise HarborTaskError(f"{self.path}: COPY destination {dest!r} leaves the workspace")
             target = workspace / rel
             if src.is_dir():
-                shutil.copytree(src, target, symlinks=False, dirs_exist_ok=True)
+                shutil.copytree(
+                    src, target, symlinks=True, dirs_exist_ok=True
+                )  # links stay links, as COPY keeps them
                 continue
             if dest.endswith("/") or rel == PurePosixPath(".") or target.is_dir():
                 target = target / src.name
