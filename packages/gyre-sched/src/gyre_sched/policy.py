@@ -203,11 +203,10 @@ class PolicyCore:
             case WorldFailed(generation, _reason):
                 out += self._health_facts(self.health.world_failed(generation))
             case SatelliteBurstEnded(cell):
-                # Its burst may end before the core's step end reaches the policy (a join then waits harmlessly:
-                # a switch to rollout makes it leave) or after (a cell that stays in training joins the next burst).
-                if self.roles[cell] is CellRole.TRAINING and (
-                    not self.burst_ending or self._stays_in_training(cell)
-                ):
+                # Heard before the core's step end (a join then waits harmlessly: a switch to rollout makes it
+                # leave) or after it (a cell that stays in training joins the next burst).
+                stays = not self.burst_ending or self._stays_in_training(cell)
+                if self.roles[cell] is CellRole.TRAINING and stays:
                     out.append(Join(cell))
             case TransitionDone(cell):
                 out += self._transition_done(cell)
