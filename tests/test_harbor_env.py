@@ -84,8 +84,12 @@ async def main():
     except ValueError as e:
         out["upload_outside"] = "refused"
     root = env._root
-    sleepers = lambda: [p for p in os.listdir("/proc") if p.isdigit() and
-                        Path(f"/proc/{p}/cmdline").read_bytes() == b"sleep\x00300\x00"]
+    def cmdline(pid):
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # a process of the machine that just ended
+            return b""
+    sleepers = lambda: [p for p in os.listdir("/proc") if p.isdigit() and cmdline(p) == b"sleep\x00300\x00"]
     out["sleepers_before_stop"] = len(sleepers())
     await env.stop(delete=True)
     out["sleepers_after_stop"] = len(sleepers())
