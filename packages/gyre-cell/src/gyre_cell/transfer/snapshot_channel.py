@@ -125,17 +125,19 @@ class MooncakeSnapshotChannel:
                         sub.close()
                         raise TransferError(f"{url} does not describe a flat-parameter snapshot")
                     self._subscribers[url] = sub
-                try:
-                    snap = sub.read()
+                got: dict[str, torch.Tensor] = {}
+
+                def take(tensors: dict[str, torch.Tensor], _version: int) -> None:
+                    got[FLAT] = tensors[FLAT].clone()  # a write overlapping a mapped read runs this again
+
+                try:  # one copy, out of the mapped buffer or of the subscriber's own (refilled by its next read)
+                    version = sub.read_apply(take)
                 except TornSnapshotError as e:
                     raise SnapshotError(f"torn snapshot {ref!r}: {e}") from e
                 except TransferError:
                     self._subscribers.pop(url).close()  # publisher gone: a later ref fetches a fresh manifest
                     raise
-                version, flat = (
-                    snap.version,
-                    snap.tensors[FLAT].clone(),
-                )  # views are refilled by the next read
+                flat = got[FLAT]
         if version != batch:
             moved = "has moved on to" if version > batch else "has not reached"
             raise StaleSnapshotError(
