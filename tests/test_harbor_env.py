@@ -1,7 +1,7 @@
 """Harbor's own CLI on Gyre's sandbox (gyre.harbor_env.GyreEnvironment), against the real harbor package (0.25.0) in an
-environment of its own (tests/stack_venv.py; Harbor brings litellm and its own pins): `harbor run -e
-gyre.harbor_env:GyreEnvironment` runs the shipped suite with Harbor's oracle agent (reward 1.0 each) and its nop agent
-(the starts: 0, 0.75, 0), each scored by Harbor's own verifier through the environment's exec and downloads; and the
+environment of its own (tests/stack_venv.py; Harbor brings litellm and its own pins): `harbor run` with
+gyre.harbor_env:GyreEnvironment runs the shipped suite with Harbor's oracle agent (reward 1.0 each) and its nop agent
+(the starts: 0, 0.75, 0), in one job, each scored by Harbor's own verifier through the environment's exec and downloads; and the
 environment keeps one sandbox per trial (a background process outlives the exec that started it and dies at stop),
 writes only its bound paths and never follows a link out of the sandbox."""
 
@@ -38,18 +38,23 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT / "src"), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 
 
-@pytest.mark.parametrize(("agent", "rewards"), [("oracle", {"count-words": 1.0, "fix-clamp": 1.0, "multiply": 1.0}),
-                                                ("nop", {"count-words": 0.0, "fix-clamp": 0.75, "multiply": 0.0})])  # fmt: skip
-def test_harbor_run_scores_the_suite_on_the_gyre_sandbox(harbor_python, tmp_path, agent, rewards):
-    harbor = harbor_python.parent / "harbor"
+def test_harbor_run_scores_the_suite_on_the_gyre_sandbox(harbor_python, tmp_path):
     before = set(Path(tempfile.gettempdir()).glob("gyre-harbor-*"))
-    argv = [str(harbor), "run", "-p", str(ROOT / "tasks" / "harbor"), "-a", agent, "-e",
-            "gyre.harbor_env:GyreEnvironment", "-o", str(tmp_path / "jobs"), "-y", "-q"]  # fmt: skip
+    job = {"environment": {"import_path": "gyre.harbor_env:GyreEnvironment"},
+           "datasets": [{"path": str(ROOT / "tasks" / "harbor")}], "agents": [{"name": "oracle"}, {"name": "nop"}],
+           "jobs_dir": str(tmp_path / "jobs")}  # fmt: skip
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    argv = [str(harbor_python.parent / "harbor"), "run", "-c", str(tmp_path / "job.json"), "-y", "-q"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     trials = [json.loads(p.read_text()) for p in (tmp_path / "jobs").glob("*/*/result.json")]
-    assert {t["task_name"]: t["exception_info"] for t in trials} == dict.fromkeys(rewards)
-    assert {t["task_name"]: t["verifier_result"]["rewards"]["reward"] for t in trials} == rewards
+    assert all(t["exception_info"] is None for t in trials) and len(trials) == 6
+    rewards = {
+        (t["agent_info"]["name"], t["task_name"]): t["verifier_result"]["rewards"]["reward"] for t in trials
+    }
+    # Harbor's own verifier, through the environment's exec and downloads: the reference solutions, and the starts
+    assert rewards == {("oracle", "count-words"): 1.0, ("oracle", "fix-clamp"): 1.0, ("oracle", "multiply"): 1.0,
+                       ("nop", "count-words"): 0.0, ("nop", "fix-clamp"): 0.75, ("nop", "multiply"): 0.0}  # fmt: skip
     assert (
         set(Path(tempfile.gettempdir()).glob("gyre-harbor-*")) <= before
     )  # each trial's folder went at its stop
