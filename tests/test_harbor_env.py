@@ -1,9 +1,9 @@
 """Harbor's own CLI on Gyre's sandbox (gyre.harbor_env.GyreEnvironment), against the real harbor package (0.25.0) in an
-environment of its own (tests/stack_venv.py; Harbor brings litellm and its own pins): `harbor run` with
-gyre.harbor_env:GyreEnvironment runs the shipped suite with Harbor's oracle agent (reward 1.0 each) and its nop agent
-(the starts: 0, 0.75, 0), in one job, each scored by Harbor's own verifier through the environment's exec and downloads; and the
-environment keeps one sandbox per trial (a background process outlives the exec that started it and dies at stop),
-writes only its bound paths and never follows a link out of the sandbox."""
+environment of its own (tests/stack_venv.py; Harbor brings litellm and its own pins): one `harbor run` job on the
+shipped suite with Harbor's oracle agent (reward 1.0 each) and its nop agent (the starts: 0, 0.75, 0), each scored by
+Harbor's own verifier through the environment's exec and downloads; and the environment keeps one sandbox per trial
+(a background process outlives the exec that started it and dies at stop), writes only its bound paths and never
+follows a link out of the sandbox."""
 
 import json
 import os
