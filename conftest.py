@@ -42,6 +42,9 @@ SYSTEM_PACKAGES: dict[str, tuple[str, ...]] = {
     # the execution sandbox (gyre_sched.sandbox) at launch and its probes
     "bubblewrap": (
         "packages/gyre-sched/tests/test_sandbox_check.py",
+        "tests/test_harbor_env.py",  # Harbor's agents and verifier run in it too
+        "tests/test_harbor_run.py",
+        "tests/test_harbor_tasks.py",
         "tests/test_harness_contract.py",
         "tests/test_harness_sandbox.py",
         "tests/test_sandbox_run.py",

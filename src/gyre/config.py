@@ -259,8 +259,8 @@ so that a satellite joins the core's batches once the burst's rollouts are done.
 
 class TasksConfig(_Section):
     file: str | None = None
-    """A task file (JSONL, Parquet or dataset folder; `gyre tasks validate FILE`, format in gyre.datasets). None: the
-    demo's task family."""
+    """A task file (JSONL, Parquet or dataset folder; `gyre tasks validate FILE`, format in gyre.datasets), or a Harbor
+    task folder or a folder of them (gyre.harbor_tasks). None: the demo's task family."""
     limit: int | None = Field(None, ge=1)
     """Use the first `limit` tasks of the file (groups take them in order, cycling)."""
 
