@@ -116,6 +116,28 @@ async def _run(runner, eid, **kw):
         await runner.aclose()
 
 
+def test_a_task_workdir_shows_the_workspace_there_and_nowhere_else(stack):
+    """A Harbor task's instruction names `/app`: the sandboxed harness starts there, finds the files the task's setup
+    put in its workspace, and what it writes lands in that workspace; its host path is not mounted."""
+    srv, _, tmp, runtime = stack
+    host = tmp / "run" / "workspaces" / "wd-1"
+    script = (
+        "import os, pathlib, sys; seen = pathlib.Path('/app/start.txt').read_text();"
+        f"hidden = not os.path.exists({str(host)!r});"
+        "pathlib.Path('/app/out.txt').write_text('|'.join([os.getcwd(), sys.argv[1], seen, str(hidden)]))"
+    )
+    harness = CommandHarness([sys.executable, "-c", script, "{workspace}"])
+    runner, _ = _runner(srv, tmp / "run", harness, runtime)
+    done = asyncio.run(
+        _run(runner, "wd-1", workdir="/app", setup=lambda ws: (ws / "start.txt").write_text("from setup"))
+    )
+    assert done.outcome == "completed", (tmp / "run" / "logs" / "agents" / "wd-1.log").read_text()[-2000:]
+    assert done.workspace == host
+    assert (host / "out.txt").read_text() == "/app|/app|from setup|True"  # `{workspace}` is where it works
+    with pytest.raises(ValueError, match="mounts itself"):
+        asyncio.run(_run(_runner(srv, tmp / "run", harness, runtime)[0], "wd-2", workdir="/usr/app"))
+
+
 def test_the_whole_tree_dies_at_the_harness_timeout(stack):
     srv, _, tmp, runtime = stack
     token = f"gyre-sandbox-orphan-{uuid.uuid4().hex}"

@@ -300,13 +300,14 @@ class HarborTaskQuery:
         self.prompt = task.prompt
 
     def launch_options(self) -> dict[str, Any]:
-        """Keyword arguments for `ExecutionRunner.run`: the run's harness, the task's agent timeout, and a budget
-        covering two verifier attempts."""
+        """Keyword arguments for `ExecutionRunner.run`: the run's harness, the task's agent timeout, a budget covering
+        two verifier attempts, and the task's workdir (the sandboxed harness works there, as the verifier does)."""
         return {
             "setup": partial(HarborTask.setup, self.task),
             "harness": None,
             "harness_timeout_s": self.task.agent_timeout_s,
             "overall_budget_s": self.task.agent_timeout_s + 2 * (self.task.verifier_timeout_s + 30),
+            "workdir": self.task.workdir,  # a sandboxed harness sees its workspace where the instruction says
         }
 
     def evaluator(self) -> dict[str, Any]:

@@ -301,9 +301,11 @@ class ExecutionRunner:
         setup: Callable[[Path], object] | None = None,
         harness_timeout_s: float | None = None,
         overall_budget_s: float | None = None,
+        workdir: str | None = None,
     ) -> Finished:
         """Register the execution at the proxy, run its harness (the run's, or `harness` for this execution; in a
-        workspace `setup` filled), end it; returns its single outcome."""
+        workspace `setup` filled), end it; returns its single outcome. `workdir`: where a sandboxed harness sees its
+        workspace (a Harbor task's `/app`); without a sandbox it works at the host path."""
         chosen = self.harness if harness is None else make_harness(harness)
         timeout_s = self.harness_timeout_s if harness_timeout_s is None else harness_timeout_s
         budget_s = self.overall_budget_s if overall_budget_s is None else overall_budget_s
@@ -339,6 +341,7 @@ class ExecutionRunner:
                 launched_at,
                 timeout_s,
                 budget_s,
+                workdir,
             )
         if execution_id in self._cancelled:
             outcome = "cancelled"
@@ -357,6 +360,7 @@ class ExecutionRunner:
         launched_at: float,
         timeout_s: float,
         budget_s: float | None,
+        workdir: str | None = None,
     ) -> tuple[str, int | None, str | None]:
         """Start the harness (in the sandbox, with its relay and cgroups) and wait for its end: (outcome, exit
         status, why it could not start). Whatever the launch made goes when it ends, however it ends: a
@@ -375,7 +379,8 @@ class ExecutionRunner:
                 )
                 relay = ProxyRelay(parts.hostname or "127.0.0.1", port)
                 await relay.start()
-            ctx = HarnessContext(execution_id, workspace, task, base_url, credential, self.model)
+            seen = Path(workdir) if workdir is not None and self.sandbox is not None else workspace
+            ctx = HarnessContext(execution_id, seen, task, base_url, credential, self.model)
             argv, env = chosen.argv(ctx), self._env(chosen, ctx)
             preexec: Callable[[], None] | None = None
             if self.sandbox is not None and relay is not None:
@@ -386,7 +391,7 @@ class ExecutionRunner:
                 env.pop("TEMP", None)
                 env.pop("TMP", None)
                 argv = self.sandbox.wrap(
-                    argv, workspace, Path(env["HOME"]), env, port, relay.dir, execution_id
+                    argv, workspace, Path(env["HOME"]), env, port, relay.dir, execution_id, workdir
                 )
                 env = {"PATH": "/usr/bin:/bin"}
                 cgroups = self.sandbox.make_cgroup(execution_id)

@@ -36,7 +36,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from gyre_sched.sandbox_oci import OciBundle, give_to, oci_resources, sweep_oci
@@ -234,6 +234,38 @@ def _open_parents(mounted: Sequence[str], links: Sequence[str]) -> list[str]:
     return [arg for a in sorted(made) for arg in ("--chmod", "0755", str(a))]
 
 
+RESERVED_TOP = frozenset(
+    {
+        "bin",
+        "boot",
+        "dev",
+        "etc",
+        "home",
+        "lib",
+        "lib32",
+        "lib64",
+        "proc",
+        "root",
+        "run",
+        "sbin",
+        "sys",
+        "tmp",
+        "usr",
+    }
+)
+"""Top-level folders a task's workdir may not be (the sandbox mounts the system's, or its own, there)."""
+
+
+def check_workdir(path: str) -> str:
+    """A workdir the sandbox can mount a workspace at: absolute, normalized, below a top-level folder of its own."""
+    p = PurePosixPath(path)
+    if not p.is_absolute() or ".." in p.parts or str(p) != path.rstrip("/") or len(p.parts) < 2:
+        raise ValueError(f"workdir {path!r} must be an absolute, normalized path below / (e.g. /app)")
+    if p.parts[1] in RESERVED_TOP:
+        raise ValueError(f"workdir {path!r} lies in /{p.parts[1]}, which the sandbox mounts itself")
+    return str(p)
+
+
 @dataclass
 class LaunchSandbox:
     """bubblewrap (or an OCI runtime) around each harness; limits per execution."""
@@ -284,13 +316,16 @@ class LaunchSandbox:
         proxy_port: int,
         relay_dir: Path,
         name: str = "execution",
+        workdir: str | None = None,
     ) -> list[str]:
         """The command line running `argv` in the sandbox (env given explicitly, nothing inherited); `name` (the
-        execution id) names its OCI container, removed by `release(name)`."""
+        execution id) names its OCI container, removed by `release(name)`. `workdir`: where the harness sees its
+        workspace (a task's `/app`; `check_workdir`), else at its host path."""
         python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
         inner = [python, "-I", "-S", "-c", FORWARDER, INNER_SOCKET, str(proxy_port), str(self.uid), *argv]
+        inside = check_workdir(workdir) if workdir is not None else str(workspace)
         if self.runtime == "oci":
-            return self._wrap_oci(inner, workspace, home, env, relay_dir, name)
+            return self._wrap_oci(inner, workspace, home, env, relay_dir, name, inside)
         if os.geteuid() == 0:
             # A user namespace would map the harness's uid back to root on the host, where it reads every root-only
             # file on the mounted paths: root's bwrap makes the other namespaces and its mounts without one, and the
@@ -326,7 +361,7 @@ class LaunchSandbox:
             if p not in ("/usr", "/") and not p.startswith("/usr/") and os.path.exists(p)
         ]
         rw = [
-            (str(workspace), str(workspace)),
+            (str(workspace), inside),
             (str(home), str(home)),
             (str(relay_dir), str(Path(INNER_SOCKET).parent)),
         ]
@@ -335,13 +370,20 @@ class LaunchSandbox:
         for src, dst in rw:
             cmd += ["--bind", src, dst]
         cmd += _open_parents([dst for _, dst in binds + ro + rw], ["/bin", "/lib", "/lib64", "/sbin"])
-        cmd += ["--chdir", str(workspace), "--clearenv"]
+        cmd += ["--chdir", inside, "--clearenv"]
         for k, v in env.items():
             cmd += ["--setenv", k, v]
         return [*cmd, "--", *inner]
 
     def _wrap_oci(
-        self, inner: list[str], workspace: Path, home: Path, env: dict[str, str], relay_dir: Path, name: str
+        self,
+        inner: list[str],
+        workspace: Path,
+        home: Path,
+        env: dict[str, str],
+        relay_dir: Path,
+        name: str,
+        inside: str,
     ) -> list[str]:
         self.release(name)  # a container left by an earlier attempt of the same execution
         give_to(self.uid, workspace, home)
@@ -350,11 +392,12 @@ class LaunchSandbox:
         bundle.write(
             process_args=inner,
             env=env,
-            cwd=workspace,
+            cwd=Path(inside),
             uid=self.uid,
             ro_paths=self.ro_paths,
             etc_files=ETC_FILES,
             rw_paths=[workspace, home],
+            mount_at={str(workspace): inside},
             relay_dir=relay_dir,
             inner_socket_dir=str(Path(INNER_SOCKET).parent),
             resources=resources,

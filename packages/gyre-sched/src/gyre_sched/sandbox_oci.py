@@ -76,6 +76,7 @@ class OciBundle:
         etc_files: Sequence[str],
         rw_paths: Sequence[Path],
         relay_dir: Path,
+        mount_at: Mapping[str, str] | None = None,
         inner_socket_dir: str,
         resources: Mapping[str, object],
     ) -> None:
@@ -132,7 +133,8 @@ class OciBundle:
         mounts += [
             _bind(p, p, ro=True) for p in ro_paths if p not in ("/usr", "/") and not p.startswith("/usr/")
         ]
-        mounts += [_bind(str(p), str(p), ro=False) for p in rw_paths]
+        at = mount_at or {}  # a read-write path mounted elsewhere inside (a task's workdir)
+        mounts += [_bind(str(p), at.get(str(p), str(p)), ro=False) for p in rw_paths]
         mounts.append(_bind(str(relay_dir), inner_socket_dir, ro=False))
         config = {
             "ociVersion": "1.0.2",
