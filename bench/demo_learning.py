@@ -184,8 +184,13 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=None, help="default: the demo's own")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a candidate setting, passed to every run (as gyre demo --set)")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a candidate setting, passed to every run (as gyre demo --set)",
+    )
     args = parser.parse_args()
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     steps = 12 if args.quick else args.steps
@@ -198,35 +203,55 @@ def main() -> None:
     for seed in seeds:
         r = run_demo(seed, steps, root, args.set)
         runs.append(r)
-        print(f"seed {seed}: reward first quarter {r['first_quarter']:.3f} -> last quarter {r['last_quarter']:.3f} "
-              f"(x{r['ratio']}), wall {r['wall_s']:.0f} s (cpu {r['cpu_s']:.0f} s, engine start "
-              f"{r['engine_start_s']} s, build {r['build_s']} s), rollout {r['rollout_tok_s']} tok/s, training "
-              f"{r['train_tok_s']} tok/s, {r['calls_per_execution']:.2f} calls/execution, shares {r['share']}",
-              flush=True)  # fmt: skip
+        print(
+            f"seed {seed}: reward first quarter {r['first_quarter']:.3f} -> last quarter {r['last_quarter']:.3f} "
+            f"(x{r['ratio']}), wall {r['wall_s']:.0f} s (cpu {r['cpu_s']:.0f} s, engine start "
+            f"{r['engine_start_s']} s, build {r['build_s']} s), rollout {r['rollout_tok_s']} tok/s, training "
+            f"{r['train_tok_s']} tok/s, {r['calls_per_execution']:.2f} calls/execution, shares {r['share']}",
+            flush=True,
+        )
         print("  rewards " + " ".join(f"{x:.2f}" for x in r["rewards"]), flush=True)
         print(f"  held-out: initial {heldout_initial:.3f} -> final {r['heldout_final']:.3f}", flush=True)
     defaults = RunConfig()
     mean = lambda key: round(sum(r[key] for r in runs) / len(runs), 3)  # noqa: E731
-    print(json.dumps({
-        "bench": "demo_learning", "seeds": seeds, "steps": runs[0]["steps"],
-        "defaults": {"N": defaults.scheduler.N, "B": defaults.scheduler.B, "mu": defaults.scheduler.mu,
-                     "phi": defaults.scheduler.phi, "lr": defaults.train.lr}, "set": args.set,
-        "ratio_last_to_first_quarter": [r["ratio"] for r in runs],
-        "first_quarter": [r["first_quarter"] for r in runs], "last_quarter": [r["last_quarter"] for r in runs],
-        "seeds_passed": sum(r["passed"] for r in runs),
-        "heldout_initial": heldout_initial, "heldout_final": [r["heldout_final"] for r in runs],
-        "heldout_ratio": [round(r["heldout_final"] / heldout_initial, 3) for r in runs],
-        "wall_s": [r["wall_s"] for r in runs], "cpu_s": [r["cpu_s"] for r in runs],
-        "build_s": next((r["build_s"] for r in runs if r["build_s"] is not None), None),
-        "engine_start_s": [r["engine_start_s"] for r in runs],
-        "rollout_tok_s": mean("rollout_tok_s"), "train_tok_s": mean("train_tok_s"),
-        "share": {k: round(sum(r["share"][k] for r in runs) / len(runs), 3) for k in runs[0]["share"]},
-        "calls_per_execution": mean("calls_per_execution"),
-        "executions_with_2plus_trajectories": [r["executions_with_2plus_trajectories"] for r in runs],
-        "steps_with_2plus_cells": [r["steps_with_2plus_cells"] for r in runs],
-        "min_microsteps": min(r["min_microsteps"] for r in runs),
-        "runs": str(root),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "demo_learning",
+                "seeds": seeds,
+                "steps": runs[0]["steps"],
+                "defaults": {
+                    "N": defaults.scheduler.N,
+                    "B": defaults.scheduler.B,
+                    "mu": defaults.scheduler.mu,
+                    "phi": defaults.scheduler.phi,
+                    "lr": defaults.train.lr,
+                },
+                "set": args.set,
+                "ratio_last_to_first_quarter": [r["ratio"] for r in runs],
+                "first_quarter": [r["first_quarter"] for r in runs],
+                "last_quarter": [r["last_quarter"] for r in runs],
+                "seeds_passed": sum(r["passed"] for r in runs),
+                "heldout_initial": heldout_initial,
+                "heldout_final": [r["heldout_final"] for r in runs],
+                "heldout_ratio": [round(r["heldout_final"] / heldout_initial, 3) for r in runs],
+                "wall_s": [r["wall_s"] for r in runs],
+                "cpu_s": [r["cpu_s"] for r in runs],
+                "build_s": next((r["build_s"] for r in runs if r["build_s"] is not None), None),
+                "engine_start_s": [r["engine_start_s"] for r in runs],
+                "rollout_tok_s": mean("rollout_tok_s"),
+                "train_tok_s": mean("train_tok_s"),
+                "share": {
+                    k: round(sum(r["share"][k] for r in runs) / len(runs), 3) for k in runs[0]["share"]
+                },
+                "calls_per_execution": mean("calls_per_execution"),
+                "executions_with_2plus_trajectories": [r["executions_with_2plus_trajectories"] for r in runs],
+                "steps_with_2plus_cells": [r["steps_with_2plus_cells"] for r in runs],
+                "min_microsteps": min(r["min_microsteps"] for r in runs),
+                "runs": str(root),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -118,8 +118,10 @@ async def _compare(urls: dict[str, tuple[str, str | None]], quick: bool, repeats
     from gyre_tito.engine_client import EnginePool, EnginePoolConfig
 
     max_new = 64 if quick else 128
-    pools = {name: EnginePool(EnginePoolConfig(engines=[url], api=name), api_key=key)
-             for name, (url, key) in urls.items()}  # fmt: skip
+    pools = {
+        name: EnginePool(EnginePoolConfig(engines=[url], api=name), api_key=key)
+        for name, (url, key) in urls.items()
+    }
     rates: dict[tuple[str, int], list[float]] = {(e, n): [] for e in pools for n in (1, 8)}
     try:
         for pool in pools.values():  # warm-up
@@ -133,8 +135,11 @@ async def _compare(urls: dict[str, tuple[str, str | None]], quick: bool, repeats
             await pool.aclose()
     out: dict = {"bench": "engine_throughput_vllm", "max_new_tokens": max_new, "repeats": repeats}
     for (e, n), xs in rates.items():
-        out[f"{e}_{n}_tok_s"] = {"median": round(statistics.median(xs), 1), "min": round(min(xs), 1),
-                                 "max": round(max(xs), 1)}  # fmt: skip
+        out[f"{e}_{n}_tok_s"] = {
+            "median": round(statistics.median(xs), 1),
+            "min": round(min(xs), 1),
+            "max": round(max(xs), 1),
+        }
     for n in (1, 8):
         out[f"ratio_vllm_over_gyre_{n}"] = round(
             statistics.median(rates["vllm", n]) / statistics.median(rates["sglang", n]), 2
@@ -165,11 +170,30 @@ def _vllm_main(quick: bool, repeats: int, cpu_threads: int, vllm_args: list[str]
     with tempfile.TemporaryDirectory() as d:
         model = build_tiny_model(d, TinyModelConfig(head_dim=32))
         port = _free_port()
-        cmd = [sys.executable, "-m", "gyre_cell.cli", "engine", "serve", "--model", str(model), "--port", str(port),
-               "--cpu-threads", str(cpu_threads)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "gyre_cell.cli",
+            "engine",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--cpu-threads",
+            str(cpu_threads),
+        ]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        vllm = VLLMServer(VLLMLaunchConfig(model_path=str(model), python=str(python), port=_free_port(),
-                                           dtype="float32", max_model_len=4096, extra_args=tuple(vllm_args)))  # fmt: skip
+        vllm = VLLMServer(
+            VLLMLaunchConfig(
+                model_path=str(model),
+                python=str(python),
+                port=_free_port(),
+                dtype="float32",
+                max_model_len=4096,
+                extra_args=tuple(vllm_args),
+            )
+        )
         t0 = time.monotonic()
         vllm.start(log_path=str(Path(d) / "vllm.log"))
         try:
@@ -178,8 +202,9 @@ def _vllm_main(quick: bool, repeats: int, cpu_threads: int, vllm_args: list[str]
             torch_url = f"http://127.0.0.1:{port}"
             _wait_healthy(torch_url, proc, 180)
             print(json.dumps({"quick": quick, "repeats": repeats, "vllm_start_s": round(vllm_start_s, 1)}))
-            result = asyncio.run(_compare({"sglang": (torch_url, None), "vllm": (vllm.base_url, None)}, quick,
-                                          repeats))  # fmt: skip
+            result = asyncio.run(
+                _compare({"sglang": (torch_url, None), "vllm": (vllm.base_url, None)}, quick, repeats)
+            )
             result["vllm_start_s"] = round(vllm_start_s, 1)
         finally:
             vllm.stop()

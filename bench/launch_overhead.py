@@ -48,13 +48,27 @@ ENV = {
 
 def run_once(kind: str, steps: int, out: Path, address: str | None) -> dict:
     run_dir = out / kind
-    argv = [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--steps", str(steps), "--quiet",
-            "--set", "dashboard.enabled=false", "--set", "train.seed=0"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "demo",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(steps),
+        "--quiet",
+        "--set",
+        "dashboard.enabled=false",
+        "--set",
+        "train.seed=0",
+    ]
     if kind == "ray":
         argv += ["--ray", address or "local", "--set", "launcher.num_cpus=4"]
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     trace, first_launch = run_dir / "trace.jsonl", None
     while proc.poll() is None and first_launch is None:
         if trace.exists() and b'"ev":"launch"' in trace.read_bytes():
@@ -84,8 +98,11 @@ SOURCES = ["src", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "packages").
 
 
 def stats(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
-            "max": round(max(values), 2)}  # fmt: skip
+    return {
+        "median": round(statistics.median(values), 2),
+        "min": round(min(values), 2),
+        "max": round(max(values), 2),
+    }
 
 
 def worker_config(model: str, run_dir: Path) -> str:
@@ -96,11 +113,15 @@ def worker_config(model: str, run_dir: Path) -> str:
 
     http, master, coordinator = free_ports(3)
     return CellWorkerConfig(
-        cell=0, num_cells=1, run_dir=str(run_dir), port=http,
+        cell=0,
+        num_cells=1,
+        run_dir=str(run_dir),
+        port=http,
         engine=EngineConfig(model_path=model, device="cpu", weight_version="0"),
-        training=CellTrainingConfig(group_size=2, batch_groups=1, lr=1e-3, master_port=master,
-                                    coordinator_port=coordinator),
-    ).model_dump_json()  # fmt: skip
+        training=CellTrainingConfig(
+            group_size=2, batch_groups=1, lr=1e-3, master_port=master, coordinator_port=coordinator
+        ),
+    ).model_dump_json()
 
 
 def start_worker(tree: Path, model: str, run_dir: Path) -> dict:
@@ -115,8 +136,13 @@ def start_worker(tree: Path, model: str, run_dir: Path) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     with (run_dir / "worker.log").open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gyre_cell.cli", "worker", "--config", str(config)],
-                                cwd=tree, env=env, stdout=log, stderr=log)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gyre_cell.cli", "worker", "--config", str(config)],
+            cwd=tree,
+            env=env,
+            stdout=log,
+            stderr=log,
+        )
     ready, url = None, f"http://127.0.0.1:{port}/cell"
     with httpx.Client(timeout=5.0) as http:
         while ready is None:
@@ -142,8 +168,9 @@ def worker_section(args: argparse.Namespace, tmp: Path) -> dict:
         from gyre.demo.model import demo_policy
 
         model = str(demo_policy())
-    rev = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=ROOT, check=True, text=True,
-                         capture_output=True).stdout.strip()  # fmt: skip
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", args.baseline], cwd=ROOT, check=True, text=True, capture_output=True
+    ).stdout.strip()
     repeats = args.repeats or (2 if args.quick else 4)
     tmp.mkdir(parents=True)
     base = tmp / "baseline-tree"
@@ -151,23 +178,31 @@ def worker_section(args: argparse.Namespace, tmp: Path) -> dict:
     runs: dict[str, list[dict]] = {"baseline": [], "candidate": []}
     try:
         for tree in (base, ROOT):
-            subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *(str(tree / s) for s in SOURCES)],
-                           check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+            subprocess.run(
+                [sys.executable, "-m", "compileall", "-q", "-j", "0", *(str(tree / s) for s in SOURCES)],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
         for name, tree in (("baseline", base), ("candidate", ROOT)):  # the first run of each: not measured
             start_worker(tree, model, tmp / f"warm-{name}")
         for r in range(repeats):
             for name, tree in (("baseline", base), ("candidate", ROOT)):
                 res = start_worker(tree, model, tmp / f"{name}-{r}")
                 runs[name].append(res)
-                print(f"worker {name} #{r}: {json.dumps({k: round(v, 2) for k, v in res.items()})}",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"worker {name} #{r}: {json.dumps({k: round(v, 2) for k, v in res.items()})}",
+                    file=sys.stderr,
+                )
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
     out: dict = {"baseline": rev, "model": model, "repeats": repeats}
     for key in ("ready_s", "cpu_s"):
         base_v, cand_v = ([x[key] for x in runs[n]] for n in ("baseline", "candidate"))
-        out[key] = {"baseline": stats(base_v), "candidate": stats(cand_v),
-                    "ratio": round(statistics.median(cand_v) / statistics.median(base_v), 3)}  # fmt: skip
+        out[key] = {
+            "baseline": stats(base_v),
+            "candidate": stats(cand_v),
+            "ratio": round(statistics.median(cand_v) / statistics.median(base_v), 3),
+        }
     return out
 
 

@@ -38,13 +38,27 @@ def source_path(tree: Path) -> str:
 
 
 def compile_tree(tree: Path) -> None:
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *(str(tree / s) for s in SOURCES)],
-                   check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", "-j", "0", *(str(tree / s) for s in SOURCES)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def run_once(tree: Path, run_dir: Path, steps: int) -> dict:
-    argv = [sys.executable, "-m", "gyre.cli", "demo", "--run-dir", str(run_dir), "--steps", str(steps), "--quiet",
-            "--set", "train.seed=0"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "demo",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(steps),
+        "--quiet",
+        "--set",
+        "train.seed=0",
+    ]
     env = {**os.environ, "PYTHONPATH": source_path(tree)}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
@@ -83,8 +97,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 4)
-    rev = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=ROOT, check=True, text=True,
-                         capture_output=True).stdout.strip()  # fmt: skip
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", args.baseline], cwd=ROOT, check=True, text=True, capture_output=True
+    ).stdout.strip()
     runs: dict[str, list[dict]] = {"baseline": [], "candidate": []}
     with tempfile.TemporaryDirectory(prefix="gyre-startup-") as tmp:
         base = Path(tmp) / "baseline"
@@ -103,12 +118,21 @@ def main() -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
 
-    out: dict = {"bench": "run_startup", "baseline": rev, "steps": args.steps, "repeats": repeats,
-                 "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2)}  # fmt: skip
+    out: dict = {
+        "bench": "run_startup",
+        "baseline": rev,
+        "steps": args.steps,
+        "repeats": repeats,
+        "cpus": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
     for key in ("to_launch_s", "wall_s", "cpu_s"):
         base_v, cand_v = ([x[key] for x in runs[n]] for n in ("baseline", "candidate"))
-        out[key] = {"baseline": stats(base_v), "candidate": stats(cand_v),
-                    "ratio": round(statistics.median(cand_v) / statistics.median(base_v), 3)}  # fmt: skip
+        out[key] = {
+            "baseline": stats(base_v),
+            "candidate": stats(cand_v),
+            "ratio": round(statistics.median(cand_v) / statistics.median(base_v), 3),
+        }
     print(json.dumps(out))
 
 

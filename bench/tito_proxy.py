@@ -254,9 +254,8 @@ class _Served:
         sock.listen(1024)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         argv = [sys.executable, __file__, "--child", kind, config, str(sock.fileno())]
-        env = os.environ | (
-            {"PYTHONPATH": src} if src else {}
-        )  # `src`: another gyre_tito (e.g. main's) first
+        # `src`: another gyre_tito (e.g. main's) first
+        env = os.environ | ({"PYTHONPATH": src} if src else {})
         self.proc = subprocess.Popen(argv, pass_fds=(sock.fileno(),), env=env)
         sock.close()
 

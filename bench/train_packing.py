@@ -25,11 +25,16 @@ from gyre_train.packing import PackingConfig, StreamPackingBuffer, padding_effic
 def _trajectory(rng: random.Random, eid: str, gid: str, j: int, n: int) -> Trajectory:
     prompt = max(1, n // 5)
     return Trajectory(
-        execution_id=eid, group_id=gid, index=j, leaf_call_id=f"{eid}-{j}", role_class="main/task",
-        token_ids=[rng.randrange(512) for _ in range(n)], target_mask=[0] * prompt + [1] * (n - prompt),
+        execution_id=eid,
+        group_id=gid,
+        index=j,
+        leaf_call_id=f"{eid}-{j}",
+        role_class="main/task",
+        token_ids=[rng.randrange(512) for _ in range(n)],
+        target_mask=[0] * prompt + [1] * (n - prompt),
         behavior_logprobs=[0.0] * prompt + [-1.0] * (n - prompt),
         weight_versions=[WeightSpan(start=prompt, end=n, engine_id="e", weight_version="0")],
-    )  # fmt: skip
+    )
 
 
 def main(argv=None) -> dict:
@@ -66,16 +71,27 @@ def main(argv=None) -> dict:
     # naive baseline: arrival order, a fixed number of rows per micro-batch chosen to hold ~capacity*dp tokens
     row_lens = [ln - 1 for ln in lengths]  # rows drop the last token in both cases
     per_batch = max(1, round(args.capacity * args.dp / (sum(row_lens) / len(row_lens))))
-    padded = sum(max(row_lens[k : k + per_batch]) * len(row_lens[k : k + per_batch])
-                 for k in range(0, len(row_lens), per_batch))  # fmt: skip
+    padded = sum(
+        max(row_lens[k : k + per_batch]) * len(row_lens[k : k + per_batch])
+        for k in range(0, len(row_lens), per_batch)
+    )
     naive = sum(row_lens) / padded
     out = {
-        "bench": "train_packing", "non_pad_fraction": round(eff, 4), "baseline_non_pad_fraction": round(naive, 4),
-        "ratio": round(eff / naive, 2), "target": 0.97, "rows": len(lengths), "tokens": sum(row_lens),
-        "microsteps": len(microsteps), "capacity": args.capacity, "dp": args.dp,
-        "p50_len": sorted(lengths)[len(lengths) // 2], "p99_len": sorted(lengths)[int(0.99 * len(lengths))],
-        "max_len": max(lengths), "pack_s": round(pack_s, 2),
-    }  # fmt: skip
+        "bench": "train_packing",
+        "non_pad_fraction": round(eff, 4),
+        "baseline_non_pad_fraction": round(naive, 4),
+        "ratio": round(eff / naive, 2),
+        "target": 0.97,
+        "rows": len(lengths),
+        "tokens": sum(row_lens),
+        "microsteps": len(microsteps),
+        "capacity": args.capacity,
+        "dp": args.dp,
+        "p50_len": sorted(lengths)[len(lengths) // 2],
+        "p99_len": sorted(lengths)[int(0.99 * len(lengths))],
+        "max_len": max(lengths),
+        "pack_s": round(pack_s, 2),
+    }  # fmt: skip (an aligned table)
     print(json.dumps(out))
     return out
 

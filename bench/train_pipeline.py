@@ -87,8 +87,16 @@ def _worker(model: str, out: str, sizes: list[int], reps: int) -> None:
                 seconds = time.perf_counter() - t0
                 batch += 1
                 if rank == 0 and rep > 0:
-                    results.append({"size": size, "mode": mode, "seconds": seconds, "fills": stats.fills,
-                                    "drains": stats.drains, "microsteps": stats.microsteps})  # fmt: skip
+                    results.append(
+                        {
+                            "size": size,
+                            "mode": mode,
+                            "seconds": seconds,
+                            "fills": stats.fills,
+                            "drains": stats.drains,
+                            "microsteps": stats.microsteps,
+                        }
+                    )
     if rank == 0:
         tokens = [sum(len(s.input_ids) for s in ms.shards) for ms in pool[: max(sizes)]]
         Path(out).write_text(json.dumps({"runs": results, "tokens_per_microstep": statistics.mean(tokens)}))
@@ -146,11 +154,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "model", hidden=128, layers=4)
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-               "--worker", model, str(out), "--sizes", ",".join(map(str, sizes)), "--reps", str(reps)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            __file__,
+            "--worker",
+            model,
+            str(out),
+            "--sizes",
+            ",".join(map(str, sizes)),
+            "--reps",
+            str(reps),
+        ]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             _, err = proc.communicate(timeout=1800)
         except subprocess.TimeoutExpired:
@@ -169,23 +196,34 @@ def main() -> None:
         c_s = statistics.median(r["seconds"] for r in cont)
         p_s = statistics.median(r["seconds"] for r in per)
         summary[str(size)] = {
-            "continuous_s": round(c_s, 4), "per_microstep_s": round(p_s, 4), "ratio": round(p_s / c_s, 3),
+            "continuous_s": round(c_s, 4),
+            "per_microstep_s": round(p_s, 4),
+            "ratio": round(p_s / c_s, 3),
             "fills_per_batch": {"continuous": cont[0]["fills"], "per_microstep": per[0]["fills"]},
             "drains_per_batch": {"continuous": cont[0]["drains"], "per_microstep": per[0]["drains"]},
-        }  # fmt: skip
+        }  # fmt: skip (an aligned table)
         print(
             f"{size:>3} micro-steps: continuous {c_s:.3f} s (fills {cont[0]['fills']}, drains {cont[0]['drains']}),"
             f" per micro-step {p_s:.3f} s (fills {per[0]['fills']}, drains {per[0]['drains']}): x{p_s / c_s:.2f}",
             file=sys.stderr,
         )
     print(f"two-process ceiling on this machine now: x{ceiling:.2f}", file=sys.stderr)
-    print(json.dumps({
-        "bench": "train_pipeline", "pp": 2, "device": "cpu/gloo", "reps": reps,
-        "tokens_per_microstep": round(data["tokens_per_microstep"], 1), "sizes": summary,
-        "ratio": {k: v["ratio"] for k, v in summary.items()}, "two_process_ceiling": round(ceiling, 2),
-        "load_avg_1m": round(os.getloadavg()[0], 2),
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "train_pipeline",
+                "pp": 2,
+                "device": "cpu/gloo",
+                "reps": reps,
+                "tokens_per_microstep": round(data["tokens_per_microstep"], 1),
+                "sizes": summary,
+                "ratio": {k: v["ratio"] for k, v in summary.items()},
+                "two_process_ceiling": round(ceiling, 2),
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

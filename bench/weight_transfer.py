@@ -117,8 +117,11 @@ def raw_tcp(nbytes: int, repeats: int) -> list[float]:
 
 
 def spread(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
-            "max": round(max(values), 4)}  # fmt: skip
+    return {
+        "median": round(statistics.median(values), 4),
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+    }
 
 
 def bench_transfer(num_params: int, repeats: int, tmp: Path) -> dict:

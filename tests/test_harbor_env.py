@@ -27,8 +27,12 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def harbor_python() -> Path:
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "stack_venv.py"), "harbor", "harbor==0.25.0"],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "stack_venv.py"), "harbor", "harbor==0.25.0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return Path(done.stdout.strip().splitlines()[-1])
 
@@ -40,9 +44,12 @@ def _env() -> dict[str, str]:
 
 def test_harbor_run_scores_the_suite_on_the_gyre_sandbox(harbor_python, tmp_path):
     before = set(Path(tempfile.gettempdir()).glob("gyre-harbor-*"))
-    job = {"environment": {"import_path": "gyre.harbor_env:GyreEnvironment"},
-           "datasets": [{"path": str(ROOT / "tasks" / "harbor")}], "agents": [{"name": "oracle"}, {"name": "nop"}],
-           "jobs_dir": str(tmp_path / "jobs")}  # fmt: skip
+    job = {
+        "environment": {"import_path": "gyre.harbor_env:GyreEnvironment"},
+        "datasets": [{"path": str(ROOT / "tasks" / "harbor")}],
+        "agents": [{"name": "oracle"}, {"name": "nop"}],
+        "jobs_dir": str(tmp_path / "jobs"),
+    }
     (tmp_path / "job.json").write_text(json.dumps(job))
     argv = [str(harbor_python.parent / "harbor"), "run", "-c", str(tmp_path / "job.json"), "-y", "-q"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path)
@@ -53,11 +60,16 @@ def test_harbor_run_scores_the_suite_on_the_gyre_sandbox(harbor_python, tmp_path
         (t["agent_info"]["name"], t["task_name"]): t["verifier_result"]["rewards"]["reward"] for t in trials
     }
     # Harbor's own verifier, through the environment's exec and downloads: the reference solutions, and the starts
-    assert rewards == {("oracle", "count-words"): 1.0, ("oracle", "fix-clamp"): 1.0, ("oracle", "multiply"): 1.0,
-                       ("nop", "count-words"): 0.0, ("nop", "fix-clamp"): 0.75, ("nop", "multiply"): 0.0}  # fmt: skip
-    assert (
-        set(Path(tempfile.gettempdir()).glob("gyre-harbor-*")) <= before
-    )  # each trial's folder went at its stop
+    assert rewards == {
+        ("oracle", "count-words"): 1.0,
+        ("oracle", "fix-clamp"): 1.0,
+        ("oracle", "multiply"): 1.0,
+        ("nop", "count-words"): 0.0,
+        ("nop", "fix-clamp"): 0.75,
+        ("nop", "multiply"): 0.0,
+    }
+    # each trial's folder went at its stop
+    assert set(Path(tempfile.gettempdir()).glob("gyre-harbor-*")) <= before
 
 
 PROBE = r"""
@@ -106,8 +118,14 @@ asyncio.run(main())
 
 
 def test_one_sandbox_per_trial_that_exec_enters(harbor_python, tmp_path):
-    done = subprocess.run([str(harbor_python), "-c", PROBE, str(ROOT / "tasks" / "harbor" / "fix-clamp")],
-                          capture_output=True, text=True, timeout=120, env=_env(), cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [str(harbor_python), "-c", PROBE, str(ROOT / "tasks" / "harbor" / "fix-clamp")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["alive_next_exec"] == "yes"  # Terminus-2's tmux server lives on between commands

@@ -31,8 +31,18 @@ def test_gyre_run_scores_harbor_tasks_with_their_own_verifiers(tmp_path):
         config = config.replace(f'"{rel}"', json.dumps(str(ROOT / rel)))
     (tmp_path / "harbor.toml").write_text(config)
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "gyre.cli", "run", str(tmp_path / "harbor.toml"), "--run-dir", str(run_dir),
-            "--quiet", "--set", "dashboard.enabled=false"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "gyre.cli",
+        "run",
+        str(tmp_path / "harbor.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+        "--set",
+        "dashboard.enabled=false",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 1

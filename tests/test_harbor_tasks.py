@@ -65,8 +65,13 @@ def test_the_dockerfiles_copy_lines_make_the_initial_workspace_inside_it(tmp_pat
     ws = tmp_path / "ws"
     load_harbor_task(SUITE / "fix-clamp").setup(ws)  # COPY clamp.py /app/
     assert sorted(p.name for p in ws.iterdir()) == ["clamp.py"]
-    task = _task(tmp_path, **{"environment__Dockerfile": "FROM debian:12\nWORKDIR /app\nCOPY data /app/in/\n",
-                              "environment__data__x.txt": "x"})  # fmt: skip
+    task = _task(
+        tmp_path,
+        **{
+            "environment__Dockerfile": "FROM debian:12\nWORKDIR /app\nCOPY data /app/in/\n",
+            "environment__data__x.txt": "x",
+        },
+    )
     load_harbor_task(task).setup(tmp_path / "ws2")
     assert (tmp_path / "ws2" / "in" / "x.txt").read_text() == "x"
 

@@ -90,8 +90,18 @@ class GyreEnvironment(BaseEnvironment):
         for name in _BOUND:
             cmd += ["--bind", str(self._root / name), f"/{name}"]
         drop = drop_privileges() if os.geteuid() == 0 else []
-        return [*cmd, "--chdir", self._workdir, "--info-fd", str(info_fd), "--", *drop, "sh", "-c",
-                "echo ready; exec sleep infinity"]  # fmt: skip
+        return [
+            *cmd,
+            "--chdir",
+            self._workdir,
+            "--info-fd",
+            str(info_fd),
+            "--",
+            *drop,
+            "sh",
+            "-c",
+            "echo ready; exec sleep infinity",
+        ]
 
     async def start(self, force_build: bool) -> None:
         self._root = Path(tempfile.mkdtemp(prefix="gyre-harbor-"))
@@ -108,9 +118,14 @@ class GyreEnvironment(BaseEnvironment):
         info_r, info_w = os.pipe()
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *self._bwrap(info_w), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(info_w,), start_new_session=True, env={"PATH": _PATH},
-            )  # fmt: skip
+                *self._bwrap(info_w),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(info_w,),
+                start_new_session=True,
+                env={"PATH": _PATH},
+            )
         finally:
             os.close(info_w)
         try:
@@ -169,27 +184,39 @@ class GyreEnvironment(BaseEnvironment):
         if not root:
             enter += ["-U", "--preserve-credentials"]
         drop = drop_privileges() if root else []
-        variables = {"PATH": _PATH, "HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "xterm-256color",
-                     **(self.task_env_config.env or {}), **(self._merge_env(env) or {})}  # fmt: skip
+        variables = {
+            "PATH": _PATH,
+            "HOME": "/tmp",
+            "LANG": "C.UTF-8",
+            "TERM": "xterm-256color",
+            **(self.task_env_config.env or {}),
+            **(self._merge_env(env) or {}),
+        }
         script = (
             f"cd {_quote(cwd or self._workdir)} || exit 1\n{command}"  # a line of its own: `cmd &` stays cmd
         )
         argv = [*enter, *drop, "env", "-i", *(f"{k}={v}" for k, v in variables.items()), "bash", "-c", script]
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, env={"PATH": _PATH},
-        )  # fmt: skip
+            *argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env={"PATH": _PATH},
+        )
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout_sec)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(
-                    proc.pid, signal.SIGKILL
-                )  # the command's group; what it detached lives on, as in Docker
+                # the command's group; what it detached lives on, as in Docker
+                os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
             raise RuntimeError(f"Command timed out after {timeout_sec} seconds") from None
-        return ExecResult(stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
-                          return_code=proc.returncode)  # fmt: skip
+        return ExecResult(
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+            return_code=proc.returncode,
+        )
 
     # ---- files -------------------------------------------------------------------------------------------------
 
@@ -216,8 +243,14 @@ class GyreEnvironment(BaseEnvironment):
         source = self._host(source_dir)
         if not stat.S_ISDIR(os.lstat(source).st_mode):
             raise FileNotFoundError(f"{source_dir}: not a folder in the sandbox")
-        shutil.copytree(source, target_dir, symlinks=True, dirs_exist_ok=True, copy_function=_copy_regular,
-                        ignore=_links_and_specials)  # fmt: skip
+        shutil.copytree(
+            source,
+            target_dir,
+            symlinks=True,
+            dirs_exist_ok=True,
+            copy_function=_copy_regular,
+            ignore=_links_and_specials,
+        )
 
     def _give(self, path: Path) -> None:
         if os.geteuid() == 0:

@@ -50,8 +50,27 @@ __all__ = [
 STOCK_BASES = ("ubuntu", "debian", "python", "buildpack-deps")
 """Base images whose userland the host's ``/usr`` stands in for (their packages are assumed, not checked)."""
 _INERT = {"LABEL", "CMD", "ENTRYPOINT", "EXPOSE", "ARG", "MAINTAINER", "STOPSIGNAL"}
-_RESERVED = {"", "usr", "etc", "bin", "sbin", "lib", "lib64", "proc", "dev", "sys", "run", "tmp", "tests", "logs",
-             "solution", "var", "boot", "root", "home"}  # fmt: skip
+_RESERVED = {
+    "",
+    "usr",
+    "etc",
+    "bin",
+    "sbin",
+    "lib",
+    "lib64",
+    "proc",
+    "dev",
+    "sys",
+    "run",
+    "tmp",
+    "tests",
+    "logs",
+    "solution",
+    "var",
+    "boot",
+    "root",
+    "home",
+}
 _QUERY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -111,15 +130,13 @@ class HarborTask:
         workspace.mkdir(parents=True, exist_ok=True)
         for src, dest in self.copies:
             rel = PurePosixPath(dest.rstrip("/") or ".")
-            if (
-                rel.is_absolute() or ".." in rel.parts
-            ):  # the loader never makes one; never write out of the workspace
+            # the loader never makes one; never write out of the workspace
+            if rel.is_absolute() or ".." in rel.parts:
                 raise HarborTaskError(f"{self.path}: COPY destination {dest!r} leaves the workspace")
             target = workspace / rel
             if src.is_dir():
-                shutil.copytree(
-                    src, target, symlinks=True, dirs_exist_ok=True
-                )  # links stay links, as COPY keeps them
+                # links stay links, as COPY keeps them
+                shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
                 continue
             if dest.endswith("/") or rel == PurePosixPath(".") or target.is_dir():
                 target = target / src.name
@@ -128,15 +145,19 @@ class HarborTask:
 
 
 def _refuse_image(task: Path, why: str) -> HarborTaskError:
-    return HarborTaskError(f"{task}: needs a container runtime with its image ({why}); Gyre runs Harbor tasks "
-                           "whose environment is a stock userland only")  # fmt: skip
+    return HarborTaskError(
+        f"{task}: needs a container runtime with its image ({why}); Gyre runs Harbor tasks "
+        "whose environment is a stock userland only"
+    )
 
 
 def _workdir(task: Path, value: str, where: str) -> str:
     p = PurePosixPath(value)
     if not p.is_absolute() or ".." in p.parts or p.parts[1:2] == () or p.parts[1] in _RESERVED:
-        raise HarborTaskError(f"{task}: {where}: workdir {value!r} must be an absolute path outside the system's "
-                              "and Harbor's own folders (e.g. /app)")  # fmt: skip
+        raise HarborTaskError(
+            f"{task}: {where}: workdir {value!r} must be an absolute path outside the system's "
+            "and Harbor's own folders (e.g. /app)"
+        )
     return str(p)
 
 
@@ -244,10 +265,16 @@ def load_harbor_task(path: str | Path) -> HarborTask:
         raise HarborTaskError(f"{task}: tests/test.sh is missing (the verifier)")
     agent_timeout = cfg.agent.timeout_sec or 900.0
     return HarborTask(
-        query_id=task.name, path=task, prompt=prompt, workdir=workdir, tests=tests, copies=tuple(rel),
-        agent_timeout_s=agent_timeout, verifier_timeout_s=cfg.verifier.timeout_sec,
+        query_id=task.name,
+        path=task,
+        prompt=prompt,
+        workdir=workdir,
+        tests=tests,
+        copies=tuple(rel),
+        agent_timeout_s=agent_timeout,
+        verifier_timeout_s=cfg.verifier.timeout_sec,
         verifier_env=tuple(sorted(cfg.verifier.env.items())),
-    )  # fmt: skip
+    )
 
 
 def is_harbor_path(path: str | Path) -> bool:

@@ -31,9 +31,21 @@ MAX_REWARD_BYTES = 4096
 NO_SCORE = 3
 """Exit status: the verifier left no usable reward (gyre-eval: a failed attempt, never a score)."""
 SANDBOX_UID = 65534
-ETC_FILES = ("/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/localtime", "/etc/ssl",
-             "/etc/ca-certificates", "/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf",
-             "/etc/ld.so.conf.d", "/etc/mime.types", "/etc/terminfo")  # fmt: skip
+ETC_FILES = (
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+    "/etc/hosts",
+    "/etc/localtime",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+    "/etc/alternatives",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/mime.types",
+    "/etc/terminfo",
+)
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -176,8 +188,15 @@ def sandbox_base(root: bool) -> list[str]:
 
 def drop_privileges() -> list[str]:
     """The argv prefix that runs a command as `SANDBOX_UID` without capabilities or new privileges (run by root)."""
-    return ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups", "--inh-caps=-all",
-            "--bounding-set=-all", "--no-new-privs"]  # fmt: skip
+    return [
+        "setpriv",
+        f"--reuid={SANDBOX_UID}",
+        f"--regid={SANDBOX_UID}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+    ]
 
 
 def bwrap_argv(spec: dict, workspace: str, tests: str, logs: str, root: bool) -> list[str]:
@@ -200,8 +219,10 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     workspace, tests = os.environ["GYRE_WORKSPACE"], os.environ["GYRE_CHECK_FILES"]
     if shutil.which("bwrap") is None or (os.geteuid() == 0 and shutil.which("setpriv") is None):
-        print("harbor verifier: needs bubblewrap and, run by root, setpriv (apt-get install bubblewrap util-linux)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "harbor verifier: needs bubblewrap and, run by root, setpriv (apt-get install bubblewrap util-linux)",
+            file=sys.stderr,
+        )
         return NO_SCORE
     # beside the copy: in the check's own root
     logs = os.path.join(os.path.dirname(workspace), "tmp", "harbor-logs")

@@ -79,9 +79,13 @@ def test_non_finite_temperature_is_refused(engine, temp):
 
     with pytest.raises(EngineInputError, match="temperature"):
         engine.submit(
-            rid="bad", input_ids=[1], sampling=SamplingSpec(temperature=temp), return_logprob=False,
-            stream=False, sink=lambda *_: None,
-        )  # fmt: skip
+            rid="bad",
+            input_ids=[1],
+            sampling=SamplingSpec(temperature=temp),
+            return_logprob=False,
+            stream=False,
+            sink=lambda *_: None,
+        )
 
 
 def test_nan_weights_are_refused_and_the_engine_keeps_its_weights(engine):

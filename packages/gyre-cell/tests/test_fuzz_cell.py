@@ -38,8 +38,21 @@ from gyre_train.types import ReadyGroupMessage
 
 BAD = [float("nan"), float("inf"), float("-inf"), 2**63, 10**30, -1, True, "1", 1.5, [], {}, None]
 """Values no field of a command takes where a valid one stood (a bool field takes True: `assume` drops those)."""
-RAW = [b"NaN", b"Infinity", b"-Infinity", b"[]", b'"x"', b"1", b"null", b"", b"\xff\xfe", b'{"version": 1e400}',
-       b'{"version": 9223372036854775808}', b'{"version": true}', b'{"version": "0"}']  # fmt: skip
+RAW = [
+    b"NaN",
+    b"Infinity",
+    b"-Infinity",
+    b"[]",
+    b'"x"',
+    b"1",
+    b"null",
+    b"",
+    b"\xff\xfe",
+    b'{"version": 1e400}',
+    b'{"version": 9223372036854775808}',
+    b'{"version": true}',
+    b'{"version": "0"}',
+]
 
 
 def _dumps(body) -> bytes:
@@ -60,11 +73,23 @@ def core(tmp_path_factory):
     model = build_tiny_model(tmp / "tiny")
     http_port, master_port, coordinator_port = free_ports(3)
     cfg = CellWorkerConfig(
-        cell=0, num_cells=1, run_dir=str(tmp), port=http_port, weights="disk",
+        cell=0,
+        num_cells=1,
+        run_dir=str(tmp),
+        port=http_port,
+        weights="disk",
         engine=EngineConfig(model_path=model, device="cpu", weight_version="0"),
-        training=CellTrainingConfig(group_size=2, batch_groups=1, lr=1e-3, tokens_per_shard=64, snapshot="file",
-                                    master_port=master_port, coordinator_port=coordinator_port, checkpoint_keep=0),
-    )  # fmt: skip
+        training=CellTrainingConfig(
+            group_size=2,
+            batch_groups=1,
+            lr=1e-3,
+            tokens_per_shard=64,
+            snapshot="file",
+            master_port=master_port,
+            coordinator_port=coordinator_port,
+            checkpoint_keep=0,
+        ),
+    )
     (tmp / "cell.json").write_text(cfg.model_dump_json())
     log = (tmp / "cell.log").open("wb")
     proc = subprocess.Popen(
@@ -83,8 +108,11 @@ def core(tmp_path_factory):
 
 def _examples(model: str, tmp: Path) -> dict[str, tuple[type, dict]]:
     weights = {"version": 0, "path": model}
-    group = {"group_id": "g", "policy_version": 0, "executions": [
-        {"execution_id": "e", "reward": 0.0, "advantage": 0.0, "placeholder": True}]}  # fmt: skip
+    group = {
+        "group_id": "g",
+        "policy_version": 0,
+        "executions": [{"execution_id": "e", "reward": 0.0, "advantage": 0.0, "placeholder": True}],
+    }
     return {
         "publish": (PublishCommand, {"version": 0, "save": False}),
         "save": (SaveCommand, {"version": 0}),

@@ -107,9 +107,8 @@ def test_migrated_request_continues_exactly_with_zero_recomputed_context(pair: t
     assert rest["meta_info"]["migrated_tokens"] == len(PROMPT) + 9
     assert rest["meta_info"]["cached_tokens"] == len(PROMPT) + 9
     assert m1["context_prefill_tokens_total"] - m0["context_prefill_tokens_total"] == 0
-    assert (
-        m1["prefill_tokens_total"] - m0["prefill_tokens_total"] == 1
-    )  # the emitted-but-unwritten token only
+    # the emitted-but-unwritten token only
+    assert m1["prefill_tokens_total"] - m0["prefill_tokens_total"] == 1
     assert m1["stats"]["migrated_tokens_used"] == len(PROMPT) + 9 and m1["adopted"] == []
 
     assert done + rest["output_ids"] == ref["output_ids"]
@@ -146,9 +145,8 @@ def test_mismatch_is_refused_and_the_request_recomputed(tiny_model: Path, what: 
         assert r.status_code == 409 and r.json()["status"] == "refused", r.text
         assert what.split("_")[0] in r.json()["reason"]
         assert used_tokens(dst) == used0  # nothing taken
-        assert (
-            src.http.get("/kv/migrations").json()["pins"] != []
-        )  # not acknowledged: the source still holds it
+        # not acknowledged: the source still holds it
+        assert src.http.get("/kv/migrations").json()["pins"] != []
         src.http.post("/kv/release", json={"migration_id": export.migration_id})
         if what != "token_ids":
             rest = generate(dst, ids, dict(SP, max_new_tokens=N_NEW - 5))

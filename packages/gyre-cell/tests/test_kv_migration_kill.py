@@ -102,9 +102,10 @@ def test_source_killed_during_transfer_falls_back_to_recompute(
     with serve_engine(tiny_model, max_total_tokens=2048, cpu_threads=1) as dst:
         used0 = dst.http.get("/v1/loads").json()["loads"][0]["num_used_tokens"]
 
+        # the gate: the destination holds its blocks, the read has not begun
         def kill_source(
             _: KVExport,
-        ) -> None:  # the gate: the destination holds its blocks, the read has not begun
+        ) -> None:
             proc.kill()
             proc.wait(timeout=20)
 

@@ -128,9 +128,8 @@ def test_drain_moves_an_idle_executions_prefix_and_its_next_call_uses_it(pair: t
     m1 = dst.http.get("/kv/migrations").json()
     (rec,) = pool.reroutes
     assert rec.kind == "prefix" and rec.status == "installed", rec.reason
-    full = (
-        (len(PROMPT) + N_NEW) // 16 * 16
-    )  # whole blocks of the first call's context were cached at the source
+    # whole blocks of the first call's context were cached at the source
+    full = (len(PROMPT) + N_NEW) // 16 * 16
     assert rec.migrated_tokens == full and rec.source == src.url and rec.destination == dst.url
     assert rec.served_tokens == full and pool.kv_stats["served_tokens"] == full  # the next call used them
     assert rec.recomputed_tokens == 0 and pool.kv_stats["recomputed_tokens"] == 0

@@ -147,9 +147,8 @@ def test_every_request_body_validates_against_sglang_io_struct(io):
             SGLangSamplingParams(**body["sampling_params"]).verify(512)
             assert obj.input_ids == [1, 2, 3, 4] and obj.return_logprob is True
         if path == "/update_weights_from_tensor":
-            assert isinstance(
-                obj.serialized_named_tensors[0], bytes
-            )  # base64 decoded like SGLang's HTTP layer
+            # base64 decoded like SGLang's HTTP layer
+            assert isinstance(obj.serialized_named_tensors[0], bytes)
         if path == "/update_weights_from_distributed":
             assert obj.dtypes == ["bfloat16"] and obj.shapes == [[4]] and obj.weight_version == "step-3"
         if path == "/pause_generation":

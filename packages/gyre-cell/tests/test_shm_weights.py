@@ -59,9 +59,14 @@ def test_the_publisher_refuses_nan_and_readers_never_get_it() -> None:
 
 @pytest.mark.parametrize(
     ("values", "finite"),
-    [([1.0, 3e38, 3e38, 3e38], True), ([1.0, float("inf")], False), ([float("-inf"), float("inf")], False),
-     ([0.0, float("nan")], False), ([], True)],
-)  # fmt: skip
+    [
+        ([1.0, 3e38, 3e38, 3e38], True),
+        ([1.0, float("inf")], False),
+        ([float("-inf"), float("inf")], False),
+        ([0.0, float("nan")], False),
+        ([], True),
+    ],
+)
 def test_all_finite(values: list[float], finite: bool) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         assert all_finite(torch.tensor(values, dtype=dtype)) is finite

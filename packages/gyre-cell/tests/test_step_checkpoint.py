@@ -31,9 +31,8 @@ def _trainer(model_path: str) -> Trainer:
 def test_steps_checkpointed_atomically_last_two_kept_and_resumed_exactly(tiny_model, tmp_path):
     root = tmp_path / "trainer"
     a = _trainer(str(tiny_model))
-    (root / ".partial" / "step-9").mkdir(
-        parents=True
-    )  # what a writer killed mid-way left: never a checkpoint
+    # what a writer killed mid-way left: never a checkpoint
+    (root / ".partial" / "step-9").mkdir(parents=True)
     for _ in range(3):
         report = a.step().model_dump(mode="json")
         write_step_checkpoint(root, a, a.core.backend.save_hf_pretrained, report, keep=2)

@@ -43,9 +43,13 @@ def model(tmp_path_factory) -> str:
 
 def test_standalone_worker_serves_rollout_only_and_answers_bad_commands_in_shape(tmp_path, model):
     cfg = CellWorkerConfig(
-        cell=0, kind="standalone", num_cells=2, run_dir=str(tmp_path), port=free_port(),
+        cell=0,
+        kind="standalone",
+        num_cells=2,
+        run_dir=str(tmp_path),
+        port=free_port(),
         engine=EngineConfig(model_path=model, device="cpu", weight_version="0"),
-    )  # fmt: skip
+    )
     proc = _start(tmp_path, cfg)
 
     async def drive() -> None:
@@ -83,9 +87,13 @@ def test_sigterm_answers_an_open_event_poll_and_the_worker_exits(tmp_path, model
     no events, and ends well before that; before, uvicorn's graceful shutdown waited for the poll, past the
     launcher's 5 s grace, and every cell of every finished run was SIGKILLed."""
     cfg = CellWorkerConfig(
-        cell=0, kind="standalone", num_cells=2, run_dir=str(tmp_path), port=free_port(),
+        cell=0,
+        kind="standalone",
+        num_cells=2,
+        run_dir=str(tmp_path),
+        port=free_port(),
         engine=EngineConfig(model_path=model, device="cpu", weight_version="0"),
-    )  # fmt: skip
+    )
     proc = _start(tmp_path, cfg)
     try:
         asyncio.run(
@@ -119,9 +127,13 @@ def test_a_worker_whose_port_is_taken_exits_with_one_line(tmp_path, model):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         cfg = CellWorkerConfig(
-            cell=0, kind="standalone", num_cells=1, run_dir=str(tmp_path), port=taken.getsockname()[1],
+            cell=0,
+            kind="standalone",
+            num_cells=1,
+            run_dir=str(tmp_path),
+            port=taken.getsockname()[1],
             engine=EngineConfig(model_path=model, device="cpu", weight_version="0"),
-        )  # fmt: skip
+        )
         proc = _start(tmp_path, cfg)
         try:
             assert proc.wait(timeout=120) != 0
@@ -137,11 +149,16 @@ def test_a_worker_asked_for_cuda_that_sees_none_refuses_in_one_line(tmp_path, mo
     """`cluster.device = "cuda"`: the worker restricts itself to its GPUs first, and one that sees no CUDA device
     leaves with a line naming them, before building anything (no engine on the CPU instead)."""
     cfg = CellWorkerConfig(
-        cell=1, num_cells=2, run_dir=str(tmp_path), port=free_port(), visible_gpus=["2", "3"],
+        cell=1,
+        num_cells=2,
+        run_dir=str(tmp_path),
+        port=free_port(),
+        visible_gpus=["2", "3"],
         engine=EngineConfig(model_path=model, device="cuda", weight_version="0"),
-        training=CellTrainingConfig(group_size=2, batch_groups=1, lr=1e-3, master_port=1, coordinator_port=2,
-                                    device="cuda"),
-    )  # fmt: skip
+        training=CellTrainingConfig(
+            group_size=2, batch_groups=1, lr=1e-3, master_port=1, coordinator_port=2, device="cuda"
+        ),
+    )
     proc = _start(tmp_path, cfg)
     try:
         assert proc.wait(timeout=120) == 2
@@ -160,11 +177,20 @@ def test_core_worker_trains_a_streamed_batch_and_publishes(tmp_path, model):
     n, b = 4, 2
     http_port, master_port, coordinator_port = free_ports(3)  # distinct, below the ephemeral range
     cfg = CellWorkerConfig(
-        cell=0, num_cells=1, run_dir=str(tmp_path), port=http_port,
+        cell=0,
+        num_cells=1,
+        run_dir=str(tmp_path),
+        port=http_port,
         engine=EngineConfig(model_path=model, device="cpu", weight_version="0"),
-        training=CellTrainingConfig(group_size=n, batch_groups=b, lr=1e-3, tokens_per_shard=64,
-                                    master_port=master_port, coordinator_port=coordinator_port),
-    )  # fmt: skip
+        training=CellTrainingConfig(
+            group_size=n,
+            batch_groups=b,
+            lr=1e-3,
+            tokens_per_shard=64,
+            master_port=master_port,
+            coordinator_port=coordinator_port,
+        ),
+    )
     messages = []
     for gid, version, execs in make_groups(b, n, seed=3, max_len=50):
         advantages = group_advantages([r for _, r, _ in execs])
@@ -173,8 +199,15 @@ def test_core_worker_trains_a_streamed_batch_and_publishes(tmp_path, model):
             path = tmp_path / f"{eid}.parquet"
             write_trajectories(path, trajs)
             placeholder = all(t.num_targets == 0 for t in trajs)
-            rows.append({"execution_id": eid, "reward": reward, "advantage": adv, "placeholder": placeholder,
-                         "trajectories_path": None if placeholder else str(path)})  # fmt: skip
+            rows.append(
+                {
+                    "execution_id": eid,
+                    "reward": reward,
+                    "advantage": adv,
+                    "placeholder": placeholder,
+                    "trajectories_path": None if placeholder else str(path),
+                }
+            )
         messages.append(ReadyGroupMessage(group_id=gid, policy_version=version, executions=rows))
     proc = _start(tmp_path, cfg)
 

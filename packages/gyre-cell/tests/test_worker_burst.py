@@ -103,8 +103,15 @@ def test_the_next_batch_waits_for_the_previous_step_thread_to_return(tmp_path):
     training, _, events = _training()
     training.trainer = type("Trainer", (), {"version": 0})()
     training.core = _GatedCore(training.trainer)
-    training.cfg = type("Cfg", (), {"cell": 0, "run_dir": str(tmp_path), "training": type("T", (), {
-        "dump_batches": [], "checkpoint_keep": 0})()})()  # fmt: skip
+    training.cfg = type(
+        "Cfg",
+        (),
+        {
+            "cell": 0,
+            "run_dir": str(tmp_path),
+            "training": type("T", (), {"dump_batches": [], "checkpoint_keep": 0})(),
+        },
+    )()
     training._hold_for_join = lambda done: None
     training.abort = threading.Event()
     training.open_batch(0, final=False)

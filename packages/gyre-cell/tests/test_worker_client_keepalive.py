@@ -26,9 +26,8 @@ def test_an_idle_connection_is_dropped_by_the_client_before_a_default_server_wou
         ports.append(request.client.port)  # a new connection comes from a new source port
         return {"cell": 0, "kind": "elastic", "ready": True, "role": "rollout", "weight_version": "v0"}
 
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-    )  # keep-alive 5 s
+    # keep-alive 5 s
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:  # start-up poll, not an ordering assumption

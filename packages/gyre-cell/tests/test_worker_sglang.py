@@ -60,9 +60,14 @@ def model(tmp_path_factory) -> str:
 def test_a_worker_serves_rollout_on_its_sglang_server_and_exits_when_the_server_dies(tmp_path, model):
     worker_port, server_port = free_ports(2)
     cfg = CellWorkerConfig(
-        cell=0, kind="standalone", num_cells=1, run_dir=str(tmp_path), port=worker_port,
-        engine=EngineConfig(model_path=model, device="cpu"), sglang=_server(model, server_port),
-    )  # fmt: skip
+        cell=0,
+        kind="standalone",
+        num_cells=1,
+        run_dir=str(tmp_path),
+        port=worker_port,
+        engine=EngineConfig(model_path=model, device="cpu"),
+        sglang=_server(model, server_port),
+    )
     proc = _start(tmp_path, cfg)
 
     async def drive() -> None:
@@ -77,9 +82,8 @@ def test_a_worker_serves_rollout_on_its_sglang_server_and_exits_when_the_server_
                 assert served.status_code == 200 and len(served.json()["output_ids"]) == 3
                 assert (await http.post(f"{client.engine_url}/generate", json=body)).status_code == 401
                 assert (await http.get(f"{client.base_url}/health")).status_code == 200
-                assert (
-                    await http.get(f"{client.base_url}/cell/status")
-                ).status_code == 401  # /cell: the token too
+                # /cell: the token too
+                assert (await http.get(f"{client.base_url}/cell/status")).status_code == 401
                 # A checkpoint on disk goes in through the server's own endpoint.
                 loaded = await client.load_weights(PublishedWeights(version=3, path=model))
                 assert loaded.version == "3" and (await client.status()).weight_version == "3"
@@ -108,11 +112,16 @@ def test_the_core_pushes_its_published_weights_to_its_sglang_server_across_a_rol
     publishes its current weights as version 1 and switches back: its own buffer is pushed over HTTP."""
     worker_port, server_port, master, coordinator = free_ports(4)
     cfg = CellWorkerConfig(
-        cell=0, num_cells=1, run_dir=str(tmp_path), port=worker_port,
-        engine=EngineConfig(model_path=model, device="cpu"), sglang=_server(model, server_port),
-        training=CellTrainingConfig(group_size=2, batch_groups=1, lr=1e-3, master_port=master,
-                                    coordinator_port=coordinator),
-    )  # fmt: skip
+        cell=0,
+        num_cells=1,
+        run_dir=str(tmp_path),
+        port=worker_port,
+        engine=EngineConfig(model_path=model, device="cpu"),
+        sglang=_server(model, server_port),
+        training=CellTrainingConfig(
+            group_size=2, batch_groups=1, lr=1e-3, master_port=master, coordinator_port=coordinator
+        ),
+    )
     proc = _start(tmp_path, cfg)
 
     async def drive() -> None:
@@ -151,9 +160,14 @@ def test_a_server_that_cannot_start_fails_the_worker_set_up_with_its_log(tmp_pat
     worker_port, server_port = free_ports(2)
     server = _server(model, server_port).model_copy(update={"module": "gyre_cell.no_such_server"})
     cfg = CellWorkerConfig(
-        cell=1, kind="standalone", num_cells=1, run_dir=str(tmp_path), port=worker_port,
-        engine=EngineConfig(model_path=model, device="cpu"), sglang=server,
-    )  # fmt: skip
+        cell=1,
+        kind="standalone",
+        num_cells=1,
+        run_dir=str(tmp_path),
+        port=worker_port,
+        engine=EngineConfig(model_path=model, device="cpu"),
+        sglang=server,
+    )
     proc = _start(tmp_path, cfg)
 
     async def drive() -> None:

@@ -32,9 +32,16 @@ def zygote():
 def _spawn(z: Zygote, tmp_path: Path, mode: str, **kw):
     report = tmp_path / f"report-{mode}.json"
     log = tmp_path / "child.log"
-    proc = z.spawn("zygote_probe:run", [str(report), mode], title=f"probe-worker --config {report}",
-                   env=kw.pop("env", {"ONLY": "this"}), cwd=str(tmp_path), stdout=str(tmp_path / "child.out"),
-                   stderr=str(log), **kw)  # fmt: skip
+    proc = z.spawn(
+        "zygote_probe:run",
+        [str(report), mode],
+        title=f"probe-worker --config {report}",
+        env=kw.pop("env", {"ONLY": "this"}),
+        cwd=str(tmp_path),
+        stdout=str(tmp_path / "child.out"),
+        stderr=str(log),
+        **kw,
+    )
     return proc, report
 
 
@@ -51,9 +58,8 @@ def test_a_child_runs_its_entry_as_a_plain_start_would(zygote, tmp_path):
     proc, report = _spawn(zygote, tmp_path, "exit", secrets={"--token": SECRET})
     assert proc.wait(timeout=60) == 7  # the entry's return value is the exit status
     info = _report(report, proc)
-    assert (
-        info["pid"] == proc.pid and info["sid"] == proc.pid
-    )  # its own session: the launcher signals its group
+    # its own session: the launcher signals its group
+    assert info["pid"] == proc.pid and info["sid"] == proc.pid
     assert info["ppid"] == zygote.pid
     assert info["args"][:2] == [str(report), "exit"] and info["args"][2] == "--token"
     assert info["token"] == SECRET  # read from the fd it was given
@@ -73,8 +79,15 @@ def test_exit_statuses_read_like_popens(zygote, tmp_path):
         proc.wait(timeout=0.05)
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM and proc.poll() == -signal.SIGTERM
-    bad = zygote.spawn("zygote_probe:no_such_entry", [], title="x", env={}, cwd=str(tmp_path),
-                       stdout=str(tmp_path / "b.out"), stderr=str(tmp_path / "b.err"))  # fmt: skip
+    bad = zygote.spawn(
+        "zygote_probe:no_such_entry",
+        [],
+        title="x",
+        env={},
+        cwd=str(tmp_path),
+        stdout=str(tmp_path / "b.out"),
+        stderr=str(tmp_path / "b.err"),
+    )
     assert bad.wait(timeout=30) == 1
     assert "AttributeError" in (tmp_path / "b.err").read_text()  # the traceback is in its log
 

@@ -155,8 +155,10 @@ def test_queue_releases_train_items_after_prepass_and_claims_are_atomic():
             for slot in s.exec_slot:
                 if slot >= 0:
                     counts[slot] = counts.get(slot, 0) + 1
-        parts = [ExecutionPartial(execution_id=ms.executions[k].execution_id, log_ratio_sum=0.01 * c, count=c)
-                 for k, c in counts.items()]  # fmt: skip
+        parts = [
+            ExecutionPartial(execution_id=ms.executions[k].execution_id, log_ratio_sum=0.01 * c, count=c)
+            for k, c in counts.items()
+        ]
         q.report_prepass(PrepassResult(batch=0, index=ms.index, cell=holders[ms.index], partials=parts))
     trains = []
     while (item := q.claim(1)) is not None:

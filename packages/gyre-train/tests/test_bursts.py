@@ -63,8 +63,9 @@ def _trainer(model: str, groups: int = 1, loss: LossConfig | None = None) -> Tra
     for gid, v, execs in make_groups(groups, 2, seed=35, max_len=30):  # unequal rewards in both groups
         for eid, r, trajs in execs:
             buffer.add_execution(gid, v, eid, r, trajs)
-    cfg = TrainerConfig(packing=PackingConfig(group_size=2, batch_groups=1, tokens_per_shard=16),
-                        loss=loss or LossConfig())  # fmt: skip
+    cfg = TrainerConfig(
+        packing=PackingConfig(group_size=2, batch_groups=1, tokens_per_shard=16), loss=loss or LossConfig()
+    )
     backend = TorchBackend(TorchBackendConfig(model_path=model, dtype="float64"))
     return Trainer(cfg, CellWorker(0, backend, cfg.loss), buffer)
 
@@ -128,8 +129,16 @@ def test_coordinator_leave_requeues_inside_a_batch_and_reduces_first_after_the_w
 def test_satellite_leaves_after_a_broadcast_and_rejoins_mid_batch(tiny_model, tmp_path):
     # step 0: cell 1 joins before the core's 2nd item; final=False -> broadcast, it stays; then it leaves.
     # step 1 (final) opens without it; it joins again before the core's 2nd item; the burst ends; then stop.
-    spec = LocalRunSpec(model_path=tiny_model, out_dir=str(tmp_path), num_cells=2, steps=2, wait_join_at=1,
-                        save_grads=True, dump_steps=(0, 1), scenario="leave_rejoin")  # fmt: skip
+    spec = LocalRunSpec(
+        model_path=tiny_model,
+        out_dir=str(tmp_path),
+        num_cells=2,
+        steps=2,
+        wait_join_at=1,
+        save_grads=True,
+        dump_steps=(0, 1),
+        scenario="leave_rejoin",
+    )
     assert launch(spec, timeout=240) == [0, 0]
     sat = json.loads((tmp_path / "satellite-1.json").read_text())
     assert sat["bursts"] == ["left", "burst_end", "stop"]
@@ -139,8 +148,9 @@ def test_satellite_leaves_after_a_broadcast_and_rejoins_mid_batch(tiny_model, tm
         by_cell = {int(k): v for k, v in report["microsteps_by_cell"].items()}
         assert by_cell.get(1, 0) >= 1 and by_cell[0] >= 1, (step, by_cell)
         # the single-cell recomputation of the dumped batch equals what the two processes computed
-        loss, grads = replay_batch(tmp_path / f"dump-{step}", tiny_model, dtype="float64", loss=LossConfig(),
-                                   temperature=1.0)  # fmt: skip
+        loss, grads = replay_batch(
+            tmp_path / f"dump-{step}", tiny_model, dtype="float64", loss=LossConfig(), temperature=1.0
+        )
         summed = torch.load(tmp_path / f"grads-{step}.pt")
         assert loss == pytest.approx(report["loss"], abs=1e-9)
         assert torch.allclose(grads, summed, atol=1e-6, rtol=0) and float(grads.abs().max()) > 1e-4
@@ -157,8 +167,9 @@ def test_satellite_runner_leaves_while_waiting_and_after_a_stale_snapshot(tiny_m
 
     trainer = _trainer(tiny_model)
     trainer.buffer.pop_ready()  # the batch will starve: the satellite joins and finds no work
-    cfg = MultiCellConfig(num_cells=2, master_port=1, control_port=free_port(), snapshot_dir=str(tmp_path / "s"),
-                          poll_s=0.001)  # fmt: skip
+    cfg = MultiCellConfig(
+        num_cells=2, master_port=1, control_port=free_port(), snapshot_dir=str(tmp_path / "s"), poll_s=0.001
+    )
     coord = Coordinator(cfg, trainer)
     sat_backend = TorchBackend(TorchBackendConfig(model_path=tiny_model, dtype="float64", optimizer=False))
     runner = SatelliteRunner(cfg, CellWorker(1, sat_backend, LossConfig()), groups=None)

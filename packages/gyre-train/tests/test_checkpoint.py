@@ -23,9 +23,8 @@ def _trainer(model_path: str, fill: bool) -> Trainer:
         for gid, v, execs in make_groups(3 * B, N, seed=3, max_len=40):
             for eid, r, trajs in execs:
                 buffer.add_execution(gid, v, eid, r, trajs)
-        buffer.add_execution(
-            "partial", 0, "partial-x0", 1.0, []
-        )  # an incomplete group survives the checkpoint
+        # an incomplete group survives the checkpoint
+        buffer.add_execution("partial", 0, "partial-x0", 1.0, [])
     backend = TorchBackend(TorchBackendConfig(model_path=model_path, lr=1e-3))
     cfg = TrainerConfig(
         packing=PackingConfig(group_size=N, batch_groups=B, tokens_per_shard=48, window_shards=2)

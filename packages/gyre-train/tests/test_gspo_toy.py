@@ -42,11 +42,18 @@ def add_group(buffer, model, version: int, gid: str, generator) -> float:
     for i in range(N):
         eid = f"{gid}-{i}"
         traj = Trajectory(
-            execution_id=eid, group_id=gid, index=0, leaf_call_id=f"{eid}-c0", role_class="main/task",
-            token_ids=PROMPT + toks[i].tolist(), target_mask=[0] * p + [1] * GEN,
+            execution_id=eid,
+            group_id=gid,
+            index=0,
+            leaf_call_id=f"{eid}-c0",
+            role_class="main/task",
+            token_ids=PROMPT + toks[i].tolist(),
+            target_mask=[0] * p + [1] * GEN,
             behavior_logprobs=[0.0] * p + lps[i].tolist(),
-            weight_versions=[WeightSpan(start=p, end=p + GEN, engine_id="torch", weight_version=str(version))],
-        )  # fmt: skip
+            weight_versions=[
+                WeightSpan(start=p, end=p + GEN, engine_id="torch", weight_version=str(version))
+            ],
+        )
         buffer.add_execution(gid, version, eid, float(rewards[i]), [traj])
     return float(rewards.mean())
 

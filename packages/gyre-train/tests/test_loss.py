@@ -85,8 +85,14 @@ def test_off_target_positions_are_ignored_even_if_infinite():
     cfg = LossConfig()
     l_T = torch.tensor([-float("inf"), -1.0, float("nan")], dtype=F64, requires_grad=True)
     target = torch.tensor([False, True, False])
-    loss, stats = gspo_token_loss(l_T, torch.tensor([0.0, -1.0, 0.0], dtype=F64), torch.full((3,), -1.0, dtype=F64),
-                                  torch.ones(3, dtype=F64), target, cfg)  # fmt: skip
+    loss, stats = gspo_token_loss(
+        l_T,
+        torch.tensor([0.0, -1.0, 0.0], dtype=F64),
+        torch.full((3,), -1.0, dtype=F64),
+        torch.ones(3, dtype=F64),
+        target,
+        cfg,
+    )
     loss.backward()
     assert float(loss.detach()) == pytest.approx(1.0) and stats.num_targets == 1
     assert l_T.grad.tolist() == [0.0, -1.0, 0.0]
@@ -114,8 +120,9 @@ def test_config_rejects_bad_values():
 
 def test_batch_metrics_split_by_sign_and_staleness():
     def info(eid, adv, d, lrs, n=10):
-        return ExecutionInfo(execution_id=eid, group_id="g", advantage=adv, num_targets=n, staleness=d,
-                             log_ratio_sum=lrs)  # fmt: skip
+        return ExecutionInfo(
+            execution_id=eid, group_id="g", advantage=adv, num_targets=n, staleness=d, log_ratio_sum=lrs
+        )
 
     execs = [
         info("a", 1.0, 0, 10 * math.log(1.01)),  # A>0, s=1.01 -> gated

@@ -75,8 +75,11 @@ def test_each_step_report_records_the_lr_its_update_used(tiny_model):
 
     n, b = 2, 1
     packing = PackingConfig(group_size=n, batch_groups=b, tokens_per_shard=64, window_shards=1)
-    trainer = Trainer(TrainerConfig(packing=packing), CellWorker(0, _backend(tiny_model, warmup=3), LossConfig()),
-                      TrajectoryBuffer(n))  # fmt: skip
+    trainer = Trainer(
+        TrainerConfig(packing=packing),
+        CellWorker(0, _backend(tiny_model, warmup=3), LossConfig()),
+        TrajectoryBuffer(n),
+    )
     recorded = []
     for step in range(4):
         for gid, v, execs in make_groups(b, n, seed=30 + step, max_len=30, version=step):

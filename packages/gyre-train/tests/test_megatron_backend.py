@@ -76,10 +76,16 @@ def _microstep(backend: TrainBackend) -> MicroStep:
     shard = shard.model_copy(update={"behavior_logprobs": b_T.tolist()})
     sums, counts = prepass_partials(shard, l_T, 2)
     execs = [
-        ExecutionInfo(execution_id=f"x{i}", group_id="g", advantage=adv, num_targets=counts[i], staleness=0,
-                      log_ratio_sum=sums[i])
+        ExecutionInfo(
+            execution_id=f"x{i}",
+            group_id="g",
+            advantage=adv,
+            num_targets=counts[i],
+            staleness=0,
+            log_ratio_sum=sums[i],
+        )
         for i, adv in enumerate([0.8, -0.6])
-    ]  # fmt: skip
+    ]  # fmt: skip (an aligned table)
     return MicroStep(batch=0, index=0, norm=4, temperature=TEMPERATURE, executions=execs, shards=[shard])
 
 
@@ -321,9 +327,16 @@ def test_tied_embeddings(mg, tmp_path) -> None:
 
     torch.manual_seed(3)
     cfg = Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
     Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "tied")
     # Shares the module's process groups (mg is requested so they exist); it is not closed on purpose.
     tied = MegatronBackend(MegatronBackendConfig(model_path=str(tmp_path / "tied"), optimizer=False))

@@ -56,10 +56,16 @@ def _microstep(backend) -> MicroStep:
     shard = shard.model_copy(update={"behavior_logprobs": b_T.tolist()})
     sums, counts = prepass_partials(shard, l_T, 2)
     execs = [
-        ExecutionInfo(execution_id=f"x{i}", group_id="g", advantage=adv, num_targets=counts[i], staleness=0,
-                      log_ratio_sum=sums[i])
+        ExecutionInfo(
+            execution_id=f"x{i}",
+            group_id="g",
+            advantage=adv,
+            num_targets=counts[i],
+            staleness=0,
+            log_ratio_sum=sums[i],
+        )
         for i, adv in enumerate([0.9, -0.4])
-    ]  # fmt: skip
+    ]  # fmt: skip (an aligned table)
     return MicroStep(batch=0, index=0, norm=2, temperature=1.0, executions=execs, shards=[shard])
 
 
@@ -89,9 +95,8 @@ def test_bf16_checkpoint_restores_model_and_sharded_optimizer_state(mg, tmp_path
     mg.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False))
     assert torch.equal(mg.flat_params(), after_one)
     one_step()
-    assert torch.equal(
-        mg.flat_params(), expected
-    )  # same model, same main params, same moments and step count
+    # same model, same main params, same moments and step count
+    assert torch.equal(mg.flat_params(), expected)
     for i, s in mg.state_dict()["shards"][0]["state"]["state"].items():
         for k, v in s.items():
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(moments[i][k])), (i, k)

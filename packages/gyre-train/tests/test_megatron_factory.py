@@ -26,14 +26,17 @@ def test_check_backend_accepts_what_runs() -> None:
     [
         ({"kind": "jax"}, ["train.backend"]),
         ({"kind": "torch", "pipeline_parallel": 2}, ["train.pipeline_parallel"]),
-        ({"kind": "torch", "tensor_parallel": 2, "expert_parallel": 4}, ["train.tensor_parallel", "train.expert_parallel"]),
+        (
+            {"kind": "torch", "tensor_parallel": 2, "expert_parallel": 4},
+            ["train.tensor_parallel", "train.expert_parallel"],
+        ),
         ({"kind": "megatron", "tensor_parallel": 0}, ["train.tensor_parallel"]),
         ({"kind": "megatron", "dtype": "float64"}, ["train.dtype"]),
         ({"kind": "megatron", "context_parallel": 2}, ["train.context_parallel", "train.dtype"]),
         ({"kind": "megatron", "expert_parallel": 2, "one_process_cells": True}, ["train.expert_parallel"]),
         ({"kind": "megatron", "dtype": "bfloat16", "one_process_cells": True}, ["train.dtype"]),
     ],
-)  # fmt: skip
+)
 def test_check_backend_refuses_naming_the_fields(kwargs, names) -> None:
     kind = kwargs.pop("kind")
     with pytest.raises(ValueError) as err:

@@ -72,8 +72,9 @@ def _microsteps(shard: int, groups: int, seed: int):
     for gid, v, ex in make_groups(groups, 4, seed=seed, max_len=120):
         for eid, r, trajs in ex:
             buf.add_execution(gid, v, eid, r, trajs)
-    cfg = PackingConfig(group_size=4, batch_groups=groups, tokens_per_shard=shard, window_shards=2,
-                        temperature=TEMPERATURE)  # fmt: skip
+    cfg = PackingConfig(
+        group_size=4, batch_groups=groups, tokens_per_shard=shard, window_shards=2, temperature=TEMPERATURE
+    )
     packer = StreamPackingBuffer(cfg, buf)
     packer.open_batch(0, 0)
     out = []

@@ -40,10 +40,21 @@ def _config(norm_topk: bool = True) -> Qwen3MoeConfig:
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=2,
-        norm_topk_prob=norm_topk, mlp_only_layers=[1], max_position_embeddings=4096, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=EXPERTS,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk,
+        mlp_only_layers=[1],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
 
 
 def build_tiny_moe(path, seed: int = 0, norm_topk: bool = True) -> str:
@@ -190,9 +201,13 @@ def test_ep2_logprobs_and_gradients_equal_one_rank(tiny_moe, tmp_path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.Popen(
-        [*cmd, str(script), tiny_moe, str(out), str(TEMPERATURE)], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-    )  # fmt: skip
+        [*cmd, str(script), tiny_moe, str(out), str(TEMPERATURE)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
     try:
         _, stderr = proc.communicate(timeout=480)
     except subprocess.TimeoutExpired:

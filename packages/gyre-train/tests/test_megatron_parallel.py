@@ -68,9 +68,15 @@ def build_tiny_model(path, seed: int, tied: bool) -> str:
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=tied,
+    )
     Qwen3ForCausalLM(cfg).save_pretrained(path)
     return str(path)
 
@@ -100,8 +106,12 @@ def test_tp2_and_pp2_match_hf(tiny_model, tmp_path) -> None:
     # Own session, so a hang kills torchrun and both workers (and nothing else).
     proc = subprocess.Popen(
         [*cmd, str(script), tiny_model, tied, str(out), str(TEMPERATURE)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         _, stderr = proc.communicate(timeout=480)
     except subprocess.TimeoutExpired:

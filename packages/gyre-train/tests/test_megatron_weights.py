@@ -22,9 +22,15 @@ def _hf(tied: bool, heads: int = 4, kv_heads: int = 2, head_dim: int = 16):
 
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tied,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=tied,
+    )
     model = Qwen3ForCausalLM(cfg)
     state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     return state, Qwen3Shape.from_hf_config(cfg)
@@ -50,9 +56,13 @@ def test_round_trip_is_exact(tied: bool, te_names: bool) -> None:
 def test_qkv_is_interleaved_by_query_group() -> None:
     # Q: 4 heads, G: 2 groups -> per group [q_2g, q_2g+1, k_g, v_g]; fill each head with its own id.
     shape = Qwen3Shape(
-        num_layers=1, hidden_size=3, num_attention_heads=4, num_key_value_heads=2, head_dim=2,
+        num_layers=1,
+        hidden_size=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=2,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     q = torch.arange(4).repeat_interleave(2)[:, None].expand(8, 3).float()  # heads 0..3
     k = (10 + torch.arange(2)).repeat_interleave(2)[:, None].expand(4, 3).float()
     v = (20 + torch.arange(2)).repeat_interleave(2)[:, None].expand(4, 3).float()
@@ -103,10 +113,13 @@ def test_tp_shards_merge_back_and_hold_whole_groups() -> None:
 def shape_tp2(shape: Qwen3Shape) -> Qwen3Shape:
     """The per-rank shape at TP 2 (half the heads and groups)."""
     return Qwen3Shape(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads // 2,
-        num_key_value_heads=shape.num_key_value_heads // 2, head_dim=shape.head_dim,
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads // 2,
+        num_key_value_heads=shape.num_key_value_heads // 2,
+        head_dim=shape.head_dim,
         tie_word_embeddings=shape.tie_word_embeddings,
-    )  # fmt: skip
+    )
 
 
 def test_pipeline_layer_renumbering() -> None:

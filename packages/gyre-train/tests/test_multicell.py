@@ -24,8 +24,13 @@ def _reference_grads(model_path: str, spec: LocalRunSpec) -> tuple[float, torch.
     for _, _, ex in make_groups(spec.batch_groups, spec.group_size, spec.seed, spec.max_len):
         for (_, _, trajs), a in zip(ex, group_advantages([r for _, r, _ in ex]), strict=True):
             lps = [trajectory_target_logprobs(model, t, 1.0) for t in trajs]
-            bs = [torch.tensor([b for b, m in zip(t.behavior_logprobs, t.target_mask, strict=True) if m],
-                               dtype=torch.float64) for t in trajs]  # fmt: skip
+            bs = [
+                torch.tensor(
+                    [b for b, m in zip(t.behavior_logprobs, t.target_mask, strict=True) if m],
+                    dtype=torch.float64,
+                )
+                for t in trajs
+            ]
             execs.append(RefExecution(a, torch.cat(lps), torch.cat(bs)))
     loss = reference_loss(execs, spec.group_size * spec.batch_groups, LossConfig())
     loss.backward()
@@ -34,8 +39,16 @@ def _reference_grads(model_path: str, spec: LocalRunSpec) -> tuple[float, torch.
 
 @pytest.mark.slow
 def test_two_cell_processes_satellite_joins_mid_batch(tiny_model, tmp_path):
-    spec = LocalRunSpec(model_path=tiny_model, out_dir=str(tmp_path), num_cells=2, steps=2, steps_per_burst=2,
-                        wait_join_at=2, save_grads=True, dump_steps=(0, 1))  # fmt: skip
+    spec = LocalRunSpec(
+        model_path=tiny_model,
+        out_dir=str(tmp_path),
+        num_cells=2,
+        steps=2,
+        steps_per_burst=2,
+        wait_join_at=2,
+        save_grads=True,
+        dump_steps=(0, 1),
+    )
     assert launch(spec, timeout=240) == [0, 0]
     reports = [json.loads(line) for line in (tmp_path / "reports.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in reports] == [1, 2]
@@ -54,8 +67,9 @@ def test_two_cell_processes_satellite_joins_mid_batch(tiny_model, tmp_path):
         dump = load_dump(tmp_path / f"dump-{step}")
         assert len(dump.microsteps) == report["num_microsteps"] and dump.report.loss == report["loss"]
         assert torch.equal(dump.summed_grads, torch.load(tmp_path / f"grads-{step}.pt"))
-        loss, grads = replay_batch(tmp_path / f"dump-{step}", tiny_model, dtype="float64", loss=LossConfig(),
-                                   temperature=1.0)  # fmt: skip
+        loss, grads = replay_batch(
+            tmp_path / f"dump-{step}", tiny_model, dtype="float64", loss=LossConfig(), temperature=1.0
+        )
         assert loss == pytest.approx(report["loss"], abs=1e-6)
         assert torch.allclose(grads, dump.summed_grads, atol=1e-6, rtol=0)
         if step == 0:  # and the replay itself equals the literal float64 reference
@@ -167,9 +181,8 @@ def test_a_wait_for_a_claim_ends_when_the_cell_dies(tiny_model, tmp_path):
         waiter = threading.Thread(target=hold, daemon=True)
         waiter.start()
         coord.lose(2, "killed", dead=True)
-        waiter.join(
-            60
-        )  # not 600: the death ends the wait, whether it came before the wait began or during it
+        # not 600: the death ends the wait, whether it came before the wait began or during it
+        waiter.join(60)
         assert not waiter.is_alive() and "died before it claimed" in str(errors[0])
     finally:
         coord.close()
@@ -179,8 +192,15 @@ def test_a_wait_for_a_claim_ends_when_the_cell_dies(tiny_model, tmp_path):
 def test_satellite_killed_holding_a_claim_the_batch_completes_with_the_reference_gradient(
     tiny_model, tmp_path
 ):
-    spec = LocalRunSpec(model_path=tiny_model, out_dir=str(tmp_path), num_cells=2, steps=1, wait_join_at=2,
-                        save_grads=True, kill_at_item=2)  # fmt: skip
+    spec = LocalRunSpec(
+        model_path=tiny_model,
+        out_dir=str(tmp_path),
+        num_cells=2,
+        steps=1,
+        wait_join_at=2,
+        save_grads=True,
+        kill_at_item=2,
+    )
     assert launch(spec, timeout=240) == [
         0,
         -9,
@@ -198,8 +218,15 @@ def test_satellite_killed_holding_a_claim_the_batch_completes_with_the_reference
 @pytest.mark.slow
 def test_middle_satellite_killed_survivors_reduce_over_a_fresh_group(tiny_model, tmp_path):
     # cells 0, 1, 2 train; cell 1 dies: the members {0, 2} are no prefix, so they reduce over a fresh gloo group
-    spec = LocalRunSpec(model_path=tiny_model, out_dir=str(tmp_path), num_cells=3, steps=1, wait_join_at=1,
-                        save_grads=True, kill_at_item=2)  # fmt: skip
+    spec = LocalRunSpec(
+        model_path=tiny_model,
+        out_dir=str(tmp_path),
+        num_cells=3,
+        steps=1,
+        wait_join_at=1,
+        save_grads=True,
+        kill_at_item=2,
+    )
     assert launch(spec, timeout=240) == [0, -9, 0]
     (report,) = [json.loads(line) for line in (tmp_path / "reports.jsonl").read_text().splitlines()]
     by_cell = {int(k): v for k, v in report["microsteps_by_cell"].items()}
@@ -218,8 +245,16 @@ def test_a_satellite_that_dies_or_hangs_inside_the_reduce_leaves_the_core_to_upd
     # cells 0, 1, 2 train step 0; cell 1 is killed (its connection closes) or stopped (it answers nothing) right
     # before its reduce: the collective fails (at once, or after the 5 s collective timeout), the core runs every
     # satellite item again and updates alone, with the exact gradient; cell 2 is out of training until a re-form
-    spec = LocalRunSpec(model_path=tiny_model, out_dir=str(tmp_path), num_cells=3, steps=2, wait_join_at=1,
-                        save_grads=True, collective_fault=fault, collective_timeout_s=5.0)  # fmt: skip
+    spec = LocalRunSpec(
+        model_path=tiny_model,
+        out_dir=str(tmp_path),
+        num_cells=3,
+        steps=2,
+        wait_join_at=1,
+        save_grads=True,
+        collective_fault=fault,
+        collective_timeout_s=5.0,
+    )
     assert launch(spec, timeout=240) == [0, -9, 0]
     first, second = [json.loads(line) for line in (tmp_path / "reports.jsonl").read_text().splitlines()]
     assert first["collective_failed"] == [1, 2]
@@ -242,9 +277,18 @@ def test_a_satellite_that_dies_before_the_broadcast_leaves_the_update_whole_and_
     # step 0 is not final (mu = 2): cells 0, 1, 2 reduce, the core updates, then cell 1 dies before the broadcast.
     # The update used every cell's gradient (the reduce succeeded); the broadcast fails, so the satellites that
     # stayed have no weights: they are out until a re-form, and step 1 trains on the core alone
-    spec = LocalRunSpec(model_path=tiny_model, out_dir=str(tmp_path), num_cells=3, steps=2, steps_per_burst=2,
-                        wait_join_at=1, save_grads=True, collective_fault="kill", collective_fault_at="broadcast",
-                        collective_timeout_s=5.0)  # fmt: skip
+    spec = LocalRunSpec(
+        model_path=tiny_model,
+        out_dir=str(tmp_path),
+        num_cells=3,
+        steps=2,
+        steps_per_burst=2,
+        wait_join_at=1,
+        save_grads=True,
+        collective_fault="kill",
+        collective_fault_at="broadcast",
+        collective_timeout_s=5.0,
+    )
     assert launch(spec, timeout=240) == [0, -9, 0]
     first, second = [json.loads(line) for line in (tmp_path / "reports.jsonl").read_text().splitlines()]
     assert first["collective_failed"] == [1, 2]

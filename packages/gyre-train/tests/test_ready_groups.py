@@ -121,12 +121,22 @@ def _message(tmp_path, rng, gid="G", suffix="parquet"):
     for i, (eid, ts) in enumerate(trajs.items()):
         path = tmp_path / f"{eid}.{suffix}"
         write_trajectories(path, ts)
-        execs.append(ReadyExecution(execution_id=eid, reward=i / 2, advantage=0.1 * (i - 1),
-                                    trajectories_path=str(path)))  # fmt: skip
+        execs.append(
+            ReadyExecution(
+                execution_id=eid, reward=i / 2, advantage=0.1 * (i - 1), trajectories_path=str(path)
+            )
+        )
     no_work = tmp_path / f"{gid}-x3.{suffix}"
     write_trajectories(no_work, [placeholder(f"{gid}-x3", gid)])
-    execs.append(ReadyExecution(execution_id=f"{gid}-x3", reward=0.0, advantage=-0.3,
-                                trajectories_path=str(no_work), placeholder=True))  # fmt: skip
+    execs.append(
+        ReadyExecution(
+            execution_id=f"{gid}-x3",
+            reward=0.0,
+            advantage=-0.3,
+            trajectories_path=str(no_work),
+            placeholder=True,
+        )
+    )
     return ReadyGroupMessage(group_id=gid, policy_version=4, executions=execs), trajs
 
 
@@ -163,8 +173,11 @@ def test_add_group_message_reads_gyre_tito_files(tmp_path, suffix):
     assert by_id["G-x3"].num_targets == 0 and by_id["G-x3"].trajectories[0].placeholder
     packer, mss = _pack_all(buf, 4, 1, version=5)
     assert {e.execution_id: e.advantage for e in packer.executions} == {
-        "G-x0": -0.1, "G-x1": 0.0, "G-x2": 0.1, "G-x3": -0.3
-    }  # fmt: skip
+        "G-x0": -0.1,
+        "G-x1": 0.0,
+        "G-x2": 0.1,
+        "G-x3": -0.3,
+    }  # fmt: skip (an aligned table)
     targets = sum(1 for m in mss for s in m.shards for x in s.exec_slot if x >= 0)
     assert targets == sum(t.num_targets for ts in trajs.values() for t in ts)
     assert {e.staleness for e in packer.executions} == {1}  # v_t 5 - v_d 4
@@ -173,9 +186,14 @@ def test_add_group_message_reads_gyre_tito_files(tmp_path, suffix):
 def test_add_group_message_relative_paths_and_refusals(tmp_path):
     rng = random.Random(8)
     msg, _ = _message(tmp_path, rng)
-    rel = msg.model_copy(update={"executions": [
-        e.model_copy(update={"trajectories_path": e.trajectories_path.rsplit("/", 1)[1]}) for e in msg.executions
-    ]})  # fmt: skip
+    rel = msg.model_copy(
+        update={
+            "executions": [
+                e.model_copy(update={"trajectories_path": e.trajectories_path.rsplit("/", 1)[1]})
+                for e in msg.executions
+            ]
+        }
+    )
     buf = TrajectoryBuffer(4)
     assert buf.add_group_message(rel, root=tmp_path).group_id == "G"
 

@@ -44,9 +44,8 @@ def test_dumped_two_cell_batch_replays_on_one_cell(tiny_model, tmp_path, ratio_r
     assert dump.report == report and report.microsteps_by_cell.get(1, 0) >= 1
     assert [m.index for m in dump.microsteps] == list(range(report.num_microsteps))
     assert {m.batch for m in dump.microsteps} == {1}
-    if (
-        ratio_reference == "behaviour"
-    ):  # train items carry their final s_i sums (or compute them: single pass)
+    # train items carry their final s_i sums (or compute them: single pass)
+    if ratio_reference == "behaviour":
         assert any(e.log_ratio_sum is not None for m in dump.microsteps for e in m.executions)
     loss_r, grads = replay_batch(tmp_path / "b1", tiny_model, dtype="float64", loss=loss)
     assert loss_r == pytest.approx(report.loss, abs=1e-12, rel=1e-9)

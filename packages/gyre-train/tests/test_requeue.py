@@ -33,8 +33,10 @@ def _prepass(ms, cell):
         for slot in s.exec_slot:
             if slot >= 0:
                 counts[slot] = counts.get(slot, 0) + 1
-    parts = [ExecutionPartial(execution_id=ms.executions[k].execution_id, log_ratio_sum=0.01 * c, count=c)
-             for k, c in counts.items()]  # fmt: skip
+    parts = [
+        ExecutionPartial(execution_id=ms.executions[k].execution_id, log_ratio_sum=0.01 * c, count=c)
+        for k, c in counts.items()
+    ]
     return PrepassResult(batch=0, index=ms.index, cell=cell, partials=parts)
 
 
@@ -44,8 +46,9 @@ def _targets(ms):
 
 def _train(ms, cell):
     # loss = micro-step index: the batch total is exact only if every micro-step counts exactly once
-    return TrainResult(batch=0, index=ms.index, cell=cell,
-                       stats=TokenStats(loss=float(ms.index), num_targets=_targets(ms)))  # fmt: skip
+    return TrainResult(
+        batch=0, index=ms.index, cell=cell, stats=TokenStats(loss=float(ms.index), num_targets=_targets(ms))
+    )
 
 
 def test_dropped_cell_work_returns_late_reports_are_refused_totals_exact():
@@ -63,8 +66,10 @@ def test_dropped_cell_work_returns_late_reports_are_refused_totals_exact():
     with pytest.raises(LateReport, match="cell 2 holds it"):  # only the holder may report
         q.report_prepass(_prepass(b.microstep, 1))
     requeued = q.drop_cell(2)  # cell 2 dies holding two pre-pass claims
-    assert [(i.kind, i.microstep.index) for i in requeued] == [("prepass", b.microstep.index),
-                                                               ("prepass", c.microstep.index)]  # fmt: skip
+    assert [(i.kind, i.microstep.index) for i in requeued] == [
+        ("prepass", b.microstep.index),
+        ("prepass", c.microstep.index),
+    ]
     assert q.unclaimed == total - 1
     with pytest.raises(LateReport):
         q.report_prepass(_prepass(b.microstep, 2))  # late: refused, nothing counted
@@ -145,8 +150,9 @@ def test_coordinator_drops_an_expired_lease_and_a_closed_connection(tiny_model, 
         CellWorker(0, TorchBackend(TorchBackendConfig(model_path=tiny_model)), LossConfig()),
         buffer,
     )
-    cfg = MultiCellConfig(num_cells=3, master_port=1, control_port=free_port(), snapshot_dir=str(tmp_path),
-                          claim_timeout_s=0.2)  # fmt: skip
+    cfg = MultiCellConfig(
+        num_cells=3, master_port=1, control_port=free_port(), snapshot_dir=str(tmp_path), claim_timeout_s=0.2
+    )
     now = [1000.0]  # the leases' clock: moved by hand, so no wait decides the outcome
     coord = Coordinator(cfg, trainer, clock=lambda: now[0])
     try:

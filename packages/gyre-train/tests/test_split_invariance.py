@@ -61,8 +61,13 @@ def reference(model_path: str, groups, cfg: LossConfig):
         advs = group_advantages([r for _, r, _ in ex])
         for (_, _, trajs), a in zip(ex, advs, strict=True):
             lps = [trajectory_target_logprobs(model, t, TEMP) for t in trajs]
-            bs = [torch.tensor([b for b, m in zip(t.behavior_logprobs, t.target_mask, strict=True) if m],
-                               dtype=torch.float64) for t in trajs]  # fmt: skip
+            bs = [
+                torch.tensor(
+                    [b for b, m in zip(t.behavior_logprobs, t.target_mask, strict=True) if m],
+                    dtype=torch.float64,
+                )
+                for t in trajs
+            ]
             execs.append(RefExecution(a, torch.cat(lps), torch.cat(bs)))
     loss = reference_loss(execs, N * B, cfg)
     loss.backward()
@@ -87,12 +92,17 @@ def streaming(
             buffer.add_execution(gid, v, eid, r, trajs)
     backend_cfg = TorchBackendConfig(model_path=model_path, dtype="float64")
     core = CellWorker(0, TorchBackend(backend_cfg), cfg)
-    packing = PackingConfig(group_size=N, batch_groups=B, tokens_per_shard=shard, dp_size=dp, window_shards=2,
-                            temperature=TEMP)  # fmt: skip
+    packing = PackingConfig(
+        group_size=N, batch_groups=B, tokens_per_shard=shard, dp_size=dp, window_shards=2, temperature=TEMP
+    )
     trainer = Trainer(TrainerConfig(packing=packing, loss=cfg, single_pass=single_pass), core, buffer)
     trainer.version = 1
-    sats = [CellWorker(c, TorchBackend(TorchBackendConfig(model_path=model_path, dtype="float64", optimizer=False)),
-                       cfg) for c in range(1, cells)]  # fmt: skip
+    sats = [
+        CellWorker(
+            c, TorchBackend(TorchBackendConfig(model_path=model_path, dtype="float64", optimizer=False)), cfg
+        )
+        for c in range(1, cells)
+    ]
     other = trainer.accumulate(sats, join_after=join_after)
     grads = core.backend.flat_grads() + sum(other, torch.zeros(1, dtype=torch.float64))
     return trainer, grads
@@ -110,18 +120,36 @@ def batch(tiny_model):
 @pytest.mark.parametrize("cap_mode", ["truncate", "mask"])
 @pytest.mark.parametrize(
     ("shard", "dp", "cells", "join_after", "single_pass"),
-    [(100_000, 1, 1, 0, True), (100_000, 1, 1, 0, False), (64, 1, 1, 0, True), (80, 2, 1, 0, True),
-     (48, 1, 2, 3, True)],
-    ids=["one-microstep-single-pass", "one-microstep-prepass", "many-microsteps", "two-dp-shards",
-         "two-cells-join-mid-batch"],
-)  # fmt: skip
+    [
+        (100_000, 1, 1, 0, True),
+        (100_000, 1, 1, 0, False),
+        (64, 1, 1, 0, True),
+        (80, 2, 1, 0, True),
+        (48, 1, 2, 3, True),
+    ],
+    ids=[
+        "one-microstep-single-pass",
+        "one-microstep-prepass",
+        "many-microsteps",
+        "two-dp-shards",
+        "two-cells-join-mid-batch",
+    ],
+)
 def test_streaming_equals_float64_reference(
     tiny_model, batch, cap_mode, shard, dp, cells, join_after, single_pass
 ):
     cfg = LossConfig(cap_mode=cap_mode)
     ref_loss, ref_grads, ref_execs = reference(tiny_model, batch, cfg)
-    trainer, grads = streaming(tiny_model, batch, cfg, shard=shard, dp=dp, cells=cells, join_after=join_after,
-                               single_pass=single_pass)  # fmt: skip
+    trainer, grads = streaming(
+        tiny_model,
+        batch,
+        cfg,
+        shard=shard,
+        dp=dp,
+        cells=cells,
+        join_after=join_after,
+        single_pass=single_pass,
+    )
     claims = trainer.queue.train_claims
     all_claims = sum(trainer.queue.claims.values())
     if shard == 100_000:

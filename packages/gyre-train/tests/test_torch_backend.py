@@ -33,9 +33,8 @@ def test_packed_rows_equal_separate_rows(tiny_model):
     assert packed.dtype == torch.float64 and packed.shape == (29,)
     assert torch.allclose(packed, separate, atol=1e-12)
     leaky = backend.logprobs(_packed(rows, continuous_positions=True), 0.7)
-    assert (
-        leaky - separate
-    ).abs().max() > 1e-3  # the comparison can fail: attention across rows changes values
+    # the comparison can fail: attention across rows changes values
+    assert (leaky - separate).abs().max() > 1e-3
     assert packed[8] == 0.0 and packed[9] == 0.0  # label -100 -> 0
     # temperature: l = log_softmax(logits / T)
     hot = backend.logprobs(_packed(rows), 2.0)

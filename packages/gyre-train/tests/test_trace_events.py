@@ -81,8 +81,9 @@ def test_groups_are_assigned_oldest_first_before_any_claim_of_their_microsteps(t
 
 
 def _core(trainer: Trainer, tmp_path, **kw) -> CoreRunner:
-    mc = MultiCellConfig(num_cells=1, master_port=1, control_port=free_port(),
-                         snapshot_dir=str(tmp_path / "snapshots"), **kw)  # fmt: skip
+    mc = MultiCellConfig(
+        num_cells=1, master_port=1, control_port=free_port(), snapshot_dir=str(tmp_path / "snapshots"), **kw
+    )
     return CoreRunner(mc, trainer, PrefixGroups(1))  # one cell: no process group needed
 
 
@@ -191,9 +192,8 @@ def test_a_claim_at_batch_open_never_closes_the_new_batch(tiny_model):
         if seen["lock_held"]:
             claimant.start()  # it can only pump once open_batch lets go of the lock
         else:
-            seen["item"] = trainer.claim(
-                1
-            )  # nothing orders it after the packer's open: the interleaving that failed
+            # nothing orders it after the packer's open: the interleaving that failed
+            seen["item"] = trainer.claim(1)
 
     trainer.queue.open = open_then_claim
     trainer.open_batch()  # before the fix: RuntimeError, the stream of this batch is closed

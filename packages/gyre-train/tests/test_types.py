@@ -22,13 +22,24 @@ from gyre_train.types import (
 
 
 def _shard() -> Shard:
-    return Shard(input_ids=[5, 6, 7, 8, 9], cu_seqlens=[0, 3, 5], labels=[6, 7, -100, 9, -100],
-                 exec_slot=[0, -1, -1, 0, -1], behavior_logprobs=[-1.25, 0.0, 0.0, -0.1, 0.0])  # fmt: skip
+    return Shard(
+        input_ids=[5, 6, 7, 8, 9],
+        cu_seqlens=[0, 3, 5],
+        labels=[6, 7, -100, 9, -100],
+        exec_slot=[0, -1, -1, 0, -1],
+        behavior_logprobs=[-1.25, 0.0, 0.0, -0.1, 0.0],
+    )
 
 
 def _micro() -> MicroStep:
-    info = ExecutionInfo(execution_id="e", group_id="g", advantage=-0.3, num_targets=2, staleness=1,
-                         log_ratio_sum=-0.0123456789012345)  # fmt: skip
+    info = ExecutionInfo(
+        execution_id="e",
+        group_id="g",
+        advantage=-0.3,
+        num_targets=2,
+        staleness=1,
+        log_ratio_sum=-0.0123456789012345,
+    )
     return MicroStep(
         batch=2, index=7, norm=512, temperature=0.7, executions=[info], shards=[_shard(), _shard()]
     )
@@ -36,19 +47,39 @@ def _micro() -> MicroStep:
 
 def _examples():
     ms = _micro()
-    pre = PrepassResult(batch=2, index=7, cell=1, partials=[ExecutionPartial(execution_id="e", log_ratio_sum=0.1,
-                                                                             count=2)])  # fmt: skip
+    pre = PrepassResult(
+        batch=2, index=7, cell=1, partials=[ExecutionPartial(execution_id="e", log_ratio_sum=0.1, count=2)]
+    )
     tr = TrainResult(batch=2, index=7, cell=0, stats=TokenStats(loss=0.5, num_targets=3, weight_max=5.0))
     return [
-        ms.executions[0], _shard(), ms, WorkItem(kind="train", microstep=ms), pre, tr, tr.stats,
-        StepReport(step=0, policy_version=1, loss=0.1, surrogate=0.2, grad_norm=1.5, num_groups=2,
-                   num_executions=8, num_target_tokens=100, num_microsteps=3, microsteps_by_cell={0: 2, 1: 1},
-                   group_ids=["a", "b"], staleness=[0, 1], metrics={"clip_frac_all": 0.25}),
-        CellRequest(op="report", cell=1, prepass=pre), CellRequest(op="claim", cell=2),
+        ms.executions[0],
+        _shard(),
+        ms,
+        WorkItem(kind="train", microstep=ms),
+        pre,
+        tr,
+        tr.stats,
+        StepReport(
+            step=0,
+            policy_version=1,
+            loss=0.1,
+            surrogate=0.2,
+            grad_norm=1.5,
+            num_groups=2,
+            num_executions=8,
+            num_target_tokens=100,
+            num_microsteps=3,
+            microsteps_by_cell={0: 2, 1: 1},
+            group_ids=["a", "b"],
+            staleness=[0, 1],
+            metrics={"clip_frac_all": 0.25},
+        ),
+        CellRequest(op="report", cell=1, prepass=pre),
+        CellRequest(op="claim", cell=2),
         CoordinatorReply(status="batch_done", batch=3, prefix=2, members=[0, 1], broadcast=True),
         CoordinatorReply(status="dropped"),
         CoordinatorReply(status="item", item=WorkItem(kind="prepass", microstep=ms)),
-    ]  # fmt: skip
+    ]  # fmt: skip (an aligned table)
 
 
 @pytest.mark.parametrize("model", _examples(), ids=lambda m: type(m).__name__)

@@ -32,9 +32,8 @@ def cell_configs(cfg: RunConfig, run_dir: Path, model_dir: Path) -> list[CellWor
         cfg, _ = resolve_transports(cfg)
     c, s, t, dbg = cfg.cluster, cfg.scheduler, cfg.train, cfg.debug
     workers = c.cells + c.standalone_engines
-    server = (
-        cfg.rollout.engine != "torch"
-    )  # an SGLang or vLLM server beside each worker, on a port of its own
+    # an SGLang or vLLM server beside each worker, on a port of its own
+    server = cfg.rollout.engine != "torch"
     # distinct: none is bound before the workers start (two independent draws once gave the same port twice)
     master, coordinator, *ports = free_ports(2 + workers * (2 if server else 1))
     worker_ports, server_ports = ports[:workers], ports[workers:]

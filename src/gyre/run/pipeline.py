@@ -213,9 +213,8 @@ async def run(cfg: RunConfig, services: Launcher | None = None, resume: ResumePo
             resume.carry_into(controller)
         monitor = RunMonitor(cfg, run_dir, controller)  # metrics sink, live dashboard, progress bar
         controller.on_step = monitor.on_step
-        controller.enable_restarts(
-            services.restart_cell
-        )  # a dead satellite starts again (gyre.run.cell_effects)
+        # a dead satellite starts again (gyre.run.cell_effects)
+        controller.enable_restarts(services.restart_cell)
         await monitor.start()
         log.info(
             "running %d optimizer steps (policy %s, K=%d, N=%d, B=%d, phi=%g, mu=%d)",

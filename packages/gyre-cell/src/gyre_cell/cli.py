@@ -142,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             python = ensure_vllm_env(
-                args.requirement, python=args.python, links=args.find_links,
+                args.requirement,
+                python=args.python,
+                links=args.find_links,
                 log=lambda line: print(line, file=sys.stderr, flush=True),
-            )  # fmt: skip
+            )
         except VLLMEnvError as e:
             print(f"gyre-cell vllm-env: {e}", file=sys.stderr)
             return 1

@@ -75,9 +75,8 @@ class RolloutEngine:
         api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        headers = (
-            {"authorization": f"Bearer {api_key}"} if api_key else None
-        )  # the engine's token, if it has one
+        # the engine's token, if it has one
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=timeout_s, transport=transport, headers=headers
         )

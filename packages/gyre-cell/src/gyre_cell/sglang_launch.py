@@ -79,8 +79,10 @@ def build_launch_command(cfg: SGLangLaunchConfig) -> list[str]:
     """argv of `python -m sglang.launch_server ...` for `cfg`."""
     for flag in ("--api-key", "--admin-api-key", "--config"):
         if any(a == flag or a.startswith(flag + "=") for a in cfg.extra_args):
-            raise ValueError(f"extra_args: {flag} would put a key in argv (readable by every local process); "
-                             "give the key to SGLangServer(api_key=...), which passes it by file")  # fmt: skip
+            raise ValueError(
+                f"extra_args: {flag} would put a key in argv (readable by every local process); "
+                "give the key to SGLangServer(api_key=...), which passes it by file"
+            )
     cmd = [cfg.python, "-m", cfg.module, "--model-path", cfg.model_path]
     cmd += ["--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp_size)]
     cmd += ["--weight-version", cfg.weight_version]

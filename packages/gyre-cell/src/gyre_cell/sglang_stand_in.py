@@ -72,9 +72,13 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.cpu_threads)
     cfg = EngineConfig(
-        model_path=args.model_path, device=args.device, weight_version=args.weight_version,
-        seed=args.random_seed, cpu_threads=args.cpu_threads, kv_migration=False,  # as SGLang 0.5.23: no KV pins
-    )  # fmt: skip
+        model_path=args.model_path,
+        device=args.device,
+        weight_version=args.weight_version,
+        seed=args.random_seed,
+        cpu_threads=args.cpu_threads,
+        kv_migration=False,  # as SGLang 0.5.23: no KV pins
+    )
     return serve_torch_engine(cfg, args.host, args.port, api_key)
 
 

@@ -60,8 +60,12 @@ def find_links() -> list[str]:
     read pip's configuration."""
     if os.environ.get("PIP_FIND_LINKS"):
         return os.environ["PIP_FIND_LINKS"].split()
-    files = [os.environ.get("PIP_CONFIG_FILE", ""), "/etc/pip.conf",
-             str(Path.home() / ".config" / "pip" / "pip.conf"), str(Path.home() / ".pip" / "pip.conf")]  # fmt: skip
+    files = [
+        os.environ.get("PIP_CONFIG_FILE", ""),
+        "/etc/pip.conf",
+        str(Path.home() / ".config" / "pip" / "pip.conf"),
+        str(Path.home() / ".pip" / "pip.conf"),
+    ]
     out: list[str] = []
     for path in files:
         if not path or not Path(path).is_file():

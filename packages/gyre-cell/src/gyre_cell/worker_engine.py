@@ -152,9 +152,8 @@ class SupervisedServer:
         proc = self.server.proc
         assert proc is not None
         code = proc.wait()
-        if (
-            self._serving and not self._closing
-        ):  # an exit during start-up fails `start` instead, naming the log
+        # an exit during start-up fails `start` instead, naming the log
+        if self._serving and not self._closing:
             on_exit(code)
 
     def client(self) -> RolloutEngine:

@@ -37,18 +37,27 @@ from gyre_train.multicell import MultiCellConfig, PrefixGroups
 log = logging.getLogger("gyre_cell.worker")
 
 __all__ = [
-    "CellStages", "LocalRanks", "PipelinedTrainingState", "RankProcess", "RankSpawner", "is_multi_rank", "main",
-]  # fmt: skip
+    "CellStages",
+    "LocalRanks",
+    "PipelinedTrainingState",
+    "RankProcess",
+    "RankSpawner",
+    "is_multi_rank",
+    "main",
+]  # fmt: skip (an aligned table)
 
 
 def _multicell(cfg: CellWorkerConfig) -> MultiCellConfig:
     t = cfg.training
     assert t is not None
     return MultiCellConfig(
-        num_cells=cfg.num_cells, master_port=t.master_port, control_port=t.coordinator_port,
-        snapshot_dir=str(Path(cfg.run_dir) / "snapshots"), host=t.master_host or cfg.host,
+        num_cells=cfg.num_cells,
+        master_port=t.master_port,
+        control_port=t.coordinator_port,
+        snapshot_dir=str(Path(cfg.run_dir) / "snapshots"),
+        host=t.master_host or cfg.host,
         collective_timeout_s=t.collective_timeout_s,
-    )  # fmt: skip
+    )
 
 
 def _rank_name(cfg: CellWorkerConfig, local: int) -> str:
@@ -125,9 +134,11 @@ class LocalRanks:
     def spawn(self, local: int, argv: list[str], log_path: Path) -> RankProcess:
         with open(log_path, "ab") as out:
             return subprocess.Popen(
-                [*argv, "--lifeline-fd", str(self._read)], stdout=out, stderr=subprocess.STDOUT,
+                [*argv, "--lifeline-fd", str(self._read)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 pass_fds=(self._read,),
-            )  # fmt: skip
+            )
 
 
 class CellStages:
@@ -179,9 +190,13 @@ class CellStages:
         # Hosted by this process on its own node's address (the core's, master_host, is another node's on Ray).
         channel = open_channel(self.cfg.host)
         self.backend = PipelinedBackend(
-            stage_backend, channel, loss, cell=self.cfg.cell, stats_path=_stats_path(self.cfg, 0),
+            stage_backend,
+            channel,
+            loss,
+            cell=self.cfg.cell,
+            stats_path=_stats_path(self.cfg, 0),
             hooks=_stage_hooks(own),
-        )  # fmt: skip
+        )
         self.worker = PipelinedWorker(self.backend)
         self.state = PipelinedTrainingState(own, self.backend)
         return self.backend
@@ -264,15 +279,24 @@ def main(argv: list[str] | None = None) -> int:
     confine_gloo(cfg.host)  # no-op where the worker or the rank host named the interface already
     init_pipelined_cell(_multicell(cfg), cfg.cell, stage, t.pipeline_parallel, tp, t.tensor_parallel)
     backend = build_backend(
-        "megatron", model_path=cfg.engine.model_path, dtype=t.dtype, lr=t.lr, optimizer=cfg.cell == 0,
-        tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
-    )  # fmt: skip
+        "megatron",
+        model_path=cfg.engine.model_path,
+        dtype=t.dtype,
+        lr=t.lr,
+        optimizer=cfg.cell == 0,
+        tensor_parallel=t.tensor_parallel,
+        pipeline_parallel=t.pipeline_parallel,
+    )
     channel = open_channel(cfg.host)  # the leader's address reaches this rank through the channel's broadcast
     state = TorchTrainingState(backend.model, backend.optimizer)
     follower = StageFollower(
-        backend, channel, t.loss, cell=cfg.cell, stats_path=_stats_path(cfg, args.rank),
+        backend,
+        channel,
+        t.loss,
+        cell=cfg.cell,
+        stats_path=_stats_path(cfg, args.rank),
         hooks=_stage_hooks(state),
-    )  # fmt: skip
+    )
     log.info("%s following (pid %d)", name, os.getpid())
     follower.serve()
     log.info("stopped")

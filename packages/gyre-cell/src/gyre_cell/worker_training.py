@@ -97,12 +97,17 @@ class CellTraining:
         t = cfg.training
         self.is_core = cfg.cell == 0
         self.mc = mc = MultiCellConfig(
-            num_cells=cfg.num_cells, master_port=t.master_port, control_port=t.coordinator_port,
-            snapshot_dir=str(Path(cfg.run_dir) / "snapshots"), steps_per_burst=t.steps_per_burst,
-            host=t.master_host or cfg.host, claim_timeout_s=t.claim_timeout_s, starve_timeout_s=float("inf"),
+            num_cells=cfg.num_cells,
+            master_port=t.master_port,
+            control_port=t.coordinator_port,
+            snapshot_dir=str(Path(cfg.run_dir) / "snapshots"),
+            steps_per_burst=t.steps_per_burst,
+            host=t.master_host or cfg.host,
+            claim_timeout_s=t.claim_timeout_s,
+            starve_timeout_s=float("inf"),
             collective_timeout_s=t.collective_timeout_s,
             **({"authkey": coordinator_key(run_secret)} if run_secret is not None else {}),
-        )  # fmt: skip
+        )
         confine_gloo(cfg.host)  # before the first gloo pair: they listen on this cell's interface only
         # gloo rendezvous of all K cells, prefix groups built once; before the backend, because a megatron
         # backend builds its groups over this world (collectively, every cell at this point).
@@ -116,11 +121,18 @@ class CellTraining:
         else:
             self.groups = init_cell_process(mc, cfg.cell)
         self.backend = build_backend(
-            t.backend, model_path=cfg.engine.model_path, dtype=t.dtype, lr=t.lr, optimizer=self.is_core,
-            lr_warmup_steps=t.lr_warmup_steps, device=t.device,
-            tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
-            context_parallel=t.context_parallel, expert_parallel=t.expert_parallel,
-        )  # fmt: skip
+            t.backend,
+            model_path=cfg.engine.model_path,
+            dtype=t.dtype,
+            lr=t.lr,
+            optimizer=self.is_core,
+            lr_warmup_steps=t.lr_warmup_steps,
+            device=t.device,
+            tensor_parallel=t.tensor_parallel,
+            pipeline_parallel=t.pipeline_parallel,
+            context_parallel=t.context_parallel,
+            expert_parallel=t.expert_parallel,
+        )
         if self.stages is not None:  # the whole cell as one backend (gyre_train.megatron.cell)
             self.backend = self.stages.attach(self.backend, t.loss)
         # A resumed run: weights (also the engine's model_path) and optimizer state of the last checkpointed step.
@@ -164,9 +176,12 @@ class CellTraining:
         if self.is_core:
             self.buffer = TrajectoryBuffer(t.group_size)
             packing = PackingConfig(
-                group_size=t.group_size, batch_groups=t.batch_groups, tokens_per_shard=t.tokens_per_shard,
-                temperature=t.temperature, window_shards=1,
-            )  # fmt: skip
+                group_size=t.group_size,
+                batch_groups=t.batch_groups,
+                tokens_per_shard=t.tokens_per_shard,
+                temperature=t.temperature,
+                window_shards=1,
+            )
             trainer_cfg = TrainerConfig(
                 packing=packing, loss=t.loss, max_grad_norm=t.max_grad_norm, queue_ahead=t.queue_ahead
             )
@@ -230,8 +245,9 @@ class CellTraining:
             # Before step_end: a step the controller recorded always has its checkpoint.
             if self.cfg.training.checkpoint_keep:
                 root = Path(self.cfg.run_dir) / "checkpoints" / "trainer"
-                write_step_checkpoint(root, self.trainer, self._save_hf_to, row,
-                                      self.cfg.training.checkpoint_keep)  # fmt: skip
+                write_step_checkpoint(
+                    root, self.trainer, self._save_hf_to, row, self.cfg.training.checkpoint_keep
+                )
             self.emit("step_end", report=row)
 
         self._background(f"step-{version}", run)

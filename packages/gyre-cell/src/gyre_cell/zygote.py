@@ -225,10 +225,14 @@ class Zygote:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "gyre_cell.zygote", str(theirs.fileno()), *preload],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env=dict(env) if env is not None else None, pass_fds=[theirs.fileno()],
-                start_new_session=True, preexec_fn=partial(_die_with_parent, os.getpid()),
-            )  # fmt: skip
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=dict(env) if env is not None else None,
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,
+                preexec_fn=partial(_die_with_parent, os.getpid()),
+            )
         finally:
             theirs.close()
         return cls(proc, ours)
@@ -252,15 +256,33 @@ class Zygote:
                 raise ZygoteError(str(self._ready.get("error")))
 
     def spawn(
-        self, entry: str, args: list[str], *, title: str, env: Mapping[str, str], cwd: str,
-        stdout: str, stderr: str, secrets: Mapping[str, str] | None = None, timeout_s: float = 60.0,
-    ) -> ForkedProcess:  # fmt: skip
+        self,
+        entry: str,
+        args: list[str],
+        *,
+        title: str,
+        env: Mapping[str, str],
+        cwd: str,
+        stdout: str,
+        stderr: str,
+        secrets: Mapping[str, str] | None = None,
+        timeout_s: float = 60.0,
+    ) -> ForkedProcess:
         """Fork a child running `entry(args)` (see the module docstring); raises ZygoteError if it cannot."""
         self.wait_ready()
         with self._lock:
             rid, self._next_id = self._next_id, self._next_id + 1
-            req = {"id": rid, "entry": entry, "args": args, "title": title, "env": dict(env), "cwd": cwd,
-                   "stdout": stdout, "stderr": stderr, "secrets": list((secrets or {}).items())}  # fmt: skip
+            req = {
+                "id": rid,
+                "entry": entry,
+                "args": args,
+                "title": title,
+                "env": dict(env),
+                "cwd": cwd,
+                "stdout": stdout,
+                "stderr": stderr,
+                "secrets": list((secrets or {}).items()),
+            }
             data = json.dumps(req).encode()
             if len(data) > MAX_MESSAGE:
                 raise ZygoteError(f"request of {len(data)} bytes (its environment) exceeds {MAX_MESSAGE}")

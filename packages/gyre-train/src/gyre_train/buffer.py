@@ -258,16 +258,23 @@ class TrajectoryBuffer:
                 "seq": self._seq,
                 "consumed": sorted(self._consumed),
                 "ready": [
-                    {"group_id": g.group_id, "policy_version": g.policy_version, "seq": g.seq,
-                     "executions": [entry(e) for e in g.executions]}
+                    {
+                        "group_id": g.group_id,
+                        "policy_version": g.policy_version,
+                        "seq": g.seq,
+                        "executions": [entry(e) for e in g.executions],
+                    }
                     for _, _, g in sorted(self._ready)
                 ],
                 "pending": [
-                    {"group_id": gid, "policy_version": p.policy_version,
-                     "executions": [pending_entry(eid, r, ts) for eid, (r, ts) in p.executions.items()]}
+                    {
+                        "group_id": gid,
+                        "policy_version": p.policy_version,
+                        "executions": [pending_entry(eid, r, ts) for eid, (r, ts) in p.executions.items()],
+                    }
                     for gid, p in self._pending.items()
                 ],
-            }  # fmt: skip
+            }  # fmt: skip (an aligned table)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._lock:

@@ -180,8 +180,12 @@ def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int, events: dict 
     ):
         for eid, reward, trajs in execs:
             buffer.add_execution(gid, v, eid, reward, trajs)
-    packing = PackingConfig(group_size=spec.group_size, batch_groups=spec.batch_groups,
-                            tokens_per_shard=spec.tokens_per_shard, window_shards=2)  # fmt: skip
+    packing = PackingConfig(
+        group_size=spec.group_size,
+        batch_groups=spec.batch_groups,
+        tokens_per_shard=spec.tokens_per_shard,
+        window_shards=2,
+    )
     trainer = Trainer(TrainerConfig(packing=packing, loss=loss), worker, buffer)
     core = CoreRunner(mc, trainer, groups)
     out = Path(spec.out_dir)
@@ -195,9 +199,8 @@ def _cell_main(spec: LocalRunSpec, mc: MultiCellConfig, cell: int, events: dict 
                 if step == 0:
                     core.coordinator.wait_claimed(spec.num_cells - 1, timeout=_SIGNAL_S)
                     events["last_claimed"].set()
-                    if (
-                        spec.kill_at_item is not None
-                    ):  # the core takes no item meanwhile: cell 1 gets its n-th
+                    # the core takes no item meanwhile: cell 1 gets its n-th
+                    if spec.kill_at_item is not None:
                         core.coordinator.wait_dead(1, timeout=_SIGNAL_S)
                 elif rejoin and step == 1:
                     events["rejoin"].set()
@@ -230,10 +233,14 @@ def launch(spec: LocalRunSpec, timeout: float = 300.0) -> list[int]:
     Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
     master_port, control_port = free_ports(2)
     mc = MultiCellConfig(
-        num_cells=spec.num_cells, master_port=master_port, control_port=control_port,
-        snapshot_dir=str(Path(spec.out_dir) / "snapshots"), steps_per_burst=spec.steps_per_burst,
-        claim_timeout_s=spec.claim_timeout_s, collective_timeout_s=spec.collective_timeout_s,
-    )  # fmt: skip
+        num_cells=spec.num_cells,
+        master_port=master_port,
+        control_port=control_port,
+        snapshot_dir=str(Path(spec.out_dir) / "snapshots"),
+        steps_per_burst=spec.steps_per_burst,
+        claim_timeout_s=spec.claim_timeout_s,
+        collective_timeout_s=spec.collective_timeout_s,
+    )
     ctx = mp.get_context("spawn")
     events = {name: ctx.Event() for name in ("step0_done", "left", "rejoin", "last_claimed")}
     procs = [

@@ -156,9 +156,10 @@ class ShardLoss:
         self.behavior_T = torch.tensor(self.shard.behavior_logprobs, dtype=torch.float64)
         self.partials: list[ExecutionPartial] = []
         self._missing = [
-            k for k, e in enumerate(microstep.executions)
+            k
+            for k, e in enumerate(microstep.executions)
             if e.log_ratio_sum is None and e.num_targets and cfg.ratio_reference == "behaviour"
-        ]  # fmt: skip
+        ]  # fmt: skip (an aligned table)
         self._coefs = None if self._missing else self._coefficients(microstep.executions)
 
     def _coefficients(self, executions: list[ExecutionInfo]) -> tuple:
@@ -178,8 +179,9 @@ class ShardLoss:
                         "the single-pass path needs them all (run the pre-pass)"
                     )
                 execs[k] = e.model_copy(update={"log_ratio_sum": sums[k]})
-                self.partials.append(ExecutionPartial(execution_id=e.execution_id, log_ratio_sum=sums[k],
-                                                      count=counts[k]))  # fmt: skip
+                self.partials.append(
+                    ExecutionPartial(execution_id=e.execution_id, log_ratio_sum=sums[k], count=counts[k])
+                )
             coefs = self._coefficients(execs)
         dev = logprobs_T.device
         coef_T, gate_T, target_T = (t.to(dev) for t in coefs)

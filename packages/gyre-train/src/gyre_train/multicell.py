@@ -489,16 +489,21 @@ class CoreRunner:
         backend = trainer.core.backend
         failed: list[int] = []
         if group is not None:
-            flat = on_host(
-                backend.flat_grads()
-            )  # a copy: a failed reduce leaves the core's own gradients whole
+            # a copy: a failed reduce leaves the core's own gradients whole
+            flat = on_host(backend.flat_grads())
             try:
                 dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=group)
             except RuntimeError as exc:  # a member died (closed connection) or hangs (collective timeout)
                 failed = [c for c in members if c != 0]
                 requeued = coord.collective_failed(members, str(exc).splitlines()[0][:300])
-                log.warning("batch %d: the reduce with cell(s) %s failed (%s); the core runs their %d item(s) "
-                            "itself and updates alone", batch, failed, exc, sum(requeued.values()))  # fmt: skip
+                log.warning(
+                    "batch %d: the reduce with cell(s) %s failed (%s); the core runs their %d item(s) "
+                    "itself and updates alone",
+                    batch,
+                    failed,
+                    exc,
+                    sum(requeued.values()),
+                )
                 self._accumulate(batch, None, abort, on_wait)
                 coord.close_window(broadcast=False)
                 group = None

@@ -176,8 +176,14 @@ def build_shard(rows: list[Row], slots: dict[str, int], temperature: float = 1.0
         temps.extend(r if (t and r > 0) else temperature for r, t in zip(recorded, row.target, strict=True))
         cu.append(len(ids))
     per_token = temps if any(r.temperatures for r in rows) else None
-    return Shard(input_ids=ids, cu_seqlens=cu, labels=labels, exec_slot=exec_slot, behavior_logprobs=blp,
-                 temperatures=per_token)  # fmt: skip
+    return Shard(
+        input_ids=ids,
+        cu_seqlens=cu,
+        labels=labels,
+        exec_slot=exec_slot,
+        behavior_logprobs=blp,
+        temperatures=per_token,
+    )
 
 
 @dataclass(slots=True)
@@ -236,9 +242,12 @@ class StreamPackingBuffer:
             if e.execution_id in batch.infos:
                 raise ValueError(f"execution {e.execution_id} appears twice in batch {batch.index}")
             batch.infos[e.execution_id] = ExecutionInfo(
-                execution_id=e.execution_id, group_id=group.group_id, advantage=e.advantage,
-                num_targets=e.num_targets, staleness=d,
-            )  # fmt: skip
+                execution_id=e.execution_id,
+                group_id=group.group_id,
+                advantage=e.advantage,
+                num_targets=e.num_targets,
+                staleness=d,
+            )
             for t in e.trajectories:
                 row = materialize(t)
                 if row is not None:
@@ -281,12 +290,23 @@ class StreamPackingBuffer:
             slots = {e: i for i, e in enumerate(exec_ids)}
             shards = [build_shard(b, slots, cfg.temperature) for b in group]
             while len(shards) < cfg.dp_size:  # the batch's last micro-step may leave ranks idle
-                shards.append(Shard(input_ids=[0], cu_seqlens=[0, 1], labels=[-100], exec_slot=[-1],
-                                    behavior_logprobs=[0.0]))  # fmt: skip
+                shards.append(
+                    Shard(
+                        input_ids=[0],
+                        cu_seqlens=[0, 1],
+                        labels=[-100],
+                        exec_slot=[-1],
+                        behavior_logprobs=[0.0],
+                    )
+                )
             microstep = MicroStep(
-                batch=batch.index, index=batch.emitted, norm=cfg.group_size * cfg.batch_groups,
-                temperature=cfg.temperature, executions=[batch.infos[e] for e in exec_ids], shards=shards,
-            )  # fmt: skip
+                batch=batch.index,
+                index=batch.emitted,
+                norm=cfg.group_size * cfg.batch_groups,
+                temperature=cfg.temperature,
+                executions=[batch.infos[e] for e in exec_ids],
+                shards=shards,
+            )
             out.append(microstep)
             batch.emitted += 1
         return out

@@ -175,8 +175,10 @@ class MicroStepQueue:
         for index in sorted(self._waiting):
             ms = self._waiting[index]
             if all(self._tally[e.execution_id].final for e in ms.executions):
-                final = [e.model_copy(update={"log_ratio_sum": self._tally[e.execution_id].log_ratio_sum})
-                         for e in ms.executions]  # fmt: skip
+                final = [
+                    e.model_copy(update={"log_ratio_sum": self._tally[e.execution_id].log_ratio_sum})
+                    for e in ms.executions
+                ]
                 self._train_items.append(ms.model_copy(update={"executions": final}))
                 del self._waiting[index]
 

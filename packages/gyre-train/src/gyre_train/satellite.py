@@ -153,8 +153,13 @@ class SatelliteRunner:
                         self.before_collective("broadcast", reply.batch)
                     dist.broadcast(flat, src=0, group=group)
                 except RuntimeError as exc:  # another member died or hangs: the core runs our items again
-                    log.warning("cell %d: the end-of-batch collective of batch %s failed (%s); out of training "
-                                "until the world is re-formed", self.worker.cell, reply.batch, exc)  # fmt: skip
+                    log.warning(
+                        "cell %d: the end-of-batch collective of batch %s failed (%s); out of training "
+                        "until the world is re-formed",
+                        self.worker.cell,
+                        reply.batch,
+                        exc,
+                    )
                     self._out()
                     return "collective_failed"
                 backend.load_flat_params(flat)  # stays in training for the next batch of the burst

@@ -20,10 +20,16 @@ def build_tiny_model(path: str | Path, seed: int = 0, hidden: int = 64, layers: 
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(
-        vocab_size=TINY_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=4096,
+        vocab_size=TINY_VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=4096,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     Qwen3ForCausalLM(cfg).save_pretrained(path)
     return str(path)
 
@@ -43,17 +49,32 @@ def make_trajectory(
         p += n + rng.randint(1, 10)
     blp = [-rng.uniform(0.5, 8.0) if m else 0.0 for m in mask]
     return Trajectory(
-        execution_id=execution_id, group_id=group_id, index=index, leaf_call_id=f"{execution_id}-c{index}",
-        role_class="main/task", token_ids=ids, target_mask=mask, behavior_logprobs=blp, weight_versions=spans,
-    )  # fmt: skip
+        execution_id=execution_id,
+        group_id=group_id,
+        index=index,
+        leaf_call_id=f"{execution_id}-c{index}",
+        role_class="main/task",
+        token_ids=ids,
+        target_mask=mask,
+        behavior_logprobs=blp,
+        weight_versions=spans,
+    )
 
 
 def placeholder(execution_id: str, group_id: str) -> Trajectory:
     """The zero-reward stand-in for an execution with no assessable work (no tokens, no targets)."""
     return Trajectory(
-        execution_id=execution_id, group_id=group_id, index=0, leaf_call_id=None, role_class="main/task",
-        token_ids=[], target_mask=[], behavior_logprobs=[], weight_versions=[], placeholder=True,
-    )  # fmt: skip
+        execution_id=execution_id,
+        group_id=group_id,
+        index=0,
+        leaf_call_id=None,
+        role_class="main/task",
+        token_ids=[],
+        target_mask=[],
+        behavior_logprobs=[],
+        weight_versions=[],
+        placeholder=True,
+    )
 
 
 def make_groups(num_groups: int, group_size: int, seed: int = 0, max_len: int = 60, version: int = 0) -> list:

@@ -78,8 +78,9 @@ class Trainer:
         self.on_event: Callable[[str, dict], None] | None = None
         """Optional sink for trace events (docs/design/architecture.md#run-directory-and-trace): batch_open, group_assigned, microstep_claim, step_end."""
         self._pump_lock = threading.Lock()  # the core's main thread and the coordinator's threads both pump
-        self.packer.on_group = lambda group, batch: self._emit("group_assigned", group_id=group.group_id,
-                                                               batch=batch)  # fmt: skip
+        self.packer.on_group = lambda group, batch: self._emit(
+            "group_assigned", group_id=group.group_id, batch=batch
+        )
 
     # --- batch pieces ----------------------------------------------------------------------------------------
 
@@ -134,8 +135,9 @@ class Trainer:
         if item is not None:
             ms = item.microstep
             groups = sorted({e.group_id for e in ms.executions})
-            self._emit("microstep_claim", cell=cell, kind=item.kind, batch=ms.batch, index=ms.index,
-                       groups=groups)  # fmt: skip
+            self._emit(
+                "microstep_claim", cell=cell, kind=item.kind, batch=ms.batch, index=ms.index, groups=groups
+            )
         return item
 
     @property
@@ -186,18 +188,31 @@ class Trainer:
         if lr is not None:
             metrics["lr"] = lr
         report = StepReport(
-            step=self.version, policy_version=self.version + 1, loss=stats.loss, surrogate=stats.surrogate,
-            grad_norm=grad_norm, num_groups=len(groups), num_executions=len(self.packer.executions),
-            num_target_tokens=stats.num_targets, num_microsteps=sum(self.queue.trained_by_cell.values()),
+            step=self.version,
+            policy_version=self.version + 1,
+            loss=stats.loss,
+            surrogate=stats.surrogate,
+            grad_norm=grad_norm,
+            num_groups=len(groups),
+            num_executions=len(self.packer.executions),
+            num_target_tokens=stats.num_targets,
+            num_microsteps=sum(self.queue.trained_by_cell.values()),
             microsteps_by_cell=dict(microsteps_by_cell or self.queue.trained_by_cell),
-            group_ids=[g.group_id for g in groups], staleness=[self.version - g.policy_version for g in groups],
-            metrics=metrics, seconds=time.perf_counter() - self._opened_at,
-        )  # fmt: skip
+            group_ids=[g.group_id for g in groups],
+            staleness=[self.version - g.policy_version for g in groups],
+            metrics=metrics,
+            seconds=time.perf_counter() - self._opened_at,
+        )
         if dump_dir is not None:
             from gyre_train.replay import dump_batch
 
-            dump_batch(dump_dir, params_before=params_before, microsteps=self.queue.trained_items(),
-                       summed_grads=summed_grads, report=report)  # fmt: skip
+            dump_batch(
+                dump_dir,
+                params_before=params_before,
+                microsteps=self.queue.trained_items(),
+                summed_grads=summed_grads,
+                report=report,
+            )
         self.version += 1
         self.in_batch = False
         self._emit(

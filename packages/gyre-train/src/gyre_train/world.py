@@ -24,8 +24,13 @@ if TYPE_CHECKING:
     from gyre_train.multicell import MultiCellConfig
 
 __all__ = [
-    "PrefixGroups", "RendezvousTimeout", "bound_store", "init_cell_process", "on_host", "reform_cell_world",
-]  # fmt: skip
+    "PrefixGroups",
+    "RendezvousTimeout",
+    "bound_store",
+    "init_cell_process",
+    "on_host",
+    "reform_cell_world",
+]  # fmt: skip (an aligned table)
 
 
 def bound_store(
@@ -60,9 +65,14 @@ def bound_store(
     # The store owns the socket from here (its server closes it, also when the constructor fails waiting for
     # workers): closing it again on an error could close an unrelated fd that took the number meanwhile.
     return dist.TCPStore(
-        host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=wait_for_workers,
+        host,
+        port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=wait_for_workers,
         master_listen_fd=sock.detach(),
-    )  # fmt: skip
+    )
 
 
 def on_host(flat: torch.Tensor) -> torch.Tensor:

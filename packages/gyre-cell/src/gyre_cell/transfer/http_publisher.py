@@ -75,9 +75,10 @@ class HttpWeightPublisher(WeightPublisher):
         server = _Server((host, port), _Handler)
         server.publisher = self
         self._http = server
+        # close() waits at most one poll interval
         threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True, name="weight-http"
-        ).start()  # close() waits at most one poll interval
+        ).start()
         name = f"[{host}]" if ":" in host else host
         self.peer = f"http://{name}:{server.server_address[1]}"
         return self.peer + MANIFEST_PATH

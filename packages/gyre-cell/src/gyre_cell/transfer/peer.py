@@ -190,9 +190,8 @@ def snapshot_core_process(conn: Connection, mooncake_json: str | None = None) ->
                     value: Any = channel.publish(int(args[0]), random_flat(int(args[1]), int(args[2])))
                 elif cmd == "load":
                     value = channel.load(str(args[0]))
-                elif (
-                    cmd == "begin_write"
-                ):  # leave a write open (sequence odd), as a core dying mid-publish would
+                # leave a write open (sequence odd), as a core dying mid-publish would
+                elif cmd == "begin_write":
                     channel._publisher.begin_write()  # type: ignore[union-attr]
                     value = None
                 elif cmd == "end_write":

@@ -111,9 +111,8 @@ class WeightSubscriber:
     # ---- reading -----------------------------------------------------------------------------
     def _read_header(self, dst: torch.Tensor) -> tuple[int, int]:
         if self._shared is not None:
-            if (
-                not self._mapping.alive()
-            ):  # its pages stay mapped here: they would read as the last publication
+            # its pages stay mapped here: they would read as the last publication
+            if not self._mapping.alive():
                 raise TransferError(
                     f"the publisher {self.manifest.peer} is gone (its shared buffer was closed)"
                 )

@@ -18,8 +18,11 @@ class GyreWorkerExtension:
 
         from safetensors.torch import load_file
 
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")) if (
-            os.path.isdir(path)) else [path]  # fmt: skip
+        files = (
+            sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+            if (os.path.isdir(path))
+            else [path]
+        )
         tensors = {}
         for file in files:
             tensors.update(load_file(file))

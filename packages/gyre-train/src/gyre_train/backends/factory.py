@@ -104,22 +104,35 @@ def build_backend(
     its device follows CUDA availability). ``optimizer``: build the optimizer (only the core cell updates).
     ``lr_warmup_steps``: linear lr warm-up (the torch backend; ``check_backend`` refuses it for megatron)."""
     check_backend(
-        kind, dtype=dtype, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-        context_parallel=context_parallel, expert_parallel=expert_parallel, lr_warmup_steps=lr_warmup_steps,
-    )  # fmt: skip
+        kind,
+        dtype=dtype,
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+        context_parallel=context_parallel,
+        expert_parallel=expert_parallel,
+        lr_warmup_steps=lr_warmup_steps,
+    )
     if kind == "torch":
         from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
 
         return TorchBackend(
-            TorchBackendConfig(model_path=model_path, dtype=dtype, device=device, lr=lr, optimizer=optimizer,
-                               lr_warmup_steps=lr_warmup_steps)
-        )  # fmt: skip
+            TorchBackendConfig(
+                model_path=model_path,
+                dtype=dtype,
+                device=device,
+                lr=lr,
+                optimizer=optimizer,
+                lr_warmup_steps=lr_warmup_steps,
+            )
+        )
     from gyre_train.megatron import MegatronBackend, MegatronBackendConfig, ParallelConfig
 
     parallel = ParallelConfig(
-        tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-        context_parallel=context_parallel, expert_parallel=expert_parallel,
-    )  # fmt: skip
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+        context_parallel=context_parallel,
+        expert_parallel=expert_parallel,
+    )
     return MegatronBackend(
         MegatronBackendConfig(
             model_path=model_path, parallel=parallel, params_dtype=dtype, lr=lr, optimizer=optimizer

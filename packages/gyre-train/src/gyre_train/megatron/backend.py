@@ -140,11 +140,18 @@ class MegatronBackend:
 
         cfg = self.cfg
         opt_cfg = OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
-            bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=cfg.distributed_optimizer,
+            optimizer="adam",
+            lr=cfg.lr,
+            min_lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.betas[0],
+            adam_beta2=cfg.betas[1],
+            adam_eps=cfg.eps,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            use_distributed_optimizer=cfg.distributed_optimizer,
             clip_grad=1.0,  # replaced by optimizer_step's max_grad_norm
-        )  # fmt: skip
+        )
         with compat.cuda_tensor_types():
             return get_megatron_optimizer(opt_cfg, [self.ddp])
 
@@ -238,9 +245,14 @@ class MegatronBackend:
         labels = torch.where(valid, batch.labels[own.clamp(min=0)], torch.full_like(own, IGNORE_LABEL))
         max_len = int((cu_padded[1:] - cu_padded[:-1]).max())
         psp = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu_padded, cu_seqlens_kv=cu_padded, cu_seqlens_q_padded=cu_padded,
-            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max_len, max_seqlen_kv=max_len,
-        )  # fmt: skip
+            qkv_format="thd",
+            cu_seqlens_q=cu_padded,
+            cu_seqlens_kv=cu_padded,
+            cu_seqlens_q_padded=cu_padded,
+            cu_seqlens_kv_padded=cu_padded,
+            max_seqlen_q=max_len,
+            max_seqlen_kv=max_len,
+        )
         kwargs = {
             "input_ids": ids.to(self.device)[None],
             "position_ids": None,  # RoPE positions come from the padded boundaries
@@ -452,9 +464,8 @@ class MegatronBackend:
             )
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads(
-            [self.ddp], num_tokens=None
-        )  # None: never divide by token counts (docs/design/training.md#objective)
+        # None: never divide by token counts (docs/design/training.md#objective)
+        finalize_model_grads([self.ddp], num_tokens=None)
 
     def current_lr(self) -> float:
         """The learning rate of the next optimizer step: constant (its scheduler runs at min_lr = lr; a megatron run
@@ -536,11 +547,15 @@ class MegatronBackend:
         """What a bf16 checkpoint's optimizer shard depends on: the parallel sizes, this rank's place, sharding."""
         ps = parallel_state
         return {
-            "tp": ps.get_tensor_model_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-            "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
-            "dp": self.dp_size, "dp_rank": self.dp_rank, "distributed_optimizer": self.cfg.distributed_optimizer,
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "dp": self.dp_size,
+            "dp_rank": self.dp_rank,
+            "distributed_optimizer": self.cfg.distributed_optimizer,
             "optimizer": self.optimizer is not None,
-        }  # fmt: skip
+        }  # fmt: skip (an aligned table)
 
     def _inner_optimizers(self) -> list:
         """The torch optimizers inside megatron's (one per chained optimizer): their parameters are this rank's

@@ -43,9 +43,12 @@ class ControlChannel:
     def _store(self, *, is_master: bool) -> Any:
         # the leader's server listens on its own address only (torch's would listen on every interface)
         return bound_store(
-            self.host, self.port, is_master=is_master, wait_for_workers=False,
+            self.host,
+            self.port,
+            is_master=is_master,
+            wait_for_workers=False,
             timeout=datetime.timedelta(seconds=self.timeout_s),
-        )  # fmt: skip
+        )
 
     @classmethod
     def create(cls, group: Any = None, host: str | None = None, timeout_s: float = 3600.0) -> ControlChannel:
@@ -55,8 +58,9 @@ class ControlChannel:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         chan = cls(host, 0, rank=0, world=world, timeout_s=timeout_s) if rank == 0 else None
         box = [(chan.host, chan.port) if chan is not None else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                                   group=group)  # fmt: skip
+        dist.broadcast_object_list(
+            box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group
+        )
         if chan is None:
             chan = cls(box[0][0], box[0][1], rank=rank, world=world, timeout_s=timeout_s)
         return chan

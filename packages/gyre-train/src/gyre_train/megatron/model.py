@@ -166,12 +166,17 @@ def build_gpt_model(
         # default (top-k of the logits, then softmax over those k) is the renormalized form; pre_softmax the
         # other. No load-balancing loss: the GSPO objective is the whole loss.
         moe = dict(
-            num_moe_experts=shape.num_experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
-            moe_router_topk=hf.num_experts_per_tok, moe_router_pre_softmax=not hf.norm_topk_prob,
-            moe_router_score_function="softmax", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_router_dtype="fp32", moe_grouped_gemm=False,
+            num_moe_experts=shape.num_experts,
+            moe_ffn_hidden_size=hf.moe_intermediate_size,
+            moe_router_topk=hf.num_experts_per_tok,
+            moe_router_pre_softmax=not hf.norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_router_dtype="fp32",
+            moe_grouped_gemm=False,
             moe_layer_freq=[int(i in shape.moe_layers) for i in range(shape.num_layers)],
-        )  # fmt: skip
+        )
     elif par.expert_parallel > 1:
         raise ValueError("expert_parallel > 1 needs a model with experts (Qwen3-MoE)")
     config = TransformerConfig(

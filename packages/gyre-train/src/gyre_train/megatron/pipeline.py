@@ -82,9 +82,8 @@ class _StageState:
 
     outstanding: deque = field(default_factory=deque)  # (input tensors, output tensors) awaiting backward
     pending_dx: list | None = None  # input grads of the last backward, not yet sent upstream
-    stash: deque = field(
-        default_factory=deque
-    )  # output grads received at a pause, for the oldest outstanding
+    # output grads received at a pause, for the oldest outstanding
+    stash: deque = field(default_factory=deque)
     next_x: list | None = None  # input of the next forward, received with the fused steady-state exchange
     forwards: int = 0  # forwards since the pipeline was last empty
     paused: bool = False
@@ -319,17 +318,29 @@ class StreamingPipeline:
                 return l_T.sum() * 0.0, one, {}
             loss_fn = make_loss_fn(ms, self.dp_rank, self.loss, dtype=torch.float64)
             loss, stats = loss_fn(l_T.cpu())
-            out.update(kind="train", stats=stats.model_dump(mode="json"),
-                       partials=[p.model_dump(mode="json") for p in loss_fn.partials])  # fmt: skip
+            out.update(
+                kind="train",
+                stats=stats.model_dump(mode="json"),
+                partials=[p.model_dump(mode="json") for p in loss_fn.partials],
+            )
             return loss, one, {}
 
         def forward_step_func(data_iterator, model):
             return model(**prep.kwargs), loss_func
 
         output, _ = schedules.forward_step(
-            forward_step_func, None, self.backend.chunk, 1, input_tensor, [], self.config, self._cp_size,
-            is_first_microbatch=False, current_microbatch=None, is_last_stage=self.last,
-        )  # fmt: skip
+            forward_step_func,
+            None,
+            self.backend.chunk,
+            1,
+            input_tensor,
+            [],
+            self.config,
+            self._cp_size,
+            is_first_microbatch=False,
+            current_microbatch=None,
+            is_last_stage=self.last,
+        )
         return output, out
 
     def _forward_only(self, item: WorkItem) -> dict:
@@ -352,8 +363,11 @@ class StreamingPipeline:
             l_T = self.backend.shard_logprobs(output, prep, ms.temperature)
             loss_fn = make_loss_fn(ms, self.dp_rank, self.loss, dtype=torch.float64)
             loss, stats = loss_fn(l_T.cpu())
-            out.update(kind="train", stats=stats.model_dump(mode="json"),
-                       partials=[p.model_dump(mode="json") for p in loss_fn.partials])  # fmt: skip
+            out.update(
+                kind="train",
+                stats=stats.model_dump(mode="json"),
+                partials=[p.model_dump(mode="json") for p in loss_fn.partials],
+            )
             return loss, torch.tensor(1, dtype=torch.int), {}
 
         def forward_step_func(data_iterator, model):
@@ -361,9 +375,14 @@ class StreamingPipeline:
 
         self.chunk_train()
         get_forward_backward_func()(
-            forward_step_func=forward_step_func, data_iterator=iter([None]), model=[self.backend.chunk],
-            num_microbatches=1, seq_length=packed.num_tokens, micro_batch_size=1, forward_only=False,
-        )  # fmt: skip
+            forward_step_func=forward_step_func,
+            data_iterator=iter([None]),
+            model=[self.backend.chunk],
+            num_microbatches=1,
+            seq_length=packed.num_tokens,
+            micro_batch_size=1,
+            forward_only=False,
+        )
         self.stats.microsteps += 1
         self.stats.fills += 1
         self.stats.drains += 1
