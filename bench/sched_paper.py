@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         "sim_wall_s": r3(rows[1.5]["sim_wall_s"]),
         "sim_wall_limit_s": 30.0,
         "total_wall_s": round(time.perf_counter() - t0, 1),
-    }  # fmt: skip (an aligned table)
+    }
     print(json.dumps(out))
 
 

@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
         # pure-compute 2-process speedup measured in the same run (includes process start-up): the ceiling here
         "cpu_parallel_ratio": round(parallel, 2),
         "cpus": os.cpu_count(),
-    }  # fmt: skip (an aligned table)
+    }
     print(json.dumps(out))
     return out
 

@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
         "max_leaves": max(leaves),
         "wall_s_jmax5": round(five["wall"], 2),
         "wall_s_all": round(all_["wall"], 2),
-    }  # fmt: skip (an aligned table)
+    }
     print(json.dumps(out))
     return out
 

@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
         "p99_len": sorted(lengths)[int(0.99 * len(lengths))],
         "max_len": max(lengths),
         "pack_s": round(pack_s, 2),
-    }  # fmt: skip (an aligned table)
+    }
     print(json.dumps(out))
     return out
 

@@ -201,7 +201,7 @@ def main() -> None:
             "ratio": round(p_s / c_s, 3),
             "fills_per_batch": {"continuous": cont[0]["fills"], "per_microstep": per[0]["fills"]},
             "drains_per_batch": {"continuous": cont[0]["drains"], "per_microstep": per[0]["drains"]},
-        }  # fmt: skip (an aligned table)
+        }
         print(
             f"{size:>3} micro-steps: continuous {c_s:.3f} s (fills {cont[0]['fills']}, drains {cont[0]['drains']}),"
             f" per micro-step {p_s:.3f} s (fills {per[0]['fills']}, drains {per[0]['drains']}): x{p_s / c_s:.2f}",

@@ -76,7 +76,7 @@ STEP_ROW = {
     "reward_std": 0.25,
     "training_cells": 1,
     "t": 6.0,
-}  # fmt: skip (an aligned table)
+}
 
 
 def make_run(run_dir: Path) -> dict:

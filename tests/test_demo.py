@@ -106,7 +106,7 @@ def test_score_is_graded_and_the_sandboxed_scorer_agrees(tmp_path):
         "": 0.0,
         "The code is.": 0.0,
         "MINT!": 1.0,
-    }  # fmt: skip (an aligned table)
+    }
     q = tasks.Query("q", "p", (), ("a.txt", "b.txt", "c.txt"), codes)
     for answer, expected in cases.items():
         assert tasks.score_answer(answer, codes) == pytest.approx(expected)
@@ -280,7 +280,7 @@ def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
         for x in iter_trace(run_dir / "trace.jsonl")
         if x["ev"] == "step_end"
         for g in x["groups"]
-    ]  # fmt: skip (an aligned table)
+    ]
     assert trace.staleness == expected  # d = v_t - v_d for every consumed group
     batch = defaults.scheduler.B
     # the first batch was dispatched at version 0 and trained at 0
@@ -347,7 +347,7 @@ def test_default_demo_learns_and_exercises_the_whole_path(tmp_path):
         "pause_generation",
         "flush_cache",
         "release_memory",
-    ]  # fmt: skip (an aligned table)
+    ]
     assert all(s["weight_version"] is not None for s in switches if s["to_role"] == "rollout")
     report = (run_dir / "report.html").read_text()
     assert "window.GYRE_DATA" in report and "mean reward" in report  # the dashboard's views, static

@@ -60,7 +60,7 @@ def stack(tmp_path, monkeypatch):
         ),
         ScriptRule(absent=["<tools>"], contains=["ENVDUMP"], reply="Scripted session"),
         ScriptRule(reply="the answer is red"),
-    ]  # fmt: skip (an aligned table)
+    ]
     eng = ScriptedEngine(ScriptedEngineConfig(tokenizer=str(tok), rules=rules))
     eng.start()
     cfg = ProxyConfig(

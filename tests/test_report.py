@@ -108,7 +108,7 @@ def interrupted_run(run_dir: Path, length_s: float) -> None:
             "executions": ["g1.e0", "g1.e1"],
             "v_d": 1,
         },
-    ]  # fmt: skip (an aligned table)
+    ]
     _write(run_dir / "trace.jsonl", trace, torn=b'{"t": 10.5, "ev": "lau')
     step = {
         "policy_version": 1,

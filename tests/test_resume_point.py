@@ -199,7 +199,7 @@ def test_untrained_groups_with_usable_executions_are_carried_over_ready_or_open(
         ("g5", ("g5.e2",), 1),
         ("g6", ("g6.e2",), 1),
         ("g8", ("g8.e2",), 2),
-    ]  # fmt: skip (an aligned table)
+    ]
     writer.decisions(point.t_end, start)
     writer.close()
     # Killed again before anything new finished: the carried groups are carried again, their new members excluded,

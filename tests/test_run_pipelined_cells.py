@@ -34,7 +34,7 @@ def test_gyre_run_with_tp2_pp2_cells_matches_the_reference(tmp_path):
         "debug.hold_core_for_join=1",
         "train.checkpoint_keep=0",
         "train.tensor_parallel=2",
-    ]  # fmt: skip (an aligned table)
+    ]
     argv = [
         sys.executable,
         "-m",
@@ -64,7 +64,7 @@ def test_gyre_run_with_tp2_pp2_cells_matches_the_reference(tmp_path):
         }
         for c in range(2)
         if (pipeline / f"cell-{c}-stage-0-tp-0.jsonl").exists()
-    }  # fmt: skip (an aligned table)
+    }
     assert 0 in stats, sorted(pipeline.iterdir())
     for c, by_rank in stats.items():
         assert len({rows_[0]["pid"] for rows_ in by_rank.values()}) == 4

@@ -75,7 +75,7 @@ def test_probe_task_in_a_gyre_run_reaches_nothing_but_the_proxy(tmp_path, runtim
         "harness": {"kind": "command", "command": [sys.executable, "-c", PROBE, json.dumps(paths)]},
         "harness_timeout_s": 120,
         "overall_budget_s": 240,
-    }  # fmt: skip (an aligned table)
+    }
     task_file = tmp_path / "tasks.jsonl"
     task_file.write_text(json.dumps(task) + "\n")
     argv = [

@@ -47,7 +47,7 @@ SKYRL = [
     "aiohttp",
     "orjson",
     "pybase64",
-]  # fmt: skip (an aligned table)
+]
 VERL = [
     "verl==0.9.1",
     "cachetools",

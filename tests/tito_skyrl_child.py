@@ -45,7 +45,7 @@ async def main(proxy_url: str, token: str, out_path: str) -> None:
         "sampling_params": None,
         "trajectory_ids": ids,
         "batch_metadata": BatchMetadata(global_step=1, training_phase="train"),
-    }  # fmt: skip (an aligned table)
+    }
     results = {}
     for mode, step_wise, h in (
         ("flat", False, harness),

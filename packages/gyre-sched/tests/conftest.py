@@ -35,7 +35,7 @@ SMALL: dict[str, Any] = {
         "publish_s": 60.0,
         "reroute_penalty_s": 5.0,
     },
-}  # fmt: skip (an aligned table)
+}
 
 
 def make_small(kind: str, phi: float, mu: int, *, bursts: int = 12, **over: Any) -> SimConfig:

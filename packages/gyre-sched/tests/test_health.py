@@ -95,7 +95,7 @@ def test_a_failed_collective_untrains_its_satellites_at_the_next_boundary_once_t
         CellUntrained(1),
         CellUntrained(2),
         ReformWorld(1, (1, 2), None),
-    ]  # fmt: skip (an aligned table)
+    ]
     assert h.world_failed(1) == [CompletePublish(2)]  # both untrained already
     assert h.of(Health.UNTRAINED) == {1, 2}
 

@@ -187,7 +187,7 @@ def test_outcomes_exactly_once_each(tmp_path, proxy):
         "bad": "failed",
         "slow": "harness_timeout",
         "gone": "cancelled",
-    }  # fmt: skip (an aligned table)
+    }
     assert (done["ok"].returncode, done["bad"].returncode) == (0, 3)
     assert done["slow"].returncode == done["gone"].returncode == -9
     assert all(proxy.ends(e) == 1 for e in done)
@@ -352,7 +352,7 @@ def test_reroute_during_registration_is_not_lost(tmp_path, proxy):
         ("route", "e", ["http://engine-b"]),
         ("hello", "e"),
         ("end", "e"),
-    ]  # fmt: skip (an aligned table)
+    ]
     assert proxy.routes["e"] == ["http://engine-b"]
 
 

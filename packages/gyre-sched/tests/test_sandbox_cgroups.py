@@ -73,7 +73,7 @@ def test_an_executions_cgroup_limits_and_kills_its_whole_tree(root):
             [root / "gyre" / f"{os.getpid()}-{name}"]
             if v2
             else [root / c / "gyre" / f"{os.getpid()}-{name}" for c in LIMITED if c in _offered(root)]
-        )  # fmt: skip (an aligned table)
+        )
         assert cgroups == expected and all(cg.is_dir() for cg in cgroups)
         offered = _offered(root)
         assert set(sandbox.limits_applied) == offered  # claims exactly what the tree can limit

@@ -17,7 +17,7 @@ SPEC = {
     "harness_timeout_s": 14400.0,
     "overall_budget_s": 18000.0,
     "engine": "cell:7",
-}  # fmt: skip (an aligned table)
+}
 
 GOOD = [
     (ExecutionSpec, SPEC),

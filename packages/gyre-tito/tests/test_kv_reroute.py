@@ -121,9 +121,15 @@ async def case_drain_pins_then_destination_takes_over_before_the_retry() -> None
     assert rec.first_token_s is not None and rec.first_token_s >= rec.takeover_s
     stats = dict(pool.kv_stats, first_token_s=None)
     assert stats == {
-        "reroutes": 1, "migrated": 1, "migrated_tokens": 7, "served_tokens": 7, "recomputed_tokens": 0, "bytes": 4096,
-        "first_token_s": None, "first_tokens": 1,
-    }  # fmt: skip (an aligned table)
+        "reroutes": 1,
+        "migrated": 1,
+        "migrated_tokens": 7,
+        "served_tokens": 7,
+        "recomputed_tokens": 0,
+        "bytes": 4096,
+        "first_token_s": None,
+        "first_tokens": 1,
+    }
 
 
 async def case_engine_without_kv_pin_is_aborted_and_the_destination_recomputes() -> None:

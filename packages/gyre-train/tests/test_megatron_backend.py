@@ -85,7 +85,7 @@ def _microstep(backend: TrainBackend) -> MicroStep:
             log_ratio_sum=sums[i],
         )
         for i, adv in enumerate([0.8, -0.6])
-    ]  # fmt: skip (an aligned table)
+    ]
     return MicroStep(batch=0, index=0, norm=4, temperature=TEMPERATURE, executions=execs, shards=[shard])
 
 

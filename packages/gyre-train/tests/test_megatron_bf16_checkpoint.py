@@ -65,7 +65,7 @@ def _microstep(backend) -> MicroStep:
             log_ratio_sum=sums[i],
         )
         for i, adv in enumerate([0.9, -0.4])
-    ]  # fmt: skip (an aligned table)
+    ]
     return MicroStep(batch=0, index=0, norm=2, temperature=1.0, executions=execs, shards=[shard])
 
 

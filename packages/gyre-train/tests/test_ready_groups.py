@@ -177,7 +177,7 @@ def test_add_group_message_reads_gyre_tito_files(tmp_path, suffix):
         "G-x1": 0.0,
         "G-x2": 0.1,
         "G-x3": -0.3,
-    }  # fmt: skip (an aligned table)
+    }
     targets = sum(1 for m in mss for s in m.shards for x in s.exec_slot if x >= 0)
     assert targets == sum(t.num_targets for ts in trajs.values() for t in ts)
     assert {e.staleness for e in packer.executions} == {1}  # v_t 5 - v_d 4

@@ -79,7 +79,7 @@ def _examples():
         CoordinatorReply(status="batch_done", batch=3, prefix=2, members=[0, 1], broadcast=True),
         CoordinatorReply(status="dropped"),
         CoordinatorReply(status="item", item=WorkItem(kind="prepass", microstep=ms)),
-    ]  # fmt: skip (an aligned table)
+    ]
 
 
 @pytest.mark.parametrize("model", _examples(), ids=lambda m: type(m).__name__)

@@ -318,7 +318,7 @@ def build_tokenizer(out: Path, corpus: list[str], vocab_size: int) -> None:
             "special": True,
         }
         for i, t in enumerate(SPECIAL_TOKENS)
-    }  # fmt: skip (an aligned table)
+    }
     extra = [t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")]
     config = {
         "add_bos_token": False,
@@ -335,7 +335,7 @@ def build_tokenizer(out: Path, corpus: list[str], vocab_size: int) -> None:
         "split_special_tokens": False,
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": None,
-    }  # fmt: skip (an aligned table)
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     specials = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "additional_special_tokens": extra}
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, sort_keys=True) + "\n")
@@ -533,7 +533,7 @@ def build_demo_policy(out_dir: str | Path, cfg: DemoPolicyConfig | None = None, 
         "wall_s": round(time.monotonic() - started, 2),
         "cpu_s": round(time.process_time() - cpu0, 2),
         "config": asdict(cfg),
-    }  # fmt: skip (an aligned table)
+    }
     (out / "gyre_demo_policy.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 

@@ -117,7 +117,7 @@ def _local_gpus(cfg: RunConfig, workers: int) -> list[list[str]] | None:
         [list(range(w * whole, (w + 1) * whole)) for w in range(workers)]
         if share == 1
         else [[w // share] for w in range(workers)]
-    )  # fmt: skip (an aligned table)
+    )
     need = slots[-1][-1] + 1
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     pool = [g.strip() for g in listed.split(",") if g.strip()] if listed is not None else None

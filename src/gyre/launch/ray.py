@@ -300,7 +300,7 @@ class RayLauncher(Launcher):
                 "bundles": self._bundles(i, wc),
             }
             for i, (n, node, wc, pg) in enumerate(zip(names, nodes, placed, self._groups, strict=True))
-        ]  # fmt: skip (an aligned table)
+        ]
         self.log_path("placement").with_suffix(".json").write_text(
             json.dumps(self.placement, indent=1) + "\n"
         )

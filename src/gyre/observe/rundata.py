@@ -418,7 +418,7 @@ class RunView:
                 (self._rewards[e.id]["score"], e.id)
                 for e in self._members(row.get("group_ids") or [])
                 if e.id in self._rewards and self._rewards[e.id]["score"] is not None
-            ]  # fmt: skip (an aligned table)
+            ]
             scored.sort(key=lambda x: (-x[0], x[1]))
             picks = []
             if scored:
@@ -456,7 +456,7 @@ class RunView:
             "reward": reward.get("score"),
             "assessment": e.assessment or reward.get("status"),
             "attempts": reward.get("attempts"),
-        }  # fmt: skip (an aligned table)
+        }
 
     def execution_ids(self) -> list[str]:
         with self._lock:
@@ -541,7 +541,7 @@ class RunView:
             "latency_s": node.timings.end_at - node.timings.request_at,
             "pieces": pieces,
             "target_tokens": sum(p["tokens"] for p in pieces if p["target"]),
-        }  # fmt: skip (an aligned table)
+        }
 
     def _assessments(self, execution_id: str) -> list[dict]:
         if self._store is None:
@@ -595,4 +595,4 @@ def _trajectory_row(t) -> dict:
         "targets": t.num_targets,
         "placeholder": t.placeholder,
         "weight_versions": [w.model_dump(exclude={"schema_version"}) for w in t.weight_versions],
-    }  # fmt: skip (an aligned table)
+    }

@@ -407,7 +407,7 @@ class Controller:
                 "placeholder": self.trajectories[eid] is None,
             }
             for eid, r, a in zip(members, rewards, advantages, strict=True)
-        ]  # fmt: skip (an aligned table)
+        ]
         _, v_d = self.groups[gid]
         message = ReadyGroupMessage(group_id=gid, policy_version=v_d, executions=executions)
         await self.cells[0].add_group(message)

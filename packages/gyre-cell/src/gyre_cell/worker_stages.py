@@ -44,7 +44,7 @@ __all__ = [
     "RankSpawner",
     "is_multi_rank",
     "main",
-]  # fmt: skip (an aligned table)
+]
 
 
 def _multicell(cfg: CellWorkerConfig) -> MultiCellConfig:

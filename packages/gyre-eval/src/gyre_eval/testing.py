@@ -166,7 +166,7 @@ def _completion(model: str, content: str) -> dict:
         "choices": [
             {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}
         ],
-    }  # fmt: skip (an aligned table)
+    }
 
 
 def _error(message: str, kind: str) -> dict:

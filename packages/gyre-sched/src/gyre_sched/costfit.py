@@ -135,7 +135,7 @@ class CostFit:
             "runs": self.runs,
             "cost": self.cost.model_dump(exclude_none=True),
             "notes": self.notes,
-        }  # fmt: skip (an aligned table)
+        }
 
 
 def _batches(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -339,7 +339,7 @@ def fit_costs(run_dirs: list[str | Path], *, simulate: bool = True) -> CostFit:
             "rel_rmse": _rel_rmse(warm, resolved.warmup_s),
             "samples": len(warm),
         },
-    }  # fmt: skip (an aligned table)
+    }
     fit = CostFit(cost, slope, slope_se, overhead, overhead_se, ms_rmse, costs, [], notes)
     if simulate:
         N = _N(runs)
@@ -396,7 +396,7 @@ def replay_run(run: RunData, cost: CostConfig) -> dict[str, Any]:
             "overall_budget_s": params.overall_budget_s,
         },
         "cost": cost.model_dump(),
-    }  # fmt: skip (an aligned table)
+    }
     res = Simulator(SimConfig.model_validate(raw)).run()
     recorded = ends[-1]
     return {
@@ -406,4 +406,4 @@ def replay_run(run: RunData, cost: CostConfig) -> dict[str, Any]:
         "recorded_s": recorded,
         "simulated_s": res.end_time_s,
         "relative_error": abs(res.end_time_s - recorded) / recorded,
-    }  # fmt: skip (an aligned table)
+    }

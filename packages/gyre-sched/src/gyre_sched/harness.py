@@ -131,7 +131,7 @@ class BuiltinHarness:
             "--temperature",
             str(self.temperature),
             *self.extra_args,
-        ]  # fmt: skip (an aligned table)
+        ]
 
     def env(self, ctx: HarnessContext) -> dict[str, str]:
         return {"OPENAI_BASE_URL": f"{ctx.base_url}/v1", "OPENAI_API_KEY": ctx.credential}
@@ -182,7 +182,7 @@ class ClaudeCodeHarness:
             self.output_format,
             *(["--tools", ",".join(self.tools)] if self.tools is not None else []),
             *self.extra_args,
-        ]  # fmt: skip (an aligned table)
+        ]
 
     def home(self, ctx: HarnessContext) -> Path:
         return ctx.workspace.with_name(ctx.workspace.name + ".home")

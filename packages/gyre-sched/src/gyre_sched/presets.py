@@ -83,7 +83,7 @@ NL2REPO: dict[str, Any] = {
         "publish_fixed_s": 10.0,
         "reroute_context_tokens": 100_000.0,
     },
-}  # fmt: skip (an aligned table)
+}
 
 # docs/design/reference-numbers.md, the 2.4T setting: 4 cells x 48 nodes, 384 concurrent executions in all, 61.1% of queries >= 4 h, and in
 # 38.2% of those the longest execution hits the overall timeout. Fitted (two parameters, two targets) on the 122B
@@ -113,7 +113,7 @@ NL2REPO_2_4T: dict[str, Any] = {
         "attention_layers": 96,
         "attention_width": 16384,
     },
-}  # fmt: skip (an aligned table)
+}
 
 # The 122B preset with a dense model (every parameter active; 96 layers x 10240 width of attention, assumed):
 # 6,650 node-s a group, 4x the MoE's, more training than rollout can hide at the paper's step times.
@@ -152,7 +152,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "nl2repo": NL2REPO,
     "nl2repo-dense": NL2REPO_DENSE,
     "nl2repo-2.4t": NL2REPO_2_4T,
-}  # fmt: skip (an aligned table)
+}
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -124,7 +124,7 @@ class OciBundle:
                 "options": ["nosuid", "nodev", "mode=755"],
             },
             _bind("/usr", "/usr", ro=True),
-        ]  # fmt: skip (an aligned table)
+        ]
         for link in ("bin", "lib", "lib32", "lib64", "sbin"):
             if os.path.isdir(f"/{link}") and not os.path.islink(f"/{link}"):
                 mounts.append(_bind(f"/{link}", f"/{link}", ro=True))

@@ -143,7 +143,7 @@ class Simulator(FaultPlaying):
             "seed": self.cfg.seed,
             "source": "gyre-sched simulator",
             "initial_roles": [r.value for r in self.policy.roles],
-        }  # fmt: skip (an aligned table)
+        }
 
     # ---- event plumbing -------------------------------------------------------------------------------------------
     def _at(self, t: float, item: Any) -> None:

@@ -65,7 +65,7 @@ def policy_header(params: PolicyParams) -> dict[str, Any]:
         "target_staleness": params.target_staleness,
         "mu_max": params.mu_max,
         "launch_order": params.launch_order,
-    }  # fmt: skip (an aligned table)
+    }
 
 
 class TraceWriter:

@@ -226,7 +226,7 @@ class EnginePool(KVMoves):
                 )
                 for _ in range(self.HTTP_POOLS - 1)
             ]
-        )  # fmt: skip (an aligned table)
+        )
         self.retries = 0  # attempts beyond the first, over the pool's life (for /metrics)
         # vLLM: the weight version each engine last reported (it says only at a request's end)
         self._versions: dict[str, str] = {}

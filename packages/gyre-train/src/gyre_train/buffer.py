@@ -274,7 +274,7 @@ class TrajectoryBuffer:
                     }
                     for gid, p in self._pending.items()
                 ],
-            }  # fmt: skip (an aligned table)
+            }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._lock:

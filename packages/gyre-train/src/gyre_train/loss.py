@@ -159,7 +159,7 @@ class ShardLoss:
             k
             for k, e in enumerate(microstep.executions)
             if e.log_ratio_sum is None and e.num_targets and cfg.ratio_reference == "behaviour"
-        ]  # fmt: skip (an aligned table)
+        ]
         self._coefs = None if self._missing else self._coefficients(microstep.executions)
 
     def _coefficients(self, executions: list[ExecutionInfo]) -> tuple:

@@ -30,7 +30,7 @@ __all__ = [
     "init_cell_process",
     "on_host",
     "reform_cell_world",
-]  # fmt: skip (an aligned table)
+]
 
 
 def bound_store(

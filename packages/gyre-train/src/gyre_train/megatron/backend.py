@@ -555,7 +555,7 @@ class MegatronBackend:
             "dp_rank": self.dp_rank,
             "distributed_optimizer": self.cfg.distributed_optimizer,
             "optimizer": self.optimizer is not None,
-        }  # fmt: skip (an aligned table)
+        }
 
     def _inner_optimizers(self) -> list:
         """The torch optimizers inside megatron's (one per chained optimizer): their parameters are this rank's
