@@ -136,6 +136,7 @@ def test_a_task_workdir_shows_the_workspace_there_and_nowhere_else(stack):
     assert (host / "out.txt").read_text() == "/app|/app|from setup|True"  # `{workspace}` is where it works
     with pytest.raises(ValueError, match="mounts itself"):
         asyncio.run(_run(_runner(srv, tmp / "run", harness, runtime)[0], "wd-2", workdir="/usr/app"))
+    assert srv.admin("GET", "/admin/executions/wd-2").status_code == 404  # refused before registration
 
 
 def test_the_whole_tree_dies_at_the_harness_timeout(stack):

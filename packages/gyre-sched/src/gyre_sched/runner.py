@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from gyre_sched.harness import CommandHarness, Harness, HarnessContext, make_harness
-from gyre_sched.sandbox import LaunchSandbox, ProxyRelay
+from gyre_sched.sandbox import LaunchSandbox, ProxyRelay, check_workdir
 
 __all__ = [
     "DEFAULT_ENV_ALLOW",
@@ -310,6 +310,8 @@ class ExecutionRunner:
         timeout_s = self.harness_timeout_s if harness_timeout_s is None else harness_timeout_s
         budget_s = self.overall_budget_s if overall_budget_s is None else overall_budget_s
         _check_budget(timeout_s, budget_s)  # refused before anything is registered
+        if workdir is not None and self.sandbox is not None:
+            check_workdir(workdir)
         async with self._lock(execution_id):
             self._state[execution_id] = "registering"
             route = self._routes.setdefault(execution_id, engine_url)  # a reroute that came first wins
