@@ -12,7 +12,8 @@ import os
 import stat
 from typing import Any
 
-from gyre_eval.evaluator import EvaluationRequest, EvaluatorError, Verdict
+from gyre_eval.errors import EvaluatorError
+from gyre_eval.evaluator import EvaluationRequest, Verdict
 
 FIRST_FAILURE = "the evaluator is briefly unavailable (first attempt)"
 ALWAYS_FAILS = "this answer cannot be scored"

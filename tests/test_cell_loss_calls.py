@@ -16,7 +16,8 @@ import pytest
 import gyre.run.cell_effects as cell_effects
 from gyre.run.cell_effects import CellEffects
 from gyre.run.engine_routes import EngineRoutes
-from gyre_cell.worker_client import CellCommandError, CellWorkerClient
+from gyre_cell.errors import CellCommandError
+from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import PublishedWeights
 from gyre_sched import events as ev
 from gyre_sched.types import CellRole

@@ -15,7 +15,8 @@ import pytest
 from gyre.datasets import task_queries, validate_main
 from gyre.harbor_tasks import HarborTaskError, load_harbor_task, load_harbor_tasks, verifier_config
 from gyre.harbor_verify import MAX_REWARD_BYTES, NoReward, read_reward
-from gyre_eval.evaluator import EvaluationRequest, EvaluatorError
+from gyre_eval.errors import EvaluatorError
+from gyre_eval.evaluator import EvaluationRequest
 from gyre_eval.exec_check import ExecCheckConfig, ExecutableCheck
 
 ROOT = Path(__file__).resolve().parents[1]

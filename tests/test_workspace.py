@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import builtins
 import importlib.util
 import json
 import os
@@ -119,6 +121,31 @@ def test_every_package_declares_its_public_api_and_importing_it_is_light(module)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     count, light, missing = json.loads(out.stdout)
     assert count > 0 and light and missing == [], out.stdout
+
+
+def test_every_exception_a_package_raises_is_defined_in_its_errors_module():
+    """One home per package for its exceptions (`gyre_x.errors`): callers catch them by one import path. The
+    evaluator's sandbox child runs alone, without its package, and keeps its own."""
+    builtin_exceptions = {
+        n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)
+    }
+    strays = []
+    for path in sorted((ROOT / "packages").glob("*/src/*/**/*.py")):
+        if path.name in ("errors.py", "_sandbox_child.py") or "vllm_ext" in path.parts:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            bases = (
+                [b.id for b in node.bases if isinstance(b, ast.Name)]
+                if isinstance(node, ast.ClassDef)
+                else []
+            )
+            if any(
+                b.endswith(("Error", "Exception")) or (b in builtin_exceptions and "Error" in b)
+                for b in bases
+            ):
+                strays.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert not strays, strays
 
 
 # The README's test command: the `dev` group brings what the tests import (SGLang, Megatron-core, Ray, playwright...),

@@ -75,7 +75,7 @@ def test_tiny_temperature_in_a_batch_does_not_abort_the_other_requests(engine):
 
 @pytest.mark.parametrize("temp", [float("nan"), float("inf"), -1.0])
 def test_non_finite_temperature_is_refused(engine, temp):
-    from gyre_cell.engine.request import EngineInputError
+    from gyre_cell.errors import EngineInputError
 
     with pytest.raises(EngineInputError, match="temperature"):
         engine.submit(
@@ -89,7 +89,7 @@ def test_non_finite_temperature_is_refused(engine, temp):
 
 
 def test_nan_weights_are_refused_and_the_engine_keeps_its_weights(engine):
-    from gyre_cell.engine.weights import WeightError
+    from gyre_cell.errors import WeightError
 
     name, param = next(iter(engine.weights._params.items()))
     before = param.detach().clone()
@@ -115,7 +115,7 @@ def test_control_endpoints_answer_400_not_500(shared, tmp_path):
 
 
 def test_weight_dirs_restrict_update_from_disk(tiny_model, tiny_model_b, tmp_path):
-    from gyre_cell.engine.weights import WeightError
+    from gyre_cell.errors import WeightError
 
     eng = TorchEngine(EngineConfig(model_path=str(tiny_model), device="cpu", weight_dirs=[str(tiny_model_b)]))
     try:

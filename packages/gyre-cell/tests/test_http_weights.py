@@ -14,11 +14,12 @@ import httpx
 import pytest
 import torch
 
+from gyre_cell.errors import StaleSnapshotError, TornSnapshotError, TransferError
 from gyre_cell.transfer.http_publisher import DATA_PATH, HttpWeightPublisher
 from gyre_cell.transfer.http_snapshot_channel import HttpSnapshotChannel
 from gyre_cell.transfer.http_subscriber import HttpWeightSubscriber, fetch_http_manifest
-from gyre_cell.transfer.snapshot_channel import StaleSnapshotError, parse_ref
-from gyre_cell.transfer.subscriber import SubscriberConfig, TornSnapshotError, TransferError
+from gyre_cell.transfer.snapshot_channel import parse_ref
+from gyre_cell.transfer.subscriber import SubscriberConfig
 from gyre_train.snapshot import SnapshotChannel
 
 SECRET = "s3cret-token"

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from gyre_cell.engine.kv_cache import KVCacheFullError, PagedKVCache
+from gyre_cell.engine.kv_cache import PagedKVCache
+from gyre_cell.errors import KVCacheFullError
 
 
 def _cache(tokens=64, bs=4):

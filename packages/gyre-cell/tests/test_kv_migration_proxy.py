@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from gyre_cell.client import EngineError, TorchEngineClient
+from gyre_cell.client import TorchEngineClient
 from gyre_cell.engine.core import TorchEngine
+from gyre_cell.errors import EngineError
 from gyre_cell.sglang_adapter import SGLangEngine
 from gyre_tito.engine_client import EnginePool, EnginePoolConfig
 

@@ -17,13 +17,12 @@ import pytest
 import torch
 
 from gyre_cell.client import TorchEngineClient
+from gyre_cell.errors import IllegalRoleTransition, RoleSwitchError
 from gyre_cell.ports import free_port
 from gyre_cell.roles import (
     CellRoleManager,
     CellRoleManagerConfig,
     DiskWeights,
-    IllegalRoleTransition,
-    RoleSwitchError,
     SwitchReport,
     TorchTrainingState,
 )

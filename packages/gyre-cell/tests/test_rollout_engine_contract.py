@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gyre_cell.client import EngineError, RolloutEngine, TorchEngineClient
+from gyre_cell.client import RolloutEngine, TorchEngineClient
+from gyre_cell.errors import EngineError
 
 LONG = {"max_new_tokens": 3000, "temperature": 0.0, "ignore_eos": True}
 SHORT = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}

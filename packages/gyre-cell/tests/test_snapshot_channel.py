@@ -15,7 +15,8 @@ from gyre_cell.transfer import (
 )
 from gyre_cell.transfer.peer import PeerProcess, random_flat, snapshot_core_process
 from gyre_cell.transfer.snapshot_channel import make_ref, parse_ref
-from gyre_train.snapshot import SnapshotChannel, SnapshotError
+from gyre_train.errors import SnapshotError
+from gyre_train.snapshot import SnapshotChannel
 
 N = 300_000  # 1.2 MB of float32: many 64 KiB buckets per read
 

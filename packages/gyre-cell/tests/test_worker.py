@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from gyre_cell.engine.config import EngineConfig
+from gyre_cell.errors import CellCommandError
 from gyre_cell.ports import free_port, free_ports
-from gyre_cell.worker_client import CellCommandError, CellWorkerClient
+from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellEvent, CellTrainingConfig, CellWorkerConfig, PublishedWeights
 from gyre_eval.groups import group_advantages
 from gyre_tito.export import write_trajectories

@@ -19,9 +19,10 @@ import psutil
 import pytest
 
 from gyre_cell.engine.config import EngineConfig
+from gyre_cell.errors import CellCommandError
 from gyre_cell.ports import free_ports
 from gyre_cell.sglang_adapter import STAND_IN, SGLangLaunchConfig
-from gyre_cell.worker_client import CellCommandError, CellWorkerClient
+from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellTrainingConfig, CellWorkerConfig, PublishedWeights
 from gyre_train.synthetic import build_tiny_model
 

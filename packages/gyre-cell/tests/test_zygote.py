@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre_cell.zygote import Zygote, ZygoteError
+from gyre_cell.errors import ZygoteError
+from gyre_cell.zygote import Zygote
 
 PROBE_DIR = Path(__file__).parent / "zygote_probe"
 SECRET = "tok-" + "9f" * 16

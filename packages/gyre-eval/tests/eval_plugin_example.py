@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gyre_eval.evaluator import EvaluationRequest, EvaluatorError, Verdict
+from gyre_eval.errors import EvaluatorError
+from gyre_eval.evaluator import EvaluationRequest, Verdict
 
 
 class RequiredFiles:

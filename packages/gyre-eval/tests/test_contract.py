@@ -9,7 +9,8 @@ from eval_helpers import JUDGE_KEY, judge_app, run, serve_in_thread
 
 from gyre_eval.config import PluginConfig, build_evaluator
 from gyre_eval.contract import check_evaluator
-from gyre_eval.evaluator import EvaluationRequest, EvaluatorError, Verdict
+from gyre_eval.errors import EvaluatorError
+from gyre_eval.evaluator import EvaluationRequest, Verdict
 from gyre_eval.exec_check import ExecCheckConfig
 from gyre_eval.judge import JudgeConfig
 from gyre_eval.sandbox import SandboxConfig

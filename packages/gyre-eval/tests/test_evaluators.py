@@ -5,7 +5,8 @@ import time
 import pytest
 from eval_helpers import JUDGE_KEY, judge_app, run, serve_in_thread
 
-from gyre_eval.evaluator import EvaluationRequest, EvaluatorError
+from gyre_eval.errors import EvaluatorError
+from gyre_eval.evaluator import EvaluationRequest
 from gyre_eval.exec_check import ExecCheckConfig, ExecutableCheck, parse_score
 from gyre_eval.judge import Judge, JudgeConfig, parse_judgement, render_workspace
 from gyre_eval.sandbox import SandboxConfig

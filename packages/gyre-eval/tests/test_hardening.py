@@ -8,8 +8,9 @@ import httpx
 from eval_helpers import run, serve_in_thread, submission
 from eval_plugin_example import RequiredFiles
 
-from gyre_eval.client import EvalClient, EvalServiceError
+from gyre_eval.client import EvalClient
 from gyre_eval.config import ServiceConfig
+from gyre_eval.errors import EvalServiceError
 from gyre_eval.server import create_app
 
 CONFIG = ServiceConfig(retry_wait_min_s=0.05, retry_wait_max_s=0.2)

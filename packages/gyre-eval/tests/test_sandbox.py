@@ -11,7 +11,8 @@ import pytest
 from eval_helpers import run
 
 from gyre_eval.contract import tree_digest
-from gyre_eval.sandbox import Sandbox, SandboxConfig, SandboxError
+from gyre_eval.errors import SandboxError
+from gyre_eval.sandbox import Sandbox, SandboxConfig
 
 ISOLATED = Sandbox().isolated()
 needs_isolation = pytest.mark.skipif(

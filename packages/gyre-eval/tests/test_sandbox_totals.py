@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from eval_helpers import make_workspace, run
 
-from gyre_eval.cgroup import CgroupUnavailable, CheckCgroup
-from gyre_eval.evaluator import EvaluationRequest, EvaluatorError
+from gyre_eval.cgroup import CheckCgroup
+from gyre_eval.errors import CgroupUnavailable, EvaluatorError
+from gyre_eval.evaluator import EvaluationRequest
 from gyre_eval.exec_check import ExecCheckConfig, ExecutableCheck
 from gyre_eval.sandbox import Sandbox, SandboxConfig
 

@@ -8,7 +8,8 @@ import time
 import httpx
 import pytest
 
-from gyre_eval.evaluator import EvaluationRequest, EvaluatorError
+from gyre_eval.errors import EvaluatorError
+from gyre_eval.evaluator import EvaluationRequest
 from gyre_eval.judge import Judge, JudgeConfig
 from gyre_eval.testing import JudgeRequest, ScriptedJudge, judgement
 

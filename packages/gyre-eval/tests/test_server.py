@@ -13,8 +13,9 @@ import pytest
 from eval_helpers import free_port, run, serve_in_thread, submission
 from eval_plugin_example import RequiredFiles
 
-from gyre_eval.client import EvalClient, EvalServiceError
+from gyre_eval.client import EvalClient
 from gyre_eval.config import ServiceConfig
+from gyre_eval.errors import EvalServiceError
 from gyre_eval.server import create_app
 from gyre_eval.types import ErrorBody, Submission
 

@@ -7,11 +7,12 @@ import pytest
 from eval_helpers import run, submission
 
 from gyre_eval.config import ServiceConfig
-from gyre_eval.evaluator import EvaluationRequest, EvaluatorError, Verdict
+from gyre_eval.errors import ConflictError, EvaluatorError, UnknownEvaluatorError
+from gyre_eval.evaluator import EvaluationRequest, Verdict
 from gyre_eval.exec_check import ExecCheckConfig, ExecutableCheck
 from gyre_eval.sandbox import SandboxConfig
-from gyre_eval.service import AssessmentService, UnknownEvaluatorError
-from gyre_eval.store import AssessmentStore, ConflictError
+from gyre_eval.service import AssessmentService
+from gyre_eval.store import AssessmentStore
 
 
 class Flaky:

@@ -8,7 +8,8 @@ import asyncio
 from eval_helpers import run, submission
 
 from gyre_eval.config import ServiceConfig
-from gyre_eval.evaluator import EvaluationRequest, EvaluatorError, Verdict
+from gyre_eval.errors import EvaluatorError
+from gyre_eval.evaluator import EvaluationRequest, Verdict
 from gyre_eval.service import AssessmentService
 from gyre_eval.store import AssessmentStore
 

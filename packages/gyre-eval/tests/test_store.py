@@ -6,7 +6,8 @@ import time
 import pytest
 from eval_helpers import submission
 
-from gyre_eval.store import AssessmentStore, ConflictError, assessment_id
+from gyre_eval.errors import ConflictError
+from gyre_eval.store import AssessmentStore, assessment_id
 from gyre_eval.types import AttemptRecord, Provenance
 
 PROV = Provenance(evaluator="task", kind="exec")

@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from gyre_sched.config import PolicyParams
+from gyre_sched.errors import InvariantError
 from gyre_sched.events import (
     BeginTransition,
     CellLost,
@@ -28,7 +29,7 @@ from gyre_sched.events import (
     TransitionDone,
     WeightsLoaded,
 )
-from gyre_sched.ledger import CarriedGroup, InvariantError
+from gyre_sched.ledger import CarriedGroup
 from gyre_sched.policies import make_policy
 from gyre_sched.trace import TraceWriter, summarize_trace
 from gyre_sched.types import CellRole, TraceLine

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gyre_sched.config import PolicyParams
+from gyre_sched.errors import InvariantError
 from gyre_sched.events import (
     BeginTransition,
     Cancel,
@@ -23,7 +24,7 @@ from gyre_sched.events import (
     TransitionDone,
     Withdraw,
 )
-from gyre_sched.ledger import InvariantError, Ledger
+from gyre_sched.ledger import Ledger
 from gyre_sched.policies import make_policy
 from gyre_sched.types import CellRole
 

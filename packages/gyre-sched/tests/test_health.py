@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gyre_sched.errors import InvariantError
 from gyre_sched.events import (
     CellGone,
     CellRestored,
@@ -15,7 +16,6 @@ from gyre_sched.events import (
     RestartCell,
 )
 from gyre_sched.health import CellHealth, Health
-from gyre_sched.ledger import InvariantError
 from gyre_sched.types import CellRole
 
 R, T, L = CellRole.ROLLOUT, CellRole.TRAINING, CellRole.LOST

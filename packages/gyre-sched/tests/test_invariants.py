@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gyre_sched.config import PolicyParams
+from gyre_sched.errors import InvariantError
 from gyre_sched.events import (
     Assessed,
     BeginTransition,
@@ -26,7 +27,6 @@ from gyre_sched.events import (
     Tick,
     TransitionDone,
 )
-from gyre_sched.ledger import InvariantError
 from gyre_sched.policies import make_policy
 from gyre_sched.types import CellRole
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from gyre_sched.ledger import InvariantError, Ledger
+from gyre_sched.errors import InvariantError
+from gyre_sched.ledger import Ledger
 
 
 def _run_group(led: Ledger, statuses: list[str]) -> str:

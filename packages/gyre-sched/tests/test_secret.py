@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from gyre_sched.secret import MAX_SECRET_BYTES, SecretError, read_secret
+from gyre_sched.errors import SecretError
+from gyre_sched.secret import MAX_SECRET_BYTES, read_secret
 
 
 def _file(tmp_path, content: bytes, mode: int = 0o600, name: str = "token"):

@@ -2,7 +2,8 @@ import orjson
 import pytest
 
 from gyre_tito import anthropic_api
-from gyre_tito.conversation import DEFAULT_VOLATILE_PATTERNS, ProtocolError, Reply, ToolCall
+from gyre_tito.conversation import DEFAULT_VOLATILE_PATTERNS, Reply, ToolCall
+from gyre_tito.errors import ProtocolError
 
 VP = DEFAULT_VOLATILE_PATTERNS
 

@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre_tito.render import ChatTokenizer, TemplateError, recorded_marker
+from gyre_tito.errors import TemplateError
+from gyre_tito.render import ChatTokenizer, recorded_marker
 from gyre_tito.tiny_tokenizer import build_tiny_tokenizer
 
 

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gyre_tito.errors import TreeError
 from gyre_tito.synthetic import SessionDriver, make_record
-from gyre_tito.tree import ExecutionTree, TreeError
+from gyre_tito.tree import ExecutionTree
 
 
 def _chain() -> ExecutionTree:

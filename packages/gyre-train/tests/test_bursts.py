@@ -10,13 +10,14 @@ import torch
 from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
+from gyre_train.errors import SnapshotError
 from gyre_train.localrun import LocalRunSpec, launch
 from gyre_train.loss import LossConfig
 from gyre_train.multicell import Coordinator, CoreRunner, MultiCellConfig, PrefixGroups
 from gyre_train.packing import PackingConfig
 from gyre_train.ports import free_port
 from gyre_train.replay import load_dump, replay_batch
-from gyre_train.snapshot import FileSnapshotChannel, SnapshotChannel, SnapshotError
+from gyre_train.snapshot import FileSnapshotChannel, SnapshotChannel
 from gyre_train.synthetic import make_groups
 from gyre_train.trainer import Trainer, TrainerConfig
 from gyre_train.types import CellRequest, TokenStats, TrainResult

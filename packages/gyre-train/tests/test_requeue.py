@@ -8,8 +8,9 @@ import time
 import pytest
 
 from gyre_train.buffer import TrajectoryBuffer
+from gyre_train.errors import LateReport
 from gyre_train.packing import PackingConfig, StreamPackingBuffer
-from gyre_train.queue import LateReport, MicroStepQueue
+from gyre_train.queue import MicroStepQueue
 from gyre_train.synthetic import make_groups
 from gyre_train.types import ExecutionPartial, PrepassResult, TokenStats, TrainResult
 

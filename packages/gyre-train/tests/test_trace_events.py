@@ -11,12 +11,13 @@ import torch
 from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
+from gyre_train.errors import DataStarvation, StepAborted
 from gyre_train.loss import LossConfig
-from gyre_train.multicell import CoreRunner, MultiCellConfig, PrefixGroups, StepAborted
+from gyre_train.multicell import CoreRunner, MultiCellConfig, PrefixGroups
 from gyre_train.packing import PackingConfig
 from gyre_train.ports import free_port
 from gyre_train.synthetic import make_groups
-from gyre_train.trainer import DataStarvation, Trainer, TrainerConfig
+from gyre_train.trainer import Trainer, TrainerConfig
 
 N, B = 2, 4
 

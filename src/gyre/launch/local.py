@@ -23,9 +23,10 @@ from pathlib import Path
 
 from gyre.config import RunConfig
 from gyre.launch.base import Launcher, bin_path, cell_name, child_environment
+from gyre_cell.errors import ZygoteError
 from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellWorkerConfig
-from gyre_cell.zygote import WORKER_MODULES, ForkedProcess, Zygote, ZygoteError
+from gyre_cell.zygote import WORKER_MODULES, ForkedProcess, Zygote
 
 __all__ = ["LocalLauncher"]
 

@@ -34,7 +34,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from gyre.config import TrainConfig
-from gyre_cell.worker_client import CellCommandError, CellWorkerClient
+from gyre_cell.errors import CellCommandError
+from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import PublishedWeights, ReformCommand
 from gyre_sched import events as ev
 

@@ -26,7 +26,8 @@ from gyre.config import RunConfig
 from gyre.run.cell_effects import CellEffects, Restart, rejoin_refused
 from gyre.run.engine_routes import EngineRoutes
 from gyre.tasks import Query
-from gyre_cell.worker_client import CellCommandError, CellWorkerClient
+from gyre_cell.errors import CellCommandError
+from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import PublishedWeights
 from gyre_eval.client import EvalClient
 from gyre_eval.groups import group_advantages

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 from ._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .client import EngineError, RolloutEngine, TorchEngineClient
+    from gyre_cell.errors import EngineError
+
+    from .client import RolloutEngine, TorchEngineClient
     from .types import FinishReason, GenerationResult, WeightVersionSpan
 
 __all__ = [

@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gyre_sched.secret import SecretError, read_secret
+    from gyre_sched.errors import SecretError
+    from gyre_sched.secret import read_secret
 
     from .engine import EngineConfig
 
@@ -138,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote tiny model to {out}")
         return 0
     if args.cmd == "vllm-env":
-        from .vllm_env import VLLMEnvError, ensure_vllm_env
+        from gyre_cell.errors import VLLMEnvError
+
+        from .vllm_env import ensure_vllm_env
 
         try:
             python = ensure_vllm_env(

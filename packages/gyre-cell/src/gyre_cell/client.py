@@ -15,6 +15,8 @@ import httpx
 import orjson
 import torch
 
+from gyre_cell.errors import EngineError
+
 from .protocol import (
     AbortBody,
     BeginWeightUpdateBody,
@@ -33,15 +35,6 @@ from .protocol import (
 from .tensor_codec import SAFETENSORS_LOAD_FORMAT, encode_named_tensors
 from .types import GenerationResult
 from .weight_sync import dtype_name
-
-
-class EngineError(RuntimeError):
-    """The engine answered with an error status."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"engine answered {status}: {message}")
-        self.status = status
-        self.message = message
 
 
 def _error_message(resp: httpx.Response) -> str:

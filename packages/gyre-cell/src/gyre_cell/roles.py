@@ -22,6 +22,7 @@ from typing import Literal, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from gyre_cell.errors import IllegalRoleTransition, RoleSwitchError
 from gyre_sched.types import CellRole, next_role
 
 from .client import RolloutEngine
@@ -145,18 +146,6 @@ class TorchTrainingState:
 
     async def restore(self) -> None:
         await asyncio.to_thread(self._restore)
-
-
-class IllegalRoleTransition(RuntimeError):
-    """A switch was asked from a role that does not allow it (or while another switch runs)."""
-
-
-class RoleSwitchError(RuntimeError):
-    """A phase of a switch failed; the cell stays in the transitional role and the same switch may be retried."""
-
-    def __init__(self, phase: str, cause: BaseException) -> None:
-        super().__init__(f"role switch failed in phase {phase!r}: {type(cause).__name__}: {cause}")
-        self.phase = phase
 
 
 @dataclass(frozen=True, slots=True)

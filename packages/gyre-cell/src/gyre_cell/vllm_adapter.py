@@ -32,7 +32,9 @@ from typing import Any
 import httpx
 import torch
 
-from .client import EngineError, RolloutEngine
+from gyre_cell.errors import EngineError
+
+from .client import RolloutEngine
 from .server_process import die_with_parent, stop_process
 from .vllm_launch import VLLMLaunchConfig, build_launch_command, launch_env
 

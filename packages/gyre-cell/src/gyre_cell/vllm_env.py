@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from gyre_cell.errors import VLLMEnvError
+
 __all__ = [
     "DEFAULT_CPU_REQUIREMENT",
     "DEFAULT_GPU_REQUIREMENT",
@@ -39,10 +41,6 @@ DEFAULT_GPU_REQUIREMENT = "vllm==0.32.0"
 CPU_PYTHON = "3.11"
 """The Python the CPU build's pinned torch exists for on the machines Gyre is tested on."""
 _CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec")
-
-
-class VLLMEnvError(RuntimeError):
-    """The environment could not be made (the message says which step failed and why)."""
 
 
 def _uv() -> str:

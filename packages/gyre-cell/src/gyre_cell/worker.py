@@ -46,14 +46,13 @@ from pydantic import ValidationError
 
 from gyre_cell.client import RolloutEngine
 from gyre_cell.engine.server import create_app, require_token
-from gyre_cell.engine.weights import WeightError
+from gyre_cell.errors import CommandRefused, IllegalRoleTransition, RoleSwitchError, WeightError
 from gyre_cell.ports import free_port
-from gyre_cell.roles import CellRoleManager, CellRoleManagerConfig, IllegalRoleTransition, RoleSwitchError
+from gyre_cell.roles import CellRoleManager, CellRoleManagerConfig
 from gyre_cell.worker_engine import InProcessEngine, RolloutSide, SupervisedSGLang, SupervisedVLLM
 from gyre_cell.worker_types import (
     CellEvent,
     CellWorkerConfig,
-    CommandRefused,
     EventBatch,
     LoadResult,
     OpenBatchCommand,
@@ -546,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"gyre-cell worker: {args.config}: {exc}", file=sys.stderr)
         return 2
-    from gyre_sched.secret import SecretError, read_secret
+    from gyre_sched.errors import SecretError
+    from gyre_sched.secret import read_secret
 
     try:  # by file or inherited fd only: argv and the environment are readable through /proc
         api_key = read_secret(args.api_key_file, args.api_key_fd)

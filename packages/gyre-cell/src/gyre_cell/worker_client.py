@@ -10,6 +10,7 @@ from collections.abc import Callable
 import httpx
 from pydantic import BaseModel
 
+from gyre_cell.errors import CellCommandError
 from gyre_cell.worker_types import (
     EventBatch,
     LoadResult,
@@ -25,10 +26,6 @@ from gyre_cell.worker_types import (
 from gyre_train.types import ReadyGroupMessage
 
 __all__ = ["KEEPALIVE_EXPIRY_S", "CellCommandError", "CellWorkerClient"]
-
-
-class CellCommandError(RuntimeError):
-    """A cell refused or failed a command; the message is the cell's own."""
 
 
 KEEPALIVE_EXPIRY_S = 2.0

@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 
 from gyre_cell.binds import confine_gloo
+from gyre_cell.errors import CommandRefused
 from gyre_cell.roles import TorchTrainingState
 from gyre_cell.step_checkpoint import load_step_checkpoint, write_step_checkpoint
 from gyre_cell.transfer.publisher import WeightPublisher
 from gyre_cell.worker_stages import CellStages, RankSpawner, is_multi_rank
-from gyre_cell.worker_types import CellWorkerConfig, CommandRefused, PublishedWeights
+from gyre_cell.worker_types import CellWorkerConfig, PublishedWeights
 from gyre_train.backends import build_backend
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker

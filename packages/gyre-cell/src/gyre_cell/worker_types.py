@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from gyre_cell.engine.config import EngineConfig
+from gyre_cell.errors import CommandRefused
 from gyre_cell.sglang_launch import SGLangLaunchConfig
 from gyre_cell.stop_gate import StopGate  # re-exported: apart, a run config embeds it without torch
 from gyre_cell.switch_report import SwitchReport
@@ -42,16 +43,6 @@ __all__ = [
 class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     schema_version: Literal[1] = 1
-
-
-class CommandRefused(Exception):
-    """A well-formed command the cell cannot carry out in its state or with what it names (a batch for another
-    version, a checkpoint that is not one, a group whose files do not read): answered with `status` (4xx) and the
-    message, never a 500."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class CellTrainingConfig(_Wire):

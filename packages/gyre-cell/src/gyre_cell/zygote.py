@@ -39,6 +39,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
+from gyre_cell.errors import ZygoteError
 from gyre_train.hf_import import import_transformers
 
 __all__ = ["WORKER_MODULES", "ForkedProcess", "Zygote", "ZygoteError"]
@@ -54,10 +55,6 @@ WORKER_MODULES = (
 
 MAX_MESSAGE = 1 << 20
 """Largest request (a child's environment rides in it)."""
-
-
-class ZygoteError(RuntimeError):
-    """The zygote did not start, a module it preloads failed to import, or a fork failed."""
 
 
 # ---- the zygote process ------------------------------------------------------------------------------------------

@@ -7,15 +7,16 @@ Public API: the wire types (``gyre_eval.types``), the evaluator interface (``Eva
 Imports are light: no torch, ever.
 """
 
-from gyre_eval.client import EvalClient, EvalServiceError
+from gyre_eval.client import EvalClient
 from gyre_eval.config import PluginConfig, ServiceConfig, build_evaluator, load_config
-from gyre_eval.evaluator import EvaluationRequest, Evaluator, EvaluatorError, Verdict
+from gyre_eval.errors import ConflictError, EvalServiceError, EvaluatorError, SandboxError
+from gyre_eval.evaluator import EvaluationRequest, Evaluator, Verdict
 from gyre_eval.exec_check import ExecCheckConfig, ExecutableCheck
 from gyre_eval.groups import group_advantages, group_status
 from gyre_eval.judge import Judge, JudgeConfig
-from gyre_eval.sandbox import Sandbox, SandboxConfig, SandboxError
+from gyre_eval.sandbox import Sandbox, SandboxConfig
 from gyre_eval.service import AssessmentService
-from gyre_eval.store import AssessmentStore, ConflictError
+from gyre_eval.store import AssessmentStore
 from gyre_eval.types import Assessment, AttemptRecord, ExecutionReport, GroupStatus, Provenance, Submission
 
 __all__ = [

@@ -20,12 +20,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre_eval.errors import CgroupUnavailable
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _DIR = "gyre-eval"
-
-
-class CgroupUnavailable(Exception):
-    """No writable cgroup with the needed controllers (the reason is the message)."""
 
 
 @dataclass(frozen=True)

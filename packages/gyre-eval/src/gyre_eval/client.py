@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
+from gyre_eval.errors import EvalServiceError
 from gyre_eval.types import (
     AdvantageMode,
     Assessment,
@@ -20,14 +21,6 @@ from gyre_eval.types import (
 )
 
 T = TypeVar("T")
-
-
-class EvalServiceError(Exception):
-    """The service refused a request (4xx/5xx); ``error`` and ``message`` come from its ErrorBody."""
-
-    def __init__(self, status: int, error: str, message: str) -> None:
-        super().__init__(f"HTTP {status} {error}: {message}")
-        self.status, self.error, self.message = status, error, message
 
 
 class EvalClient:

@@ -22,10 +22,6 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 
-class EvaluatorError(Exception):
-    """The evaluator could not assess the artifact (the assessment stays unresolved; it is never a zero)."""
-
-
 @dataclass(frozen=True)
 class EvaluationRequest:
     """What an evaluator may look at. Deliberately without timing, trajectory or termination data."""

@@ -8,8 +8,9 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gyre_eval.evaluator import EvaluationRequest, EvaluatorError, Verdict
-from gyre_eval.sandbox import Sandbox, SandboxConfig, SandboxError
+from gyre_eval.errors import EvaluatorError, SandboxError
+from gyre_eval.evaluator import EvaluationRequest, Verdict
+from gyre_eval.sandbox import Sandbox, SandboxConfig
 
 
 class ExecCheckConfig(BaseModel):

@@ -17,7 +17,8 @@ import httpx
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from gyre_eval.evaluator import EvaluationRequest, EvaluatorError, Verdict
+from gyre_eval.errors import EvaluatorError
+from gyre_eval.evaluator import EvaluationRequest, Verdict
 
 _SYSTEM = (
     "You are a strict evaluator. Score the artifact against the rubric. Reply with only a JSON object: "

@@ -31,7 +31,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gyre_eval.cgroup import CgroupUnavailable, CgroupUsage, CheckCgroup
+from gyre_eval.cgroup import CgroupUsage, CheckCgroup
+from gyre_eval.errors import CgroupUnavailable, SandboxError
 
 _TAIL = 4000
 
@@ -124,10 +125,6 @@ class SandboxResult:
                 f"{self.usage.pids_limit_hits} forks refused"
             )
         return None
-
-
-class SandboxError(Exception):
-    """The sandbox could not be set up (never a verdict on the artifact)."""
 
 
 class Sandbox:

@@ -15,9 +15,10 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gyre_eval.config import ServiceConfig, build_evaluator
+from gyre_eval.errors import ArtifactOutsideRootsError, ConflictError, NotFoundError, UnknownEvaluatorError
 from gyre_eval.evaluator import Evaluator
-from gyre_eval.service import ArtifactOutsideRootsError, AssessmentService, UnknownEvaluatorError
-from gyre_eval.store import AssessmentStore, ConflictError
+from gyre_eval.service import AssessmentService
+from gyre_eval.store import AssessmentStore
 from gyre_eval.types import (
     AdvantageMode,
     Assessment,
@@ -29,10 +30,6 @@ from gyre_eval.types import (
     GroupStatus,
     Submission,
 )
-
-
-class NotFoundError(LookupError):
-    pass
 
 
 def _error(status: int, error: str, message: str) -> JSONResponse:

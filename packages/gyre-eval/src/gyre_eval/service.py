@@ -24,7 +24,8 @@ from typing import Any
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from gyre_eval.config import ServiceConfig, build_evaluator
-from gyre_eval.evaluator import EvaluationRequest, Evaluator, EvaluatorError, Verdict
+from gyre_eval.errors import ArtifactOutsideRootsError, EvaluatorError, UnknownEvaluatorError
+from gyre_eval.evaluator import EvaluationRequest, Evaluator, Verdict
 from gyre_eval.groups import group_status
 from gyre_eval.store import AssessmentStore, assessment_id
 from gyre_eval.types import (
@@ -38,14 +39,6 @@ from gyre_eval.types import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class ArtifactOutsideRootsError(ValueError):
-    """A submission's artifact_ref resolves outside ``ServiceConfig.artifact_roots`` (HTTP 422)."""
-
-
-class UnknownEvaluatorError(ValueError):
-    """A submission names an evaluator the service does not have (HTTP 422)."""
 
 
 class AssessmentService:

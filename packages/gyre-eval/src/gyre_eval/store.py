@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from gyre_eval.errors import ConflictError
 from gyre_eval.types import Assessment, AssessmentStatus, AttemptRecord, Provenance, Submission
 
 STORE_FILE = "assessments.sqlite"
@@ -91,10 +92,6 @@ CREATE TRIGGER IF NOT EXISTS groups_only_grow BEFORE UPDATE ON groups
 CREATE TRIGGER IF NOT EXISTS executions_fixed BEFORE UPDATE ON executions
     BEGIN SELECT RAISE(ABORT, 'an execution keeps its group and dispatch index'); END;
 """
-
-
-class ConflictError(Exception):
-    """A submission contradicts what the store already holds (HTTP 409)."""
 
 
 def assessment_id(execution_id: str, branch: str, artifact_version: str, evaluator: str) -> str:

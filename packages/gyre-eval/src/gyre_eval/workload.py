@@ -14,7 +14,8 @@ import asyncio
 import random
 from typing import Any
 
-from gyre_eval.evaluator import EvaluationRequest, EvaluatorError, Verdict
+from gyre_eval.errors import EvaluatorError
+from gyre_eval.evaluator import EvaluationRequest, Verdict
 
 __all__ = ["WorkloadEvaluator"]
 

@@ -2,7 +2,8 @@
 the same policy objects. No torch, no I/O in the policy core."""
 
 from gyre_sched.config import PolicyParams, SimConfig
-from gyre_sched.ledger import CarriedGroup, InvariantError
+from gyre_sched.errors import InvariantError
+from gyre_sched.ledger import CarriedGroup
 from gyre_sched.policies import AsyncPolicy, ColocatePolicy, ElasticPolicy, make_policy
 from gyre_sched.policy import PolicyCore
 from gyre_sched.sim import SimResult, Simulator

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gyre_sched.errors import InvariantError
 from gyre_sched.events import (
     CellGone,
     CellRestored,
@@ -40,7 +41,6 @@ from gyre_sched.events import (
     RejoinRefused,
     RestartCell,
 )
-from gyre_sched.ledger import InvariantError
 from gyre_sched.types import CellRole
 
 __all__ = ["CellHealth", "CellRecord", "Health"]

@@ -21,12 +21,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from gyre_sched.errors import InvariantError
 from gyre_sched.events import Cancel, Decision, Dispatch, GroupDropped, GroupReady, Withdraw
 from gyre_sched.types import AssessedStatus, Outcome
-
-
-class InvariantError(AssertionError):
-    """A scheduler invariant broke, or an event contradicts the scheduler's state."""
 
 
 class ExecState(Enum):

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gyre_sched.errors import PlotsUnavailable
 from gyre_sched.trace import TraceSummary
 
 ROLE_COLORS = {"rollout": "#4c9be8", "to_training": "#f5b041", "training": "#c0392b", "to_rollout": "#58d68d"}
-
-
-class PlotsUnavailable(ImportError):
-    """matplotlib is not installed: plots are the optional extra `gyre-sched[plot]`."""
 
 
 def _plt():  # imported lazily: plotting is optional and slow to import

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gyre_sched.config import PolicyParams
+from gyre_sched.errors import InvariantError
 from gyre_sched.events import (
     Assessed,
     AssessmentRecorded,
@@ -49,7 +50,7 @@ from gyre_sched.events import (
 from gyre_sched.health import CellHealth
 from gyre_sched.launch_order import DurationPredictor
 from gyre_sched.launch_order import install as install_predicted_order
-from gyre_sched.ledger import CarriedGroup, ExecState, Group, InvariantError, Ledger
+from gyre_sched.ledger import CarriedGroup, ExecState, Group, Ledger
 from gyre_sched.planner import BurstPlan, make_planner
 from gyre_sched.types import CellRole, ExecutionSpec, next_role
 

@@ -23,14 +23,12 @@ import errno
 import os
 import stat
 
+from gyre_sched.errors import SecretError
+
 __all__ = ["MAX_SECRET_BYTES", "SecretError", "read_secret"]
 
 MAX_SECRET_BYTES = 4096
 """A token is one short line; a larger source is the wrong file, not a long token."""
-
-
-class SecretError(ValueError):
-    """A token source that cannot be used (missing, not a regular file, readable by others, empty, too large)."""
 
 
 def read_secret(file: str | os.PathLike[str] | None = None, fd: int | None = None) -> str | None:

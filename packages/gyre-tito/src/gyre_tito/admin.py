@@ -33,7 +33,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
 from gyre_tito.admin_models import DrainRequest, ExportRequest, RegisterRequest, RouteRequest, RoutesRequest
-from gyre_tito.conversation import ProtocolError
+from gyre_tito.errors import ProtocolError
 from gyre_tito.execution import Execution
 
 __all__ = [

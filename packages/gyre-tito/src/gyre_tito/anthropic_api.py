@@ -14,7 +14,6 @@ import orjson
 
 from gyre_tito.conversation import (
     Conversation,
-    ProtocolError,
     Reply,
     Sampling,
     ToolCall,
@@ -22,6 +21,7 @@ from gyre_tito.conversation import (
     common_prefix,
     strip_volatile,
 )
+from gyre_tito.errors import ProtocolError
 
 __all__ = [
     "error_body",

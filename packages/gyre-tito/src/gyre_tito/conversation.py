@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gyre_tito.errors import ProtocolError
 from gyre_tito.render import recorded_marker
 
 __all__ = [
@@ -30,16 +31,6 @@ __all__ = [
 
 # Claude Code's first system block is a per-version, per-agent billing line; it is metadata, not prompt content.
 DEFAULT_VOLATILE_PATTERNS: tuple[str, ...] = (r"^x-anthropic-billing-header:[^\n]*\n?",)
-
-
-class ProtocolError(Exception):
-    """A client error, rendered by each API layer in its own error shape."""
-
-    def __init__(self, status: int, kind: str, message: str):
-        super().__init__(message)
-        self.status = status
-        self.kind = kind  # e.g. invalid_request_error, authentication_error, not_found_error
-        self.message = message
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ from urllib.parse import unquote
 
 import orjson
 
+from gyre_tito.errors import RecordLogCorrupt
 from gyre_tito.materialize import placeholder_trajectory, select_trajectories
-from gyre_tito.records import LOG_SUFFIX, RecordLogCorrupt, read_log
+from gyre_tito.records import LOG_SUFFIX, read_log
 from gyre_tito.selection import SelectionConfig
 from gyre_tito.tree import ExecutionTree
 

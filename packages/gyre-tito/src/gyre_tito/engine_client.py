@@ -40,6 +40,7 @@ import orjson
 from pydantic import BaseModel, Field, model_validator
 
 from gyre_tito import vllm_wire
+from gyre_tito.errors import EngineRejected, EnginesExhausted
 from gyre_tito.kv_moves import KVMoves, Reroute
 
 __all__ = [
@@ -91,16 +92,6 @@ class EnginePoolConfig(BaseModel):
         if self.api == "vllm":
             object.__setattr__(self, "kv_migration", False)
         return self
-
-
-class EnginesExhausted(Exception):
-    """No engine could finish the call within the configured attempts (the proxy answers 529). Not
-    `gyre_cell.client.EngineError`, which is one engine's error answer to one request."""
-
-
-class EngineRejected(Exception):
-    """An engine refused the request itself (HTTP 400/422, e.g. input longer than its context): retrying elsewhere
-    cannot help, and tokens already produced are discarded with the call."""
 
 
 @dataclass

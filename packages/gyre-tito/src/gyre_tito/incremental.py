@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gyre_tito.conversation import Conversation, ProtocolError, Turn, append_template_message, common_prefix
+from gyre_tito.conversation import Conversation, Turn, append_template_message, common_prefix
+from gyre_tito.errors import ProtocolError
 from gyre_tito.qwen3_render import (
     qwen3_chunk,
     qwen3_generation_prompt,

@@ -14,15 +14,8 @@ from typing import Any
 
 import orjson
 
-from gyre_tito.conversation import (
-    Conversation,
-    ProtocolError,
-    Reply,
-    Sampling,
-    ToolCall,
-    Turn,
-    strip_volatile,
-)
+from gyre_tito.conversation import Conversation, Reply, Sampling, ToolCall, Turn, strip_volatile
+from gyre_tito.errors import ProtocolError
 
 __all__ = [
     "KEEPALIVE",

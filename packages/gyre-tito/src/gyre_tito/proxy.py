@@ -25,14 +25,9 @@ from typing import Any
 import orjson
 
 from gyre_tito._memory import return_freed_memory
-from gyre_tito.conversation import (
-    Conversation,
-    ProtocolError,
-    Reply,
-    Sampling,
-    ToolCall,
-)
-from gyre_tito.engine_client import EnginePool, EngineRejected, EnginesExhausted
+from gyre_tito.conversation import Conversation, Reply, Sampling, ToolCall
+from gyre_tito.engine_client import EnginePool
+from gyre_tito.errors import EngineRejected, EnginesExhausted, ProtocolError, RecordLogCorrupt
 from gyre_tito.execution import (
     EndedExecution,
     Execution,
@@ -44,7 +39,7 @@ from gyre_tito.execution import (
 from gyre_tito.incremental import INLINE_CHARS, Splices, encode_incremental, new_chars
 from gyre_tito.parse import parse_output
 from gyre_tito.proxy_config import ProxyConfig, check_execution_id
-from gyre_tito.records import RecordLogConfig, RecordLogCorrupt, RecordStore, read_log
+from gyre_tito.records import RecordLogConfig, RecordStore, read_log
 from gyre_tito.render import ChatTokenizer
 from gyre_tito.roles import RoleClassifier, make_classifier
 from gyre_tito.tree import ExecutionTree

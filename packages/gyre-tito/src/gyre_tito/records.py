@@ -39,6 +39,7 @@ import orjson
 import pydantic
 
 from gyre_tito.commit import GroupCommit, fsync_dir
+from gyre_tito.errors import RecordLogCorrupt
 from gyre_tito.tree import ExecutionTree
 from gyre_tito.types import CallRecord
 
@@ -60,10 +61,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 LOG_SUFFIX = ".tito.jsonl"
-
-
-class RecordLogCorrupt(RuntimeError):
-    """A record log is damaged somewhere other than its last record (not a torn append)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

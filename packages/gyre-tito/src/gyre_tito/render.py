@@ -32,6 +32,8 @@ from jinja2 import Environment
 from jinja2.ext import loopcontrols
 from tokenizers import Tokenizer
 
+from gyre_tito.errors import TemplateError
+
 __all__ = ["ChatTokenizer", "EncodedContext", "TemplateError", "recorded_marker"]
 
 # The splice marker carries a per-process secret nonce: request text is rendered into the same string, and a marker a
@@ -41,10 +43,6 @@ __all__ = ["ChatTokenizer", "EncodedContext", "TemplateError", "recorded_marker"
 _MARK_OPEN = f"\ue000R{secrets.token_hex(16)}:"
 _MARK_CLOSE = "\ue001"
 _MARK_RE = re.compile(re.escape(_MARK_OPEN) + r"(\d+)" + re.escape(_MARK_CLOSE))
-
-
-class TemplateError(ValueError):
-    """The chat template rejected the conversation (it raised, or the input had no renderable shape)."""
 
 
 def recorded_marker(k: int) -> str:

@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect
 
 from gyre_tito import anthropic_api, openai_api
 from gyre_tito.admin import admin_router, has_admin_token
-from gyre_tito.conversation import ProtocolError
+from gyre_tito.errors import ProtocolError
 from gyre_tito.proxy import Proxy
 
 __all__ = ["create_app"]

@@ -33,6 +33,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from gyre_tito.errors import TreeError
 from gyre_tito.types import CallRecord, OutputSegment, ProvenanceRun, RoleClass, Timings
 
 __all__ = ["ExecutionTree", "TreeError", "TreeNode", "as_tokens"]
@@ -40,10 +41,6 @@ __all__ = ["ExecutionTree", "TreeError", "TreeNode", "as_tokens"]
 TOKEN_TYPECODE = "i"  # 4-byte token ids: vocabularies are far below 2**31
 _FIRST_CHUNK = 32
 _MAX_CHUNK = 8192
-
-
-class TreeError(ValueError):
-    """A record does not fit the tree (unknown parent, duplicate call id, wrong execution or sequence number)."""
 
 
 def as_tokens(ids: Sequence[int] | array) -> array:

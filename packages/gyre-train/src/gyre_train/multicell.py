@@ -62,10 +62,11 @@ import orjson
 import torch
 import torch.distributed as dist
 
+from gyre_train.errors import DataStarvation, RendezvousTimeout, StepAborted
 from gyre_train.snapshot import FileSnapshotChannel, SnapshotChannel
-from gyre_train.trainer import DataStarvation, Trainer
+from gyre_train.trainer import Trainer
 from gyre_train.types import CellRequest, CoordinatorReply, StepReport, WorkItem
-from gyre_train.world import PrefixGroups, RendezvousTimeout, init_cell_process, on_host, reform_cell_world
+from gyre_train.world import PrefixGroups, init_cell_process, on_host, reform_cell_world
 
 __all__ = [
     "Coordinator",
@@ -427,11 +428,6 @@ class Coordinator:
 
     def close(self) -> None:
         self._listener.close()
-
-
-class StepAborted(RuntimeError):
-    """``CoreRunner.step`` stopped waiting because its ``abort`` event was set; the open batch is abandoned (the
-    trainer stays inside it: end the run, or build a new trainer from a checkpoint)."""
 
 
 class CoreRunner:

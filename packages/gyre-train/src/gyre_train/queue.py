@@ -25,6 +25,7 @@ import threading
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from gyre_train.errors import LateReport
 from gyre_train.loss import single_pass_ok
 from gyre_train.types import ExecutionInfo, MicroStep, PrepassResult, TokenStats, TrainResult, WorkItem
 
@@ -40,10 +41,6 @@ class ExecutionTally:
     @property
     def final(self) -> bool:
         return self.count == self.info.num_targets
-
-
-class LateReport(ValueError):
-    """A result for an item the reporting cell does not hold (requeued after its cell was dropped)."""
 
 
 class MicroStepQueue:

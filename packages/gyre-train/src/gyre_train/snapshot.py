@@ -16,9 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-
-class SnapshotError(RuntimeError):
-    """A snapshot reference cannot be read consistently (stale: the core has moved on, or torn)."""
+from gyre_train.errors import SnapshotError
 
 
 @runtime_checkable

@@ -32,6 +32,7 @@ import torch
 
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
+from gyre_train.errors import DataStarvation
 from gyre_train.loss import LossConfig
 from gyre_train.metrics import batch_metrics
 from gyre_train.packing import PackingConfig, StreamPackingBuffer
@@ -53,10 +54,6 @@ class TrainerConfig:
     """Keep at least this many unclaimed micro-steps in the queue while groups are available."""
     single_pass: bool = True
     """Skip the pre-pass for micro-steps holding each of their executions whole inside one shard."""
-
-
-class DataStarvation(RuntimeError):
-    """The batch needs more ready groups than the trajectory buffer holds (single-process loop cannot wait)."""
 
 
 class Trainer:

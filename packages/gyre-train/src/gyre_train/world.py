@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from gyre_train.errors import RendezvousTimeout
+
 if TYPE_CHECKING:
     from gyre_train.multicell import MultiCellConfig
 
@@ -88,10 +90,6 @@ def init_cell_process(cfg: MultiCellConfig, cell: int) -> PrefixGroups:
     )
     dist.init_process_group("gloo", store=store, rank=cell, world_size=cfg.num_cells)
     return PrefixGroups(cfg.num_cells, timeout=cfg.collective_timeout())
-
-
-class RendezvousTimeout(RuntimeError):
-    """Not every rank of a new world generation arrived within the rendezvous timeout (one died or hangs)."""
 
 
 def reform_cell_world(

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from gyre_cell.errors import EngineInputError, EngineStateError
+
     from .config import EngineConfig
     from .core import TorchEngine
-    from .request import EngineInputError, EngineStateError, SamplingSpec
+    from .request import SamplingSpec
 
 __all__ = ["EngineConfig", "EngineInputError", "EngineStateError", "SamplingSpec", "TorchEngine"]
 

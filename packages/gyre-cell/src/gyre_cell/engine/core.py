@@ -15,22 +15,15 @@ from typing import Any
 
 import torch
 
+from gyre_cell.errors import EngineInputError, EngineStateError, KVCacheFullError
 from gyre_train.hf_import import import_transformers
 
 from .checkpoint import eos_token_ids, load_tokenizer
 from .config import EngineConfig
-from .kv_cache import KVCacheFullError, PagedKVCache
+from .kv_cache import PagedKVCache
 from .kv_migration import KVMigrator
 from .model_runner import ModelRunner, StepInput
-from .request import (
-    EngineInputError,
-    EngineStateError,
-    Request,
-    SamplingSpec,
-    Sink,
-    check_finish,
-    render_response,
-)
+from .request import Request, SamplingSpec, Sink, check_finish, render_response
 from .sampling import sample_batch
 from .script import ReplyScript
 from .weights import WeightStore, check_allowed_dir, load_checkpoint_dir

@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-class KVCacheFullError(RuntimeError):
-    """The pool has no free or evictable block left."""
+from gyre_cell.errors import KVCacheFullError
 
 
 @dataclass(slots=True)

@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from gyre_cell.errors import KVMigrationError
+
 from ..transfer.mooncake import MooncakeConfig, open_transfer_engine, peer_address
 from .kv_pins import SourcePins, _Pin
 from .kv_takeover import Takeovers, _Adopted
@@ -42,7 +44,6 @@ from .kv_types import (
     KVAckBody,
     KVExport,
     KVLayout,
-    KVMigrationError,
     KVMigrationStats,
     KVPinBody,
     KVTakeoverBody,

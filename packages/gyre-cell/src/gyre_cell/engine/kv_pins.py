@@ -14,8 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .kv_types import KVExport, KVLayout, KVMigrationError, KVMigrationStats
-from .request import EngineInputError
+from gyre_cell.errors import EngineInputError, KVMigrationError
+
+from .kv_types import KVExport, KVLayout, KVMigrationStats
 
 if TYPE_CHECKING:
     from .core import TorchEngine

@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from .kv_cache import KVCacheFullError, SeqBlocks
-from .kv_types import KVExport, KVLayout, KVMigrationError, KVMigrationStats, KVTakeoverResult
+from gyre_cell.errors import KVCacheFullError, KVMigrationError
+
+from .kv_cache import SeqBlocks
+from .kv_types import KVExport, KVLayout, KVMigrationStats, KVTakeoverResult
 
 if TYPE_CHECKING:
     from .core import TorchEngine

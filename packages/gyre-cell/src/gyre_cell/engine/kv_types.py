@@ -13,13 +13,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from .request import EngineStateError
-
 KV_SCHEMA_VERSION = 1
-
-
-class KVMigrationError(EngineStateError):
-    """A pin the engine cannot make (nothing cached for the request, Mooncake unavailable, pool released)."""
 
 
 # ---- wire types --------------------------------------------------------------------------------------------------
@@ -158,7 +152,6 @@ __all__ = [
     "KVAckBody",
     "KVExport",
     "KVLayout",
-    "KVMigrationError",
     "KVMigrationStats",
     "KVPinBody",
     "KVTakeoverBody",

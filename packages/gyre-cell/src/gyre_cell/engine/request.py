@@ -9,15 +9,9 @@ from typing import Any
 
 import torch
 
+from gyre_cell.errors import EngineInputError
+
 from .kv_cache import SeqBlocks
-
-
-class EngineInputError(ValueError):
-    """A request the engine refuses (bad ids, bad sampling params, unknown rid); maps to HTTP 400."""
-
-
-class EngineStateError(RuntimeError):
-    """An operation not allowed in the engine's current state (e.g. release while busy); HTTP 400."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from gyre_cell.errors import SamplingError
+
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (SGLang's `_SAMPLING_EPS` rule: `logits / T` overflows for tiny T)."""
 
@@ -21,10 +23,6 @@ SAMPLING_EPS = 1e-5
 def effective_temperature(temperature: float) -> float:
     """0.0 (greedy) for temperatures below `SAMPLING_EPS`, else the temperature."""
     return 0.0 if temperature < SAMPLING_EPS else temperature
-
-
-class SamplingError(ValueError):
-    """A row's distribution cannot be sampled (non-finite logits)."""
 
 
 def truncated_probs(logits_V: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:

@@ -19,6 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from gyre_cell.errors import BadRequest, EngineInputError, EngineStateError
+
 from ..protocol import (
     AbortBody,
     ContinueBody,
@@ -27,15 +29,11 @@ from ..protocol import (
     PauseBody,
 )
 from .core import TorchEngine
-from .request import EngineInputError, EngineStateError, SamplingSpec
+from .request import SamplingSpec
 from .server_kv import add_kv_routes
 from .server_weights import add_weight_routes
 
 HEALTH_TIMEOUT_S = 20.0
-
-
-class BadRequest(Exception):
-    """Raised by handlers; rendered as SGLang's 400 error body."""
 
 
 def error_response(message: str, status: int = 400) -> JSONResponse:

@@ -18,9 +18,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from gyre_cell.errors import EngineInputError
+
 from .core import TorchEngine
 from .kv_migration import KVAckBody, KVMigrationError, KVPinBody, KVTakeoverBody
-from .request import EngineInputError
 
 TAKEOVER_STATUS = {"installed": 200, "refused": 409, "failed": 502}
 

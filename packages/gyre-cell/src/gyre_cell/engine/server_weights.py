@@ -10,6 +10,8 @@ import torch.distributed as dist
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from gyre_cell.errors import EngineStateError, WeightError
+
 from ..protocol import (
     BeginWeightUpdateBody,
     DestroyGroupBody,
@@ -23,8 +25,6 @@ from ..protocol import (
 from ..tensor_codec import SAFETENSORS_LOAD_FORMAT, decode_named_tensors
 from ..weight_sync import GroupSpec, join_group, receive_weights
 from .core import TorchEngine
-from .request import EngineStateError
-from .weights import WeightError
 
 
 def _result(ok: bool, message: str, **extra: Any) -> JSONResponse:

@@ -14,11 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from gyre_cell.errors import WeightError
+
 from ..spill import SpillFile
-
-
-class WeightError(ValueError):
-    """A weight operation that cannot be applied (bad names, shapes, or state); maps to HTTP 400."""
 
 
 def load_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:

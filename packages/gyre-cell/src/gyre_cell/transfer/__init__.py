@@ -17,27 +17,22 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from gyre_cell.errors import (
+        MooncakeUnavailableError,
+        StaleSnapshotError,
+        TornSnapshotError,
+        TransferError,
+    )
+
     from .engine_loader import mooncake_engine_loader, published_weights_loader, pull_into_engine
     from .http_publisher import HttpWeightPublisher
     from .http_snapshot_channel import HttpSnapshotChannel
     from .http_subscriber import HttpWeightSubscriber, fetch_http_manifest
     from .manifest import TensorEntry, WeightManifest
-    from .mooncake import (
-        MooncakeConfig,
-        MooncakeUnavailableError,
-        import_transfer_engine,
-        open_transfer_engine,
-    )
+    from .mooncake import MooncakeConfig, import_transfer_engine, open_transfer_engine
     from .publisher import WeightPublisher
-    from .snapshot_channel import MooncakeSnapshotChannel, StaleSnapshotError
-    from .subscriber import (
-        Snapshot,
-        SubscriberConfig,
-        TornSnapshotError,
-        TransferError,
-        WeightSubscriber,
-        fetch_manifest,
-    )
+    from .snapshot_channel import MooncakeSnapshotChannel
+    from .subscriber import Snapshot, SubscriberConfig, WeightSubscriber, fetch_manifest
 
 __all__ = [
     "HttpSnapshotChannel",

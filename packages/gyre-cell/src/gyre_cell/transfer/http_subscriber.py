@@ -14,10 +14,12 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from gyre_cell.errors import TransferError
+
 from .http_publisher import DATA_PATH, SEQ_HEADER, TRAILER, VERSION_HEADER
 from .manifest import HEADER_BYTES, WeightManifest
 from .mooncake import MooncakeConfig
-from .subscriber import SubscriberConfig, TransferError, WeightSubscriber
+from .subscriber import SubscriberConfig, WeightSubscriber
 
 __all__ = ["HttpWeightSubscriber", "fetch_http_manifest"]
 

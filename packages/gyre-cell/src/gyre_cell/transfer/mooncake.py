@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from gyre_cell.binds import confine_listeners, interface_of, listening_sockets
+from gyre_cell.errors import MooncakeUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +23,6 @@ INSTALL_HINT = (
     "`pip install 'gyre-cell[mooncake]'` (CPU machines) or `pip install 'gyre-cell[mooncake-cuda]'` (the CUDA "
     "wheel, which also needs libcudart.so.12); never both"
 )
-
-
-class MooncakeUnavailableError(RuntimeError):
-    """The Mooncake transfer engine cannot be imported or initialized on this machine."""
 
 
 class MooncakeConfig(BaseModel):

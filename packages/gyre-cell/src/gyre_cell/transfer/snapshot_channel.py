@@ -16,19 +16,16 @@ import threading
 
 import torch
 
-from gyre_train.snapshot import SnapshotError
+from gyre_cell.errors import StaleSnapshotError, TornSnapshotError, TransferError
+from gyre_train.errors import SnapshotError
 
 from ..weight_sync import dtype_name
 from .mooncake import MooncakeConfig
 from .publisher import WeightPublisher
-from .subscriber import SubscriberConfig, TornSnapshotError, TransferError, WeightSubscriber, fetch_manifest
+from .subscriber import SubscriberConfig, WeightSubscriber, fetch_manifest
 
 REF_SCHEME = "mooncake+"
 FLAT = "flat"
-
-
-class StaleSnapshotError(SnapshotError):
-    """The publisher no longer holds the batch a ref names (it has moved on, or never reached it)."""
 
 
 def make_ref(manifest_url: str, batch: int, scheme: str = REF_SCHEME) -> str:

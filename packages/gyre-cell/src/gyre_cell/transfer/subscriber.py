@@ -16,17 +16,11 @@ import httpx
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from gyre_cell.errors import TornSnapshotError, TransferError
+
 from .manifest import HEADER_BYTES, MAGIC, MAGIC_SLOT, SEQ, VERSION, WeightManifest, tensor_views
 from .mooncake import MooncakeConfig, open_transfer_engine
 from .shm import SharedMapping, map_shared
-
-
-class TornSnapshotError(RuntimeError):
-    """No consistent snapshot within the allowed attempts (the publisher kept writing or a write failed)."""
-
-
-class TransferError(RuntimeError):
-    """A Mooncake read failed (peer gone, address not registered, layout mismatch)."""
 
 
 class SubscriberConfig(BaseModel):
