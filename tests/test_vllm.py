@@ -251,18 +251,19 @@ def test_the_pool_records_what_vllm_sampled_with_the_models_own_logprobs(server,
 def test_an_aborted_call_ends_where_it_is_and_its_continuation_matches_the_model(server, models):
     """The abort a drain sends (`/inference/v1/abort_requests`, by the pool's request id) ends a running call with
     finish `abort` and the tokens it had; the pool then sends prompt + those tokens again. Gate: the call's first
-    streamed chunk has arrived (it runs), then the engine is frozen (`/pause?mode=keep`) before the abort; the call
-    asks for about 2,000 tokens, seconds of generation, so it cannot have finished (ci-19's 64-token call through the
-    pool's accept callback had)."""
+    streamed chunk has arrived (it runs), then the engine is frozen (`/pause?mode=keep`) before the abort. Nothing
+    can hold vLLM between two chunks, and on a loaded machine a call of about 2,000 tokens has once finished before
+    the pause reached the server (ci-21; ci-19's 64-token call too): such an attempt shows no abort and is made
+    again, up to three times, and the test needs one that the abort cut."""
     import orjson
 
     from gyre_tito import vllm_wire
 
     n = 2048 - len(PROMPT) - 16
     sp = dict(SAMPLING, max_new_tokens=n, ignore_eos=True, stop_token_ids=[])
-    body = vllm_wire.generate_body("held", PROMPT, sp, stream=True)
 
-    async def run():
+    async def attempt(rid: str):
+        body = vllm_wire.generate_body(rid, PROMPT, sp, stream=True)
         got = SimpleNamespace(ids=[], logprobs=[], versions=[], finish=None, matched=None, cached_tokens=None)
         headers = {"authorization": f"Bearer {server.api_key}"}
         async with server.client() as engine, httpx.AsyncClient(timeout=120, headers=headers) as http:
@@ -275,15 +276,22 @@ def test_an_aborted_call_ends_where_it_is_and_its_continuation_matches_the_model
                         if got.ids:
                             break  # it runs: freeze it and abort it
                 await engine.pause("keep")
-                await engine.abort("held")
+                await engine.abort(rid)
                 await engine.continue_generation()
                 async for line in lines:
                     if line.startswith("data: ") and line != "data: [DONE]":
                         vllm_wire.apply_chunk(got, orjson.loads(line[6:]), "0")
+        if got.finish != "abort":  # it ended before the pause reached the server: nothing to continue
+            assert got.finish == "length" and len(got.ids) == n, (got.finish, len(got.ids))
+            return got, None
         rest, _ = await _pool_call(server, dict(sp, max_new_tokens=n - len(got.ids)), prompt=PROMPT + got.ids)
         return got, rest
 
-    got, rest = asyncio.run(run())
+    for i in range(3):
+        got, rest = asyncio.run(attempt(f"held-{i}"))
+        if rest is not None:
+            break
+    assert rest is not None, "the call ended before the abort in three attempts"
     assert got.finish == "abort" and 0 < len(got.ids) < n, (got.finish, len(got.ids))
     assert rest.finish == "length" and len(got.ids) + len(rest.output_ids) == n
     ids = PROMPT + got.ids + rest.output_ids
