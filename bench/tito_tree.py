@@ -1,6 +1,6 @@
 """Trajectory-tree build time and memory on a long Claude Code-like execution, against storing every call's context.
 
-Workload (gyre_tito.synthetic.long_session): 300 calls; main-agent contexts growing to ~128k tokens; two compactions
+Workload (gyre_tito.testing.synthetic.long_session): 300 calls; main-agent contexts growing to ~128k tokens; two compactions
 (three main epochs); three sub-agent conversations; ~19M lifecycle tokens (sum over calls of input + output, the
 paper's way of counting) and ~0.6M distinct tokens.
 
@@ -25,7 +25,7 @@ import time
 import tracemalloc
 from array import array
 
-from gyre_tito.synthetic import LongSessionConfig, ScriptedCall, long_session, make_record
+from gyre_tito.testing.synthetic import LongSessionConfig, ScriptedCall, long_session, make_record
 from gyre_tito.tree import ExecutionTree
 
 

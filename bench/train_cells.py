@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from gyre_train.localrun import LocalRunSpec, launch
-from gyre_train.synthetic import build_tiny_model
+from gyre_train.testing.synthetic import build_tiny_model
 
 
 def _run(model: str, out: Path, cells: int, steps: int, quick: bool) -> dict:

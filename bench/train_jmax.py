@@ -23,14 +23,14 @@ import torch
 
 from gyre_tito.materialize import select_trajectories
 from gyre_tito.selection import SelectionConfig
-from gyre_tito.synthetic import lcg_tokens, make_record
+from gyre_tito.testing.synthetic import lcg_tokens, make_record
 from gyre_tito.tree import ExecutionTree
 from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
 from gyre_train.loss import LossConfig
 from gyre_train.packing import PackingConfig, materialize
-from gyre_train.synthetic import build_tiny_model
+from gyre_train.testing.synthetic import build_tiny_model
 from gyre_train.trainer import Trainer, TrainerConfig
 
 

@@ -40,7 +40,7 @@ def _worker(model: str, out: str, sizes: list[int], reps: int) -> None:
     from gyre_train.megatron.pipeline import ControlChannel, QueueSource, StreamingPipeline
     from gyre_train.packing import PackingConfig, StreamPackingBuffer
     from gyre_train.queue import MicroStepQueue
-    from gyre_train.synthetic import make_groups
+    from gyre_train.testing.synthetic import make_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -148,7 +148,7 @@ def main() -> None:
     if args.worker:
         _worker(*args.worker, sizes, args.reps)
         return
-    from gyre_train.synthetic import build_tiny_model
+    from gyre_train.testing.synthetic import build_tiny_model
 
     reps = args.reps or (2 if args.quick else 4)
     with tempfile.TemporaryDirectory() as tmp:

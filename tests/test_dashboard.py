@@ -30,7 +30,7 @@ from gyre_tito.export import write_trajectories
 from gyre_tito.materialize import select_trajectories
 from gyre_tito.records import ExecutionRecords
 from gyre_tito.selection import SelectionConfig
-from gyre_tito.synthetic import SessionDriver
+from gyre_tito.testing.synthetic import SessionDriver
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]

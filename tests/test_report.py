@@ -28,7 +28,7 @@ from gyre.observe.rundata import RunView
 from gyre_eval.store import AssessmentStore
 from gyre_eval.types import AttemptRecord, Provenance, Submission
 from gyre_tito.records import ExecutionRecords
-from gyre_tito.synthetic import SessionDriver
+from gyre_tito.testing.synthetic import SessionDriver
 from gyre_tito.tiny_tokenizer import build_tiny_tokenizer, load_tiny_tokenizer
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

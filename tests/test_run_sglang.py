@@ -1,6 +1,6 @@
 """`gyre run` with `[rollout] engine = "sglang"`: every cell worker starts, watches and updates its own SGLang server.
 
-SGLang cannot run here, so each server is `gyre_cell.sglang_stand_in` (the CPU torch engine behind SGLang's flags,
+SGLang cannot run here, so each server is `gyre_cell.testing.sglang_stand_in` (the CPU torch engine behind SGLang's flags,
 its token by SGLang's `--config` file). The run is otherwise the real one: the proxy routes model calls to the
 servers, not to the workers; published weights reach the core's server from its own buffer and the satellites'
 from Mooncake, pushed over HTTP; the servers die with their workers.
@@ -44,7 +44,7 @@ def test_an_elastic_run_serves_rollout_from_sglang_servers_its_cells_supervise(t
         "--set",
         "rollout.engine=sglang",
         "--set",
-        "rollout.sglang.module=gyre_cell.sglang_stand_in",
+        "rollout.sglang.module=gyre_cell.testing.sglang_stand_in",
     ]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -90,7 +90,7 @@ def test_an_elastic_run_serves_rollout_from_sglang_servers_its_cells_supervise(t
     left = [
         p.pid
         for p in psutil.process_iter(["cmdline"])
-        if "gyre_cell.sglang_stand_in" in " ".join(p.info["cmdline"] or ())
+        if "gyre_cell.testing.sglang_stand_in" in " ".join(p.info["cmdline"] or ())
         and any(port in " ".join(p.info["cmdline"]) for port in ports)
     ]
     assert left == []

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from gyre_eval.store import AssessmentStore
 from gyre_tito.records import ExecutionRecords, encode_line, log_path
-from gyre_tito.synthetic import SessionDriver
+from gyre_tito.testing.synthetic import SessionDriver
 
 
 def _run_dir(tmp_path, groups=None):

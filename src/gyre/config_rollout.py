@@ -42,7 +42,7 @@ class SGLangSection(_Section):
     python: str | None = None
     """Interpreter with SGLang installed (None: the one running Gyre)."""
     module: str = "sglang.launch_server"
-    """`gyre_cell.sglang_stand_in` runs the CPU torch engine behind the same flags, where SGLang cannot run (tests)."""
+    """`gyre_cell.testing.sglang_stand_in` runs the CPU torch engine behind the same flags, where SGLang cannot run (tests)."""
     tp_size: int = Field(1, ge=1)
     """SGLang's tensor parallelism inside a cell (its GPUs: `[launcher] gpus_per_cell`)."""
     mem_fraction_static: float | None = Field(None, gt=0, lt=1)

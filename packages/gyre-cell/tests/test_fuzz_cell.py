@@ -33,7 +33,7 @@ from gyre_cell.worker_types import (
     ReformCommand,
     SaveCommand,
 )
-from gyre_train.synthetic import build_tiny_model
+from gyre_train.testing.synthetic import build_tiny_model
 from gyre_train.types import ReadyGroupMessage
 
 BAD = [float("nan"), float("inf"), float("-inf"), 2**63, 10**30, -1, True, "1", 1.5, [], {}, None]

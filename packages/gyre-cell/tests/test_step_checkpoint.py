@@ -12,7 +12,7 @@ from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
 from gyre_train.loss import LossConfig
 from gyre_train.packing import PackingConfig
-from gyre_train.synthetic import make_groups
+from gyre_train.testing.synthetic import make_groups
 from gyre_train.trainer import Trainer, TrainerConfig
 
 N, B = 2, 1

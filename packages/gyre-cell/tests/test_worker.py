@@ -24,7 +24,7 @@ from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellEvent, CellTrainingConfig, CellWorkerConfig, PublishedWeights
 from gyre_eval.groups import group_advantages
 from gyre_tito.export import write_trajectories
-from gyre_train.synthetic import build_tiny_model, make_groups
+from gyre_train.testing.synthetic import build_tiny_model, make_groups
 from gyre_train.types import ReadyGroupMessage
 
 

@@ -1,6 +1,6 @@
 """A cell worker whose rollout engine is an SGLang server it starts and supervises (`CellWorkerConfig.sglang`).
 
-SGLang cannot run here, so the server is `gyre_cell.sglang_stand_in`: a separate process started with SGLang's
+SGLang cannot run here, so the server is `gyre_cell.testing.sglang_stand_in`: a separate process started with SGLang's
 flags, its token passed by SGLang's `--config` file, serving the CPU torch engine. Everything between the worker
 and its server is real: the process, the port, the token, role switches, weight pushes, the watch.
 """
@@ -24,7 +24,7 @@ from gyre_cell.ports import free_ports
 from gyre_cell.sglang_adapter import STAND_IN, SGLangLaunchConfig
 from gyre_cell.worker_client import CellWorkerClient
 from gyre_cell.worker_types import CellTrainingConfig, CellWorkerConfig, PublishedWeights
-from gyre_train.synthetic import build_tiny_model
+from gyre_train.testing.synthetic import build_tiny_model
 
 TOKEN = "engine-token-7f3a9c"
 
@@ -97,7 +97,7 @@ def test_a_worker_serves_rollout_on_its_sglang_server_and_exits_when_the_server_
         asyncio.run(drive())
         (server,) = psutil.Process(proc.pid).children()
         argv = " ".join(server.cmdline())
-        assert "gyre_cell.sglang_stand_in" in argv and "--config" in argv and TOKEN not in argv
+        assert "gyre_cell.testing.sglang_stand_in" in argv and "--config" in argv and TOKEN not in argv
         assert TOKEN not in "".join(server.environ().values())
         os.kill(server.pid, signal.SIGKILL)  # the server dies: the cell has no engine, the worker leaves
         assert proc.wait(timeout=60) == 1

@@ -22,7 +22,7 @@ from gyre_tito.export import (
 from gyre_tito.materialize import placeholder_trajectory, select_trajectories
 from gyre_tito.records import ExecutionRecords
 from gyre_tito.selection import SelectionConfig
-from gyre_tito.synthetic import SessionDriver
+from gyre_tito.testing.synthetic import SessionDriver
 from gyre_tito.tree import ExecutionTree
 
 

@@ -18,7 +18,7 @@ import pytest
 from gyre_tito import commit
 from gyre_tito.commit import JOURNAL_NAME, replay_journal
 from gyre_tito.records import RecordLogConfig, RecordStore, read_log
-from gyre_tito.synthetic import make_record
+from gyre_tito.testing.synthetic import make_record
 
 GROUP = RecordLogConfig(fsync=True, group_commit=True)
 

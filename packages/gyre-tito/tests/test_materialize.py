@@ -6,7 +6,7 @@ import pytest
 
 from gyre_tito.materialize import materialize_path, placeholder_trajectory, select_trajectories
 from gyre_tito.selection import AdmittedPath, SelectionConfig, select_paths
-from gyre_tito.synthetic import make_record
+from gyre_tito.testing.synthetic import make_record
 from gyre_tito.tree import ExecutionTree
 from gyre_tito.types import OutputSegment, WeightSpan
 

@@ -9,7 +9,7 @@ import pytest
 
 from gyre_tito.errors import RecordLogCorrupt
 from gyre_tito.records import ExecutionRecords, RecordLog, RecordStore, encode_line, log_path, read_log
-from gyre_tito.synthetic import SessionDriver, make_record
+from gyre_tito.testing.synthetic import SessionDriver, make_record
 from gyre_tito.types import CallRecord
 
 

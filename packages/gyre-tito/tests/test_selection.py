@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gyre_tito.materialize import materialize
 from gyre_tito.selection import SelectionConfig, select_paths
-from gyre_tito.synthetic import make_record
+from gyre_tito.testing.synthetic import make_record
 from gyre_tito.tree import ExecutionTree
 from gyre_tito.types import ROLE_CLASSES
 

@@ -12,7 +12,7 @@ import itertools
 from gyre_tito.materialize import select_trajectories
 from gyre_tito.roles import ClaudeCodeClassifier
 from gyre_tito.selection import SelectionConfig, select_paths
-from gyre_tito.synthetic import make_record
+from gyre_tito.testing.synthetic import make_record
 from gyre_tito.tree import ExecutionTree
 
 MAIN_BILLING = "x-anthropic-billing-header: cc_version=2.1.197.a1; cc_entrypoint=sdk-cli;"
@@ -205,7 +205,7 @@ def test_selection_on_the_session_follows_the_priority():
 
 def test_long_token_level_session_rebuilds_every_context():
     """The benchmark's generator at small scale: every call's context + output is exactly its root path."""
-    from gyre_tito.synthetic import LongSessionConfig, SessionDriver, long_session
+    from gyre_tito.testing.synthetic import LongSessionConfig, SessionDriver, long_session
 
     cfg = LongSessionConfig(
         calls=40,

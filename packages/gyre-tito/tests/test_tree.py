@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre_tito.errors import TreeError
-from gyre_tito.synthetic import SessionDriver, make_record
+from gyre_tito.testing.synthetic import SessionDriver, make_record
 from gyre_tito.tree import ExecutionTree
 
 

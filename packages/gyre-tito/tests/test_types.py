@@ -6,7 +6,7 @@ import orjson
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from gyre_tito.synthetic import make_record
+from gyre_tito.testing.synthetic import make_record
 from gyre_tito.types import (
     CallRecord,
     OutputSegment,

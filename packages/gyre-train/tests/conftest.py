@@ -1,10 +1,10 @@
-"""Shared fixtures: a tiny seeded Qwen3 causal LM saved once per session (helpers live in gyre_train.synthetic)."""
+"""Shared fixtures: a tiny seeded Qwen3 causal LM saved once per session (helpers live in gyre_train.testing.synthetic)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gyre_train.synthetic import build_tiny_model
+from gyre_train.testing.synthetic import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from gyre_eval.groups import group_advantages
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.packing import PackingConfig, StreamPackingBuffer, materialize, pack_rows
 from gyre_train.queue import MicroStepQueue
-from gyre_train.synthetic import make_groups, make_trajectory, placeholder
+from gyre_train.testing.synthetic import make_groups, make_trajectory, placeholder
 from gyre_train.types import ExecutionPartial, PrepassResult, TokenStats, TrainResult
 
 

@@ -18,7 +18,7 @@ from gyre_train.packing import PackingConfig
 from gyre_train.ports import free_port
 from gyre_train.replay import load_dump, replay_batch
 from gyre_train.snapshot import FileSnapshotChannel, SnapshotChannel
-from gyre_train.synthetic import make_groups
+from gyre_train.testing.synthetic import make_groups
 from gyre_train.trainer import Trainer, TrainerConfig
 from gyre_train.types import CellRequest, TokenStats, TrainResult
 

@@ -11,7 +11,7 @@ from gyre_train.cell import CellWorker
 from gyre_train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gyre_train.loss import LossConfig
 from gyre_train.packing import PackingConfig
-from gyre_train.synthetic import make_groups
+from gyre_train.testing.synthetic import make_groups
 from gyre_train.trainer import Trainer, TrainerConfig
 
 N, B = 3, 2

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gyre_train.loss import LossConfig, execution_gate, execution_ratio, gspo_token_loss
-from gyre_train.loss_reference import RefExecution, reference_loss
 from gyre_train.metrics import batch_metrics
+from gyre_train.testing.loss_reference import RefExecution, reference_loss
 from gyre_train.types import ExecutionInfo, TokenStats
 
 F64 = torch.float64

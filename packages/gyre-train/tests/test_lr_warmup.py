@@ -70,7 +70,7 @@ def test_each_step_report_records_the_lr_its_update_used(tiny_model):
     from gyre_train.cell import CellWorker
     from gyre_train.loss import LossConfig
     from gyre_train.packing import PackingConfig
-    from gyre_train.synthetic import make_groups
+    from gyre_train.testing.synthetic import make_groups
     from gyre_train.trainer import Trainer, TrainerConfig
 
     n, b = 2, 1

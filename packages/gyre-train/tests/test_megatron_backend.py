@@ -20,9 +20,9 @@ from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
 from gyre_train.loss import LossConfig, make_loss_fn, prepass_partials
-from gyre_train.loss_reference import trajectory_target_logprobs
 from gyre_train.packing import PackingConfig
-from gyre_train.synthetic import make_trajectory
+from gyre_train.testing.loss_reference import trajectory_target_logprobs
+from gyre_train.testing.synthetic import make_trajectory
 from gyre_train.trainer import Trainer, TrainerConfig
 from gyre_train.types import IGNORE_LABEL, ExecutionInfo, MicroStep, Shard
 

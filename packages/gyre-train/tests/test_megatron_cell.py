@@ -45,7 +45,7 @@ RANK = (
     from gyre_train.multicell import CoreRunner, MultiCellConfig
     from gyre_train.packing import PackingConfig
     from gyre_train.satellite import SatelliteRunner
-    from gyre_train.synthetic import make_groups
+    from gyre_train.testing.synthetic import make_groups
     from gyre_train.trainer import Trainer, TrainerConfig
 
     model_path, out, cell, stage, master, control = sys.argv[1:7]

@@ -24,7 +24,7 @@ from gyre_train.cell import CellWorker
 from gyre_train.loss import LossConfig
 from gyre_train.packing import PackingConfig, StreamPackingBuffer
 from gyre_train.queue import MicroStepQueue
-from gyre_train.synthetic import make_groups
+from gyre_train.testing.synthetic import make_groups
 from gyre_train.types import IGNORE_LABEL, WorkItem
 
 pytestmark = pytest.mark.gpu

@@ -47,7 +47,7 @@ WORKER = textwrap.dedent(
     from gyre_train.megatron.pipeline import ControlChannel, QueueSource, StreamingPipeline
     from gyre_train.packing import PackingConfig, StreamPackingBuffer
     from gyre_train.queue import MicroStepQueue
-    from gyre_train.synthetic import make_groups
+    from gyre_train.testing.synthetic import make_groups
 
     model_path, out = sys.argv[1], sys.argv[2]
     chunks = [int(c) for c in sys.argv[3].split(",")]

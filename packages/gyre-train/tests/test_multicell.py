@@ -10,9 +10,9 @@ import torch
 from gyre_eval.groups import group_advantages
 from gyre_train.localrun import LocalRunSpec, launch
 from gyre_train.loss import LossConfig
-from gyre_train.loss_reference import RefExecution, reference_loss, trajectory_target_logprobs
 from gyre_train.replay import load_dump, replay_batch
-from gyre_train.synthetic import make_groups
+from gyre_train.testing.loss_reference import RefExecution, reference_loss, trajectory_target_logprobs
+from gyre_train.testing.synthetic import make_groups
 
 
 def _reference_grads(model_path: str, spec: LocalRunSpec) -> tuple[float, torch.Tensor]:

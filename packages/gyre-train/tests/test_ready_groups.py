@@ -13,7 +13,7 @@ from gyre_eval.groups import group_advantages
 from gyre_tito.export import write_trajectories
 from gyre_train.buffer import ExecutionEntry, TrajectoryBuffer
 from gyre_train.packing import PackingConfig, StreamPackingBuffer
-from gyre_train.synthetic import make_trajectory, placeholder
+from gyre_train.testing.synthetic import make_trajectory, placeholder
 from gyre_train.types import ReadyExecution, ReadyGroupMessage
 
 

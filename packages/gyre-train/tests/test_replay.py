@@ -11,7 +11,7 @@ from gyre_train.cell import CellWorker
 from gyre_train.loss import LossConfig
 from gyre_train.packing import PackingConfig
 from gyre_train.replay import dump_batch, load_dump, replay_batch
-from gyre_train.synthetic import make_groups
+from gyre_train.testing.synthetic import make_groups
 from gyre_train.trainer import Trainer, TrainerConfig
 
 N, B = 3, 2

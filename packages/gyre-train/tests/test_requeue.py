@@ -11,7 +11,7 @@ from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.errors import LateReport
 from gyre_train.packing import PackingConfig, StreamPackingBuffer
 from gyre_train.queue import MicroStepQueue
-from gyre_train.synthetic import make_groups
+from gyre_train.testing.synthetic import make_groups
 from gyre_train.types import ExecutionPartial, PrepassResult, TokenStats, TrainResult
 
 

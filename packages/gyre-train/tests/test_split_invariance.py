@@ -13,9 +13,9 @@ from gyre_train.backends.torch_backend import TorchBackend, TorchBackendConfig
 from gyre_train.buffer import TrajectoryBuffer
 from gyre_train.cell import CellWorker
 from gyre_train.loss import LossConfig, execution_gate, execution_ratio
-from gyre_train.loss_reference import RefExecution, reference_loss, trajectory_target_logprobs
 from gyre_train.packing import PackingConfig
-from gyre_train.synthetic import make_trajectory, placeholder
+from gyre_train.testing.loss_reference import RefExecution, reference_loss, trajectory_target_logprobs
+from gyre_train.testing.synthetic import make_trajectory, placeholder
 from gyre_train.trainer import Trainer, TrainerConfig
 
 N, B, TEMP = 4, 3, 0.8

@@ -16,7 +16,7 @@ from gyre_train.loss import LossConfig
 from gyre_train.multicell import CoreRunner, MultiCellConfig, PrefixGroups
 from gyre_train.packing import PackingConfig
 from gyre_train.ports import free_port
-from gyre_train.synthetic import make_groups
+from gyre_train.testing.synthetic import make_groups
 from gyre_train.trainer import Trainer, TrainerConfig
 
 N, B = 2, 4

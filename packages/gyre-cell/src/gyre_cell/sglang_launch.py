@@ -56,12 +56,12 @@ class SGLangLaunchConfig(BaseModel):
     python: str = sys.executable
     """Interpreter that has sglang installed."""
     module: str = "sglang.launch_server"
-    """The module `python -m` runs: SGLang's server, or `gyre_cell.sglang_stand_in` (``STAND_IN``) where SGLang
+    """The module `python -m` runs: SGLang's server, or `gyre_cell.testing.sglang_stand_in` (``STAND_IN``) where SGLang
     cannot run (no GPU): the CPU torch engine behind the same flags, whose tensor updates take the torch engine's
     format, so `SGLangServer.client()` gives a `TorchEngineClient` for it."""
 
 
-STAND_IN = "gyre_cell.sglang_stand_in"
+STAND_IN = "gyre_cell.testing.sglang_stand_in"
 
 
 def write_api_key_config(folder: str | os.PathLike[str], api_key: str) -> str:

@@ -11,7 +11,7 @@ Two ways in:
   execution's reward **and advantage as numbers** (computed once, from gyre-eval's rewards and gyre-sched's group
   membership). :meth:`TrajectoryBuffer.add_group_message` does the same from a
   :class:`~gyre_train.types.ReadyGroupMessage` whose trajectories are files written by ``gyre_tito.export``.
-- :meth:`TrajectoryBuffer.add_execution` (tests, ``gyre_train.synthetic``, benchmarks): one execution at a time; the
+- :meth:`TrajectoryBuffer.add_execution` (tests, ``gyre_train.testing.synthetic``, benchmarks): one execution at a time; the
   execution that completes the group fills every advantage with :func:`gyre_eval.groups.group_advantages` (the one formula)
   (``advantage_mode`` of the buffer). An incomplete group is never handed out; one that can no longer complete is
   removed with :meth:`TrajectoryBuffer.drop_group`.
@@ -179,7 +179,7 @@ class TrajectoryBuffer:
     ) -> ReadyGroup | None:
         """Record one assessed execution; returns the group if this execution completed it.
 
-        A convenience for tests, ``gyre_train.synthetic`` and benchmarks: the completing execution fills the
+        A convenience for tests, ``gyre_train.testing.synthetic`` and benchmarks: the completing execution fills the
         group's advantages with :func:`gyre_eval.groups.group_advantages` (the one formula) (``self.advantage_mode``). The real
         run hands complete groups with their advantages to :meth:`add_group`.
         """

@@ -1,7 +1,7 @@
 """Run K cells as local processes on synthetic data (tests and benchmarks of multi-cell training on CPU).
 
 ``launch(spec)`` starts one process per cell (spawn), each joining gloo as its cell index; the core trains
-``spec.steps`` steps on synthetic groups (``gyre_train.synthetic.make_groups``) and writes ``reports.jsonl`` (one
+``spec.steps`` steps on synthetic groups (``gyre_train.testing.synthetic.make_groups``) and writes ``reports.jsonl`` (one
 StepReport per line) and, if asked, the summed gradient of each step (``grads-<step>.pt``) and batch dumps for
 ``gyre_train.replay`` (``dump-<step>/``) to ``spec.out_dir``.
 
@@ -36,7 +36,7 @@ from gyre_train.multicell import CoreRunner, MultiCellConfig, init_cell_process
 from gyre_train.packing import PackingConfig
 from gyre_train.ports import free_ports
 from gyre_train.satellite import SatelliteRunner
-from gyre_train.synthetic import make_groups
+from gyre_train.testing.synthetic import make_groups
 from gyre_train.trainer import Trainer, TrainerConfig
 
 

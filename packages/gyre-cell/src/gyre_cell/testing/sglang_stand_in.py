@@ -23,7 +23,7 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gyre_cell.sglang_stand_in", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="gyre_cell.testing.sglang_stand_in", description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
