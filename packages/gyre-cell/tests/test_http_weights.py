@@ -76,7 +76,8 @@ def test_version_checks(pub) -> None:
         with pytest.raises(ValueError, match="does not match the layout"):
             p.publish({"x": torch.zeros(2)}, version=4)
     # A manifest of another buffer (a publisher that restarted) is refused before any byte is sent.
-    stale = manifest.model_copy(update={"buffer_addr": manifest.buffer_addr + 64})
+    slot = manifest.slots[0].model_copy(update={"addr": manifest.buffer_addr + 64})
+    stale = manifest.model_copy(update={"slots": [slot]})
     with HttpWeightSubscriber(stale, secret=SECRET) as sub, pytest.raises(TransferError, match="409"):
         sub.read()
 

@@ -267,6 +267,18 @@ class TorchEngine:
                 self.model_path = model_path
             return n
 
+    def bind_weights(
+        self, views: Mapping[str, torch.Tensor], lease: Any, *, weight_version: str, flush_cache: bool = True
+    ) -> None:
+        """Serve `views` (a publisher's buffer on this host, held by `lease`) as the parameters, between two steps:
+        pointer swaps, no copy (`WeightStore.bind`; check `weights.bindable` first)."""
+        with self._lock:
+            self.weights.bind(views, lease)
+            if flush_cache and self.kv.allocated:
+                self.migrator.drop_adopted()
+                self.kv.flush()  # cached prefixes were computed with the old weights
+            self.weight_version = weight_version
+
     def between_steps(self) -> threading.RLock:
         """Held: no step runs (control operations take it too; re-entrant, so `update_weights` inside is fine)."""
         return self._lock

@@ -3,13 +3,19 @@
 Release really frees memory: every parameter's storage is swapped for an empty tensor after a backup is
 taken (a CPU copy on CUDA, an unnamed spill file on CPU: `gyre_cell.spill`, nothing left on disk by a killed engine;
 or nothing with `none`).
+
+Bound parameters (`WeightStore.bind`): on the publisher's host the parameters can be read-only views of the
+publisher's newest buffer, held by a lease (`gyre_cell.transfer.shm.SlotLease`) so it is not overwritten. Writing
+into those pages would kill the process (SIGSEGV): every path that writes parameters (`apply`) or drops them
+(`release`, `close`) first gives them private memory or lets go of the views, and then of the lease.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file
@@ -17,6 +23,12 @@ from safetensors.torch import load_file
 from gyre_cell.errors import WeightError
 
 from ..spill import SpillFile
+
+
+class Lease(Protocol):
+    """What keeps a bound buffer from being overwritten (`gyre_cell.transfer.shm.SlotLease`)."""
+
+    def release(self) -> None: ...
 
 
 def load_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
@@ -78,6 +90,12 @@ class WeightStore:
         self._cpu_backup: dict[str, torch.Tensor] | None = None
         self._disk_backup: SpillFile | None = None
         self._meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._lease: Lease | None = None
+        """Held while the parameters are read-only views of a publisher's buffer (`bind`)."""
+
+    @property
+    def bound(self) -> bool:
+        return self._lease is not None
 
     def _resolve(self, name: str) -> torch.nn.Parameter:
         return self._params[self._resolve_name(name)]
@@ -124,9 +142,63 @@ class WeightStore:
             missing = sorted(set(self._params) - given)
             if missing:
                 raise WeightError(f"checkpoint lacks parameters: {missing[:5]}")
+        self._unbind(
+            keep_values=True
+        )  # bound views are read-only pages: the copy below needs memory of its own
         for p, t in targets:
             p.data.copy_(t)  # converts dtype and device itself: no intermediate tensor
         return len(targets)
+
+    def bindable(self, entries: Iterable[tuple[str, str, list[int]]]) -> bool:
+        """Whether `bind` can take views laid out as `entries` ((name, dtype name, shape) each): every parameter
+        among them with its dtype and shape, every name known, on the CPU (the views are host memory)."""
+        if self.released or self.device.type != "cpu":
+            return False
+        seen: set[str] = set()
+        for name, dtype, shape in entries:
+            try:
+                resolved = self._resolve_name(name)
+            except WeightError:
+                return False
+            p = self._params[resolved]
+            if str(p.dtype).removeprefix("torch.") != dtype or list(p.shape) != list(shape):
+                return False
+            seen.add(resolved)
+        return seen == set(self._params)
+
+    def bind(self, views: Mapping[str, torch.Tensor], lease: Lease) -> None:
+        """Make the parameters `views` (checked with `bindable`; tied names share one parameter, so they keep
+        sharing), then let go of the previous lease: O(#params) pointer swaps instead of a copy. `lease` keeps the
+        views' buffer from being overwritten until the next bind, `apply`, `release` or `close` drops it."""
+        if self.released:
+            lease.release()
+            raise WeightError("weights are released: resume_memory_occupation(['weights']) first")
+        for name, p in self._params.items():
+            view = views[name]
+            if (
+                view.shape != p.shape or view.dtype != p.dtype
+            ):  # `bindable` said otherwise: refuse, bind nothing
+                lease.release()
+                raise WeightError(
+                    f"cannot bind {name!r}: {view.dtype}{list(view.shape)} for {p.dtype}{list(p.shape)}"
+                )
+        for name, p in self._params.items():
+            p.data = views[name]
+        previous, self._lease = self._lease, lease
+        if previous is not None:
+            previous.release()
+
+    def _unbind(self, *, keep_values: bool) -> None:
+        """Private memory for bound parameters (their current values with `keep_values`), then drop the lease."""
+        if self._lease is None:
+            return
+        with torch.inference_mode(
+            False
+        ):  # ordinary tensors, as loaded: later updates copy into them in place
+            for p in self._params.values():
+                p.data = p.data.clone() if keep_values else torch.empty(0, dtype=p.dtype, device=p.device)
+        lease, self._lease = self._lease, None
+        lease.release()
 
     def release(self) -> None:
         if self.released:
@@ -137,6 +209,7 @@ class WeightStore:
             self._cpu_backup = {n: p.detach().to("cpu", copy=True) for n, p in self._params.items()}
         elif mode == "disk":
             self._disk_backup = SpillFile(self._params)
+        self._unbind(keep_values=False)  # the backup above read the bound values
         for p in self._params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.released = True
@@ -161,5 +234,8 @@ class WeightStore:
         self.released = False
 
     def close(self) -> None:
+        self._unbind(
+            keep_values=True
+        )  # the model may outlive the engine: never leave it on pages it does not hold
         if self._disk_backup is not None:
             self._disk_backup.close()

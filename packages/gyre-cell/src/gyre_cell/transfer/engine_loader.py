@@ -1,9 +1,9 @@
 """Feeding a Mooncake snapshot into a rollout engine.
 
-- In-process CPU torch engine (`pull_into_engine`, `published_weights_loader`): the subscriber reads next to the
-  engine and the tensors are applied by HF name with `TorchEngine.update_weights` (no HTTP, no serialization),
-  copied in place into the parameters from the subscriber's buffer or, on the publisher's host, from the
-  publisher's shared buffer itself.
+- In-process CPU torch engine (`pull_into_engine`, `published_weights_loader`): on the publisher's host the engine
+  serves the publisher's newest buffer as its parameters (`TorchEngine.bind_weights`: no copy); elsewhere, or when
+  dtypes differ, the subscriber reads next to the engine and the tensors are applied by HF name with
+  `TorchEngine.update_weights` (no HTTP, no serialization), copied in place into the parameters.
 - Any engine over HTTP (`mooncake_engine_loader`, for SGLang): no engine has an "update from Mooncake" endpoint, so
   the subscriber reads next to the client and pushes the tensors with `/update_weights_from_tensor` inside a
   begin/end session (SGLang 0.5.23 rules; `push_tensors`, which a cell worker also uses for the core's own buffer).
@@ -28,11 +28,19 @@ if TYPE_CHECKING:
 def pull_into_engine(engine: TorchEngine, subscriber: WeightSubscriber) -> str:
     """Read a consistent snapshot of HF-named weights and apply it to an in-process engine; return its version.
 
-    Every parameter must be in the snapshot (all-or-nothing: names and shapes are checked before any copy).
+    On the publisher's host, when every parameter's dtype and shape match the manifest, the engine binds the newest
+    slot: its parameters become read-only views of the publisher's pages (no copy), held by a lease so the publisher
+    writes its next publications into the other slot (`WeightStore.bind`). Otherwise the tensors are copied in:
+    every parameter must be in the snapshot (all-or-nothing: names and shapes are checked before any copy).
     The update lands between two engine steps: running requests continue on the new weights (their per-token
     weight-version spans show where), the prefix cache is flushed, and `/model_info` reports the new version.
     Blocking (Mooncake read + copy): call it from a worker thread in async code.
     """
+    if subscriber.shared and engine.weights.bindable(_layout(subscriber)):
+        with subscriber.lock:
+            held = subscriber.lease_newest()
+        engine.bind_weights(held.tensors, held.lease, weight_version=str(held.version))
+        return str(held.version)
     # The publisher refused NaN/inf (finite_checked): no second pass over the weights here.
     checked = subscriber.manifest.finite_checked
 
@@ -43,10 +51,14 @@ def pull_into_engine(engine: TorchEngine, subscriber: WeightSubscriber) -> str:
 
     # From the publisher's shared buffer, a write overlapping the copy makes it run again: no step may run on the
     # weights in between. A Mooncake read fills the subscriber's own buffer first, while the engine keeps stepping.
-    held = engine.between_steps() if subscriber.shared else contextlib.nullcontext()
-    with subscriber.lock, held:  # the snapshot's views are refilled by the next read on this subscriber
+    held_steps = engine.between_steps() if subscriber.shared else contextlib.nullcontext()
+    with subscriber.lock, held_steps:  # the snapshot's views are refilled by the next read on this subscriber
         version = str(subscriber.read_apply(apply))
     return version
+
+
+def _layout(subscriber: WeightSubscriber) -> list[tuple[str, str, list[int]]]:
+    return [(e.name, e.dtype, e.shape) for e in subscriber.manifest.tensors]
 
 
 def published_weights_loader(

@@ -1,10 +1,13 @@
 """The weight manifest (wire type) and the flat-buffer layout it describes.
 
-Buffer layout (one registered region on the publisher):
+The publisher holds one or two such buffers ("slots", each registered once), all laid out alike:
     [0, HEADER_BYTES)            header: int64 seq (even = stable, odd = write in progress), int64 version, int64 magic,
-                                 16 bytes of nonce (a buffer in shared memory: `gyre_cell.transfer.shm`)
+                                 16 bytes of nonce (a buffer in shared memory: `gyre_cell.transfer.shm`), int64
+                                 generation (the publication counter across slots, written when a write closes)
     [HEADER_BYTES, length)       tensors, each at a 64-byte aligned offset; tied tensors share one offset
-A reader compares the header before and after copying the tensors (a seqlock), so it never keeps a torn snapshot.
+A reader takes the slot with the highest generation among the stable ones and compares its header before and after
+copying the tensors (a seqlock), so it never keeps a torn snapshot. Two slots let an engine on the publisher's host
+use the newest slot's pages as its parameters while the next publication is written into the other one.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from ..weight_sync import dtype_name
 HEADER_BYTES = 64
 ALIGN = 64
 MAGIC = 0x47595245_57544221  # "GYREWTB!": guards against reading a wrong address
-SEQ, VERSION, MAGIC_SLOT = 0, 1, 2
+SEQ, VERSION, MAGIC_SLOT, GENERATION = 0, 1, 2, 5
+"""int64 indices into a header."""
 NONCE_SLICE = slice(24, 40)
 """Bytes of the header holding a shared buffer's nonce (`SharedMemoryRef.nonce`)."""
+MAX_SLOTS = 2
 
 DTYPES: dict[str, torch.dtype] = {
     dtype_name(d): d
@@ -83,25 +88,37 @@ class SharedMemoryRef(_Wire):
     """Hex of the 16 bytes the publisher wrote at `NONCE_SLICE` of its header: the mapped file is its buffer."""
 
 
+class BufferSlot(_Wire):
+    """One of the publisher's buffers."""
+
+    addr: int = Field(gt=0)
+    """Virtual address of the registered buffer in the publisher's process."""
+    shm: SharedMemoryRef | None = None
+    """The buffer in shared memory, for subscribers on the publisher's host (None: Mooncake only)."""
+
+
 class WeightManifest(_Wire):
-    """Handshake for pulling a publisher's weights: where the buffer is and what it holds."""
+    """Handshake for pulling a publisher's weights: where its buffers are and what they hold."""
 
     peer: str = Field(min_length=3)
     """Mooncake segment name of the publisher (`host:rpc_port` in P2P handshake mode)."""
-    buffer_addr: int = Field(gt=0)
-    """Virtual address of the registered buffer in the publisher's process."""
+    slots: list[BufferSlot] = Field(min_length=1, max_length=MAX_SLOTS)
+    """The buffers publications alternate between (readers take the newest stable one)."""
     length: int = Field(gt=HEADER_BYTES)
-    """Bytes of the buffer, header included."""
+    """Bytes of each buffer, header included."""
     version: int = Field(ge=0)
-    """Policy version published when this manifest was made (the header holds the live one)."""
+    """Policy version published when this manifest was made (the headers hold the live one)."""
     tensors: list[TensorEntry]
-    shm: SharedMemoryRef | None = None
-    """The buffer in shared memory, for subscribers on the publisher's host (None: Mooncake only)."""
     finite_checked: bool = False
     """The publisher refuses NaN or infinite floating-point values: a loader need not check them again."""
 
     @model_validator(mode="after")
     def _fits(self) -> WeightManifest:
+        shared = [s.shm is not None for s in self.slots]
+        if any(shared) and not all(shared):
+            raise ValueError("either every slot is in shared memory or none is")
+        if len({s.addr for s in self.slots}) != len(self.slots):
+            raise ValueError("two slots at one address")
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise ValueError("duplicate tensor names in manifest")
@@ -115,6 +132,16 @@ class WeightManifest(_Wire):
     @property
     def data_bytes(self) -> int:
         return self.length - HEADER_BYTES
+
+    @property
+    def buffer_addr(self) -> int:
+        """The first slot's address (a one-slot publisher's only buffer: the HTTP transport names it)."""
+        return self.slots[0].addr
+
+    @property
+    def shared(self) -> bool:
+        """The buffers are in shared memory (subscribers on the publisher's host may map them)."""
+        return self.slots[0].shm is not None
 
 
 def plan_layout(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[TensorEntry], int]:

@@ -1,24 +1,43 @@
-"""Core side: a registered flat buffer holding the authoritative weights, refreshed in place after each step.
+"""Core side: registered flat buffers holding the authoritative weights, refreshed in place after each step.
 
-The buffer is allocated once, registered once, and lives in shared memory where the host allows it
-(`gyre_cell.transfer.shm`): subscribers on other hosts pull it over Mooncake, those on this host map it."""
+The buffers are allocated once, registered once, and live in shared memory where the host allows it
+(`gyre_cell.transfer.shm`): subscribers on other hosts pull them over Mooncake, those on this host map them. With
+shared memory there are two ("slots"): each publication goes into the one not holding the newest, so an engine on
+this host can serve the newest slot's pages as its parameters (`WeightStore.bind`) while the next one is written."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
 
+from gyre_cell.errors import TransferError
+
 from ..engine.weights import all_finite
-from .manifest import MAGIC, MAGIC_SLOT, SEQ, VERSION, WeightManifest, plan_layout, tensor_views
+from .manifest import (
+    GENERATION,
+    MAGIC,
+    MAGIC_SLOT,
+    MAX_SLOTS,
+    SEQ,
+    VERSION,
+    BufferSlot,
+    WeightManifest,
+    plan_layout,
+    tensor_views,
+)
 from .mooncake import MooncakeConfig, open_transfer_engine, peer_address
 from .shm import SharedBuffer
 
 MANIFEST_PATH = "/weights/manifest"
+LOCK_POLL_S = (0.001, 0.05)
+"""First and longest pause between two tries of a slot's exclusive lock."""
 
 
 def named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -27,14 +46,25 @@ def named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> list[
     return [(n, t.detach()) for n, t in items.items()]
 
 
+@dataclass
+class _Slot:
+    buffer: torch.Tensor
+    header: torch.Tensor
+    views: dict[str, torch.Tensor]
+    shared: SharedBuffer | None
+
+
 class WeightPublisher:
-    """Owns one registered buffer; `publish` copies new weights into it under a seqlock.
+    """Owns one or two registered buffers; `publish` copies new weights into one under a seqlock.
 
     The layout (names, dtypes, shapes) is fixed by the first state dict; later publishes must match it.
     Readers pull the bytes with Mooncake or map them (same host; no work on this side beyond the copy in `publish`).
     `check_finite`: `publish` refuses NaN or infinite values (checked per tensor right after its copy, while it is in
     cache), so that the engines loading it need not check again (`WeightManifest.finite_checked`).
-    `shared_memory=False` keeps the buffer in private memory (Mooncake only).
+    `shared_memory=False` keeps the buffer in private memory (Mooncake only, one slot).
+    `slots`: 2 (shared memory only) lets same-host engines bind the newest publication; 1 is a single buffer.
+    `lease_wait_s`: how long a write waits for an engine still serving the target slot to move on (`SlotLease`)
+    before it raises TransferError.
     """
 
     def __init__(
@@ -45,35 +75,58 @@ class WeightPublisher:
         config: MooncakeConfig | None = None,
         check_finite: bool = True,
         shared_memory: bool = True,
+        slots: int = MAX_SLOTS,
+        lease_wait_s: float = 5.0,
     ) -> None:
+        if not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots must be 1..{MAX_SLOTS}, got {slots}")
         self.config = config or MooncakeConfig()
         self.check_finite = check_finite
+        self.lease_wait_s = lease_wait_s
         named = named_tensors(source)
         self._entries, length = plan_layout(named)
-        self._shared = SharedBuffer.create(length) if shared_memory else None
-        self._buffer = (
-            self._shared.tensor if self._shared is not None else torch.zeros(length, dtype=torch.uint8)
-        )
-        self._header = self._buffer[: 3 * 8].view(torch.int64)
-        self._views = tensor_views(self._buffer, self._entries)
+        self._slots: list[_Slot] = []
+        for _ in range(slots):
+            shared = SharedBuffer.create(length) if shared_memory else None
+            if shared is None and self._slots:
+                break  # no shared memory: one private buffer, exactly as before slots existed
+            buffer = shared.tensor if shared is not None else torch.zeros(length, dtype=torch.uint8)
+            header = buffer[: 6 * 8].view(torch.int64)
+            header[MAGIC_SLOT] = MAGIC
+            self._slots.append(_Slot(buffer, header, tensor_views(buffer, self._entries), shared))
+            if shared is None:
+                break
+        self._newest = len(self._slots) - 1  # the first publication goes into slot 0
+        self._target = 0
+        self._generation = 0
         self._lock = threading.Lock()
         self._write_seq = 0
         self._http: ThreadingHTTPServer | None = None
         self._engine: Any = None
         self.peer = self._expose()
-        self._header[MAGIC_SLOT] = MAGIC
         self.publish(named, version=version)
 
     def _expose(self) -> str:
-        """Make the buffer readable by peers; the name they reach it by (here: registered with Mooncake).
+        """Make the buffers readable by peers; the name they reach them by (here: registered with Mooncake).
         A publisher over another transport (`HttpWeightPublisher`) overrides it."""
-        length = self._buffer.numel()
         self._engine = open_transfer_engine(self.config)
-        rc = self._engine.register_memory(self._buffer.data_ptr(), length)
-        if rc != 0:
-            self._engine = None
-            raise RuntimeError(f"Mooncake register_memory of {length} bytes returned {rc}")
+        for slot in self._slots:
+            rc = self._engine.register_memory(slot.buffer.data_ptr(), slot.buffer.numel())
+            if rc != 0:
+                for done in self._slots[: self._slots.index(slot)]:
+                    self._engine.unregister_memory(done.buffer.data_ptr())
+                self._engine = None
+                raise RuntimeError(f"Mooncake register_memory of {slot.buffer.numel()} bytes returned {rc}")
         return peer_address(self.config, self._engine)
+
+    @property
+    def _buffer(self) -> torch.Tensor:
+        """The buffer holding the newest publication."""
+        return self._slots[self._newest].buffer
+
+    @property
+    def _header(self) -> torch.Tensor:
+        return self._slots[self._newest].header
 
     @property
     def version(self) -> int:
@@ -83,46 +136,92 @@ class WeightPublisher:
     def nbytes(self) -> int:
         return self._buffer.numel()
 
+    @property
+    def slot_count(self) -> int:
+        return len(self._slots)
+
     def manifest(self) -> WeightManifest:
         return WeightManifest(
             peer=self.peer,
-            buffer_addr=self._buffer.data_ptr(),
+            slots=[
+                BufferSlot(addr=s.buffer.data_ptr(), shm=s.shared.ref if s.shared is not None else None)
+                for s in self._slots
+            ],
             length=self._buffer.numel(),
             version=self.version,
             tensors=self._entries,
-            shm=self._shared.ref if self._shared is not None else None,
             finite_checked=self.check_finite,
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Views of the published tensors (read them only between writes)."""
-        return dict(self._views)
+        """Views of the newest publication (read them only between writes: with one slot, the next write
+        overwrites them; with two, the one after it)."""
+        return dict(self._slots[self._newest].views)
 
     def begin_write(self) -> dict[str, torch.Tensor]:
-        """Open a write and return the buffer's tensor views; readers retry until `end_write`.
+        """Open a write into the slot not holding the newest publication and return its tensor views; readers of
+        that slot retry until `end_write` (readers of the other one are untouched).
 
         The sequence number stays odd while a write is open, so a reader that saw any byte of a partial write
         sees a different sequence number afterwards. On x86 (TSO) stores become visible in program order.
+        Raises TransferError when an engine keeps serving the target slot past `lease_wait_s`.
         """
         self._lock.acquire()
-        seq = int(self._header[SEQ])
+        try:
+            self._target = (self._newest + 1) % len(self._slots)
+            self._lock_slot(self._slots[self._target])
+        except BaseException:
+            self._lock.release()
+            raise
+        header = self._slots[self._target].header
+        seq = int(header[SEQ])
         self._write_seq = seq + (seq & 1)  # an aborted write left it odd
-        self._header[SEQ] = self._write_seq + 1
-        return self._views
+        header[SEQ] = self._write_seq + 1
+        return self._slots[self._target].views
+
+    def _lock_slot(self, slot: _Slot) -> None:
+        """The slot's exclusive lock (shared memory only): no engine serves its pages any more."""
+        if slot.shared is None:
+            return
+        deadline = time.monotonic() + self.lease_wait_s
+        pause = LOCK_POLL_S[0]
+        while not slot.shared.lock_exclusive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError(
+                    f"not published: an engine still serves version {int(slot.header[VERSION])} from the slot "
+                    f"this publication would overwrite ({slot.shared.ref.path}; waited {self.lease_wait_s} s "
+                    "for it to load a newer one)"
+                )
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, LOCK_POLL_S[1])
+
+    def _unlock_slot(self) -> None:
+        shared = self._slots[self._target].shared
+        if shared is not None:
+            shared.unlock()
 
     def end_write(self, version: int) -> None:
-        """Close the open write: the buffer now holds `version`. A version the header cannot hold (outside int64)
-        aborts the write instead: the lock is released either way, so one bad version never blocks later writes."""
+        """Close the open write: its slot now holds `version`, the newest publication. A version the header cannot
+        hold (outside int64) aborts the write instead: the locks are released either way, so one bad version never
+        blocks later writes."""
+        slot = self._slots[self._target]
         try:
-            self._header[VERSION] = version
+            slot.header[VERSION] = version
         except (OverflowError, ValueError, RuntimeError, TypeError):  # torch: ValueError (overflow)
             self.abort_write()
             raise ValueError(f"version {version!r} does not fit the buffer's int64 header") from None
-        self._header[SEQ] = self._write_seq + 2
+        self._generation += 1
+        slot.header[GENERATION] = self._generation
+        slot.header[SEQ] = self._write_seq + 2
+        self._newest = self._target
+        self._unlock_slot()
         self._lock.release()
 
     def abort_write(self) -> None:
-        """Give up an open write: the sequence stays odd, readers never accept the partial bytes."""
+        """Give up an open write: its slot's sequence stays odd, readers never accept the partial bytes (with two
+        slots they read the newest publication from the other one)."""
+        self._unlock_slot()
         self._lock.release()
 
     @contextlib.contextmanager
@@ -148,7 +247,7 @@ class WeightPublisher:
         named = named_tensors(source) if isinstance(source, torch.nn.Module | Mapping) else list(source)
         given = dict(named)
         missing = [e.name for e in self._entries if e.name not in given]
-        unknown = [n for n in given if n not in self._views]
+        unknown = [n for n in given if n not in self._slots[0].views]
         if missing or unknown:
             raise ValueError(
                 f"publish does not match the layout: missing {missing[:5]}, unknown {unknown[:5]}"
@@ -195,10 +294,12 @@ class WeightPublisher:
             self._http.server_close()
             self._http = None
         if self._engine is not None:
-            self._engine.unregister_memory(self._buffer.data_ptr())
+            for slot in self._slots:
+                self._engine.unregister_memory(slot.buffer.data_ptr())
             self._engine = None  # dropping the last reference stops Mooncake's threads and closes its ports
-        if self._shared is not None:
-            self._shared.close()
+        for slot in self._slots:
+            if slot.shared is not None:
+                slot.shared.close()
 
     def __enter__(self) -> WeightPublisher:
         return self

@@ -7,11 +7,17 @@ any memory (peers on other hosts pull it as before), leaves nothing behind when 
 by `/proc/<pid>/fd/<fd>`, which only processes of the same user may open. The manifest names that path, the host's
 boot id and a random nonce the publisher wrote into its header; a subscriber maps the path read-only and uses it
 only if the boot id is its own and the nonce is there (another host, another PID namespace: Mooncake as before).
+
+An engine whose parameters are views of a mapped buffer (`WeightStore.bind`) holds a `SlotLease` on it: a shared
+`flock` on its own open of the file (a separate open file description, so it conflicts with the publisher's). The
+publisher takes the exclusive lock before it writes a buffer (`SharedBuffer.lock_exclusive`): it never overwrites
+the weights an engine is serving, and the kernel drops a dead engine's lock with its process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
@@ -71,10 +77,69 @@ class SharedBuffer:
         ref = SharedMemoryRef(path=f"/proc/{os.getpid()}/fd/{fd}", boot_id=host, nonce=nonce.hex())
         return cls(tensor, ref, fd, mm)
 
+    @property
+    def identity(self) -> tuple[int, int]:
+        st = os.fstat(self._fd)
+        return st.st_dev, st.st_ino
+
+    def lock_exclusive(self) -> bool:
+        """Take the exclusive lock before a write; False while an engine holds a `SlotLease` on this buffer."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def unlock(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
     def close(self) -> None:
         """Close the file; the pages go once no mapping (a subscriber's included) and no tensor holds them."""
         with contextlib.suppress(OSError):
             os.close(self._fd)
+
+
+class SlotLease:
+    """A shared lock on one publisher buffer, held while an engine's parameters are views of it.
+
+    `take` returns None while the publisher writes the buffer (its exclusive lock) or when the path is no longer
+    the file `identity` names. `release` is idempotent; a lease never released goes with its process."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self._fd: int | None = fd
+        self.path = path
+
+    @classmethod
+    def take(cls, path: str, identity: tuple[int, int]) -> SlotLease | None:
+        try:
+            fd = os.open(
+                path, os.O_RDONLY | os.O_CLOEXEC
+            )  # a description of our own: flock conflicts across them
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != identity:
+                raise BlockingIOError
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None
+        return cls(fd, path)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)  # explicit: a forked child holding the fd must not keep it
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self.release()
 
 
 @dataclass

@@ -93,8 +93,9 @@ class MooncakeSnapshotChannel:
 
     def _new_publisher(self, named: dict[str, torch.Tensor], batch: int) -> tuple[WeightPublisher, str]:
         """The publisher of the first batch, serving its manifest; and the manifest's URL."""
-        # flat parameters for satellites' training, checked nowhere before either (check_finite=False)
-        publisher = WeightPublisher(named, version=batch, config=self.mooncake, check_finite=False)
+        # flat parameters for satellites' training, checked nowhere before either (check_finite=False); one slot:
+        # satellites copy the snapshot (nothing binds it), and an open write must read as torn, not as the last batch
+        publisher = WeightPublisher(named, version=batch, config=self.mooncake, check_finite=False, slots=1)
         return publisher, publisher.serve_manifest(host=self.mooncake.local_hostname)
 
     def _new_subscriber(self, url: str) -> WeightSubscriber:
