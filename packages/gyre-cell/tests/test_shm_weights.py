@@ -18,6 +18,7 @@ from gyre_cell.transfer import (
     WeightSubscriber,
 )
 from gyre_cell.transfer.engine_loader import pull_into_engine
+from gyre_cell.transfer.publisher import FINITE_CHUNK, copy_finite
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -111,3 +112,26 @@ def test_an_engine_loads_in_place_from_the_shared_buffer(tiny_model: Path, tiny_
             assert torch.equal(params["lm_head.weight"].detach(), expected["lm_head.weight"])
     finally:
         engine.close()
+
+
+def test_copy_finite_checks_every_chunk_and_copies_exactly() -> None:
+    n = 3 * FINITE_CHUNK + 5
+    for where, value, finite in [
+        (None, 0.0, True),
+        (n - 1, float("nan"), False),  # the short last chunk
+        (FINITE_CHUNK + 7, float("inf"), False),
+        (0, float("-inf"), False),
+    ]:
+        src = torch.randn(n)
+        if where is not None:
+            src[where] = value
+        dst = torch.empty(n)
+        assert copy_finite(dst, src) is finite
+        assert torch.equal(dst, src) if finite else torch.equal(dst.isnan(), src.isnan())
+    huge = torch.full((n,), 3e38)  # every chunk's sum overflows, yet every value is finite
+    assert copy_finite(torch.empty(n), huge)
+    odd = torch.randn(64, 32).t()  # not contiguous: one copy, then the check
+    odd[5, 3] = float("nan")
+    dst = torch.empty(32, 64)
+    assert not copy_finite(dst, odd) and dst.isnan().sum() == 1
+    assert copy_finite(torch.empty(4, dtype=torch.int64), torch.arange(4))
