@@ -3,7 +3,8 @@
 Part 1 (overhead): one Claude-Code-shaped execution grows by ~1k new tokens per call (a tool result) up to 128k
 tokens. At each checkpoint the next call's proxy work (parse the request, restore recorded outputs, render, encode,
 match the tree; engine time excluded) is timed on fresh tails, alternating in the same run (ABAB, order swapped every
-trial) the candidate (`incremental_encode`: only the messages after the part the last request already had) and the
+trial) the candidate (`request_bytes.load_request`: only the bytes after the messages the last body already had are
+parsed; `incremental_encode`: only the messages after the part the last request already had are encoded) and the
 previous proxy (`incremental_encode=False`, parsed through a message-keyed cache: every message looked up and the whole
 conversation rendered and encoded through memoised pieces, as on main before issue 42). A naive proxy (re-render and
 re-tokenize everything) is timed on a few trials for reference.
@@ -41,6 +42,7 @@ import orjson
 from gyre_tito import anthropic_api
 from gyre_tito.conversation import DEFAULT_VOLATILE_PATTERNS
 from gyre_tito.proxy import Proxy, ProxyConfig
+from gyre_tito.request_bytes import load_request
 from gyre_tito.scripted_engine import ScriptedEngine, ScriptedEngineConfig, ScriptRule
 from gyre_tito.tiny_tokenizer import build_tiny_tokenizer
 
@@ -102,7 +104,8 @@ def _naive(proxy: Proxy, ex, raw: bytes) -> int:
 def _proxy_work(proxy: Proxy, ex, raw: bytes, cache, incremental: bool) -> int:
     """One call's proxy work on a request body: parse (through `cache`), restore, render, encode, match."""
     proxy.config.incremental_encode = incremental
-    conv, _, _ = anthropic_api.parse_request(orjson.loads(raw), DEFAULT_VOLATILE_PATTERNS, cache)
+    body = load_request(raw, ex.request_history) if incremental else orjson.loads(raw)
+    conv, _, _ = anthropic_api.parse_request(body, DEFAULT_VOLATILE_PATTERNS, cache)
     ids, _ = proxy.encode(ex, conv)
     ex.records.match(ids)
     return len(ids)

@@ -11,9 +11,10 @@ import random
 import orjson
 import pytest
 
-from gyre_tito import anthropic_api, incremental
+from gyre_tito import anthropic_api, incremental, openai_api
 from gyre_tito.conversation import DEFAULT_VOLATILE_PATTERNS, common_prefix
 from gyre_tito.proxy import Proxy, ProxyConfig
+from gyre_tito.request_bytes import load_request
 from gyre_tito.scripted_engine import ScriptedEngine, ScriptedEngineConfig
 from gyre_tito.tiny_tokenizer import build_tiny_tokenizer
 
@@ -93,7 +94,7 @@ def test_incremental_encoding_equals_whole_encoding(setup, seed):
         if thinking is not None:
             body["thinking"] = thinking
         conv, sampling, _ = anthropic_api.parse_request(
-            orjson.loads(orjson.dumps(body)), DEFAULT_VOLATILE_PATTERNS, ex.turn_cache
+            load_request(orjson.dumps(body), ex.request_history), DEFAULT_VOLATILE_PATTERNS, ex.turn_cache
         )
         before = ex.encode_state
         ids, policy = proxy.encode(ex, conv)
@@ -188,6 +189,26 @@ def test_a_grown_request_encodes_only_its_new_messages(setup, monkeypatch):
     ids, _ = proxy.encode(ex, conv2)
     assert rendered == [60, 61, 62]  # the old last message (its part can change) and the two new ones
     assert ids.tolist() == _whole(proxy, ex, conv2)[0].tolist()
+
+
+def test_an_openai_body_keeps_the_turns_of_the_messages_it_repeats(setup):
+    """Chat-completions bodies: messages repeated byte for byte keep their turns, and the encoding stays exact."""
+    proxy, _ = setup
+    ex, _ = proxy.register("chat")
+    history: list[dict] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q " * 30}]
+    last = None
+    for k in range(4):
+        raw = orjson.dumps({"model": "m", "messages": history})
+        conv, _, _, _ = openai_api.parse_request(
+            load_request(raw, ex.request_history), DEFAULT_VOLATILE_PATTERNS, ex.turn_cache
+        )
+        assert conv.system == "be brief" and len(conv.turns) == len(history) - 1
+        if last is not None:  # the turns of every message the last body had: the same objects
+            assert all(a is b for a, b in zip(last.turns, conv.turns[: len(last.turns)], strict=True))
+        ids, _ = proxy.encode(ex, conv)
+        assert ids.tolist() == _whole(proxy, ex, conv)[0].tolist()
+        history += [{"role": "assistant", "content": f"a{k}"}, {"role": "user", "content": f"u{k} " * 9}]
+        last = conv
 
 
 def test_common_prefix():

@@ -452,3 +452,30 @@ def test_a_null_logprob_from_an_engine_is_never_recorded_as_zero(tok_dir, tmp_pa
     finally:
         bad.stop()
         good.stop()
+
+
+def test_each_body_parses_only_its_new_bytes_and_bad_json_is_still_a_400(tok_dir, tmp_path, engines):
+    _, urls = engines
+    with ProxyServer(_cfg(tok_dir, tmp_path, urls[:1])) as srv:
+        eid, cred = srv.register("grow")
+        messages = [{"role": "user", "content": "list the files"}]
+        ex = srv.proxy.get(eid)
+        for i in range(3):
+            r = _msg(srv.url, cred, messages)
+            assert r.status_code == 200
+            messages += [
+                {"role": "assistant", "content": r.json()["content"]},
+                {"role": "user", "content": f"{i}"},
+            ]
+            if i == 0:
+                first = ex.request_history.recent[0].messages[0]
+        last = ex.request_history.recent[0]
+        assert len(last.messages) == 5 and last.messages == messages[:5]
+        assert last.messages[0] is first  # parsed once: the later bodies parsed only their new bytes
+        tree = ex.records.tree
+        assert [n.parent for n in tree.nodes] == [-1, 0, 1]
+        sent = json.dumps({"model": "m", "max_tokens": 300, "messages": messages, "tools": TOOLS}).encode()
+        cut = sent.index(b'], "tools"')  # the messages' closing bracket
+        bad = sent[:cut] + b",]" + sent[cut + 1 :]  # a trailing comma after the kept messages
+        r = httpx.post(srv.url + "/v1/messages", headers={"x-api-key": cred}, content=bad, timeout=30)
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

@@ -87,19 +87,21 @@ def test_record_round_trips_through_the_tree():
     assert tree.record("c") == rec
 
 
+def _brute_force(tree: ExecutionTree, ctx: list[int]) -> tuple[str | None, int]:
+    best: tuple[str | None, int] = (None, 0)
+    for node in tree.nodes:
+        path = tree.path_tokens(node.call_id).tolist()
+        if ctx[: len(path)] == path and len(path) >= best[1]:
+            best = (node.call_id, len(path))
+    return best
+
+
+# A call: which earlier call is its parent (0: the root), its input and its output tokens.
+_CALL = (st.integers(0, 5), st.lists(st.integers(0, 3), max_size=6), st.lists(st.integers(0, 3), max_size=3))
+
+
 @settings(max_examples=60, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.integers(0, 5),
-            st.lists(st.integers(0, 3), min_size=0, max_size=6),
-            st.lists(st.integers(0, 3), min_size=0, max_size=3),
-        ),
-        min_size=1,
-        max_size=25,
-    ),
-    st.lists(st.integers(0, 3), max_size=40),
-)
+@given(st.lists(st.tuples(*_CALL), min_size=1, max_size=25), st.lists(st.integers(0, 3), max_size=40))
 def test_match_equals_brute_force(calls, probe):
     """Property: match() == the deepest node (latest on ties) whose root path is a prefix, by brute force."""
     tree = ExecutionTree("ex")
@@ -108,9 +110,21 @@ def test_match_equals_brute_force(calls, probe):
         tree.add(make_record(call_id=f"c{i}", seq=i, parent_id=parent, input_ids=inp, output_ids=out))
     contexts = [probe] + [tree.path_tokens(f"c{i}").tolist() + probe for i in range(len(calls))]
     for ctx in contexts:
-        best: tuple[str | None, int] = (None, 0)
-        for node in tree.nodes:
-            path = tree.path_tokens(node.call_id).tolist()
-            if ctx[: len(path)] == path and len(path) >= best[1]:
-                best = (node.call_id, len(path))
-        assert tree.match(ctx) == best
+        assert tree.match(ctx) == _brute_force(tree, ctx)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(*_CALL, st.lists(st.integers(0, 5), max_size=3)), min_size=1, max_size=20),
+    st.lists(st.integers(0, 3), max_size=6),
+)
+def test_matches_between_adds_equal_brute_force(calls, probe):
+    """Property: matching between adds (where earlier matches leave hints behind) still equals brute force."""
+    tree = ExecutionTree("ex")
+    for i, (parent_pick, inp, out, probes) in enumerate(calls):
+        parent = None if i == 0 or parent_pick == 0 else f"c{parent_pick % i}"
+        tree.add(make_record(call_id=f"c{i}", seq=i, parent_id=parent, input_ids=inp, output_ids=out))
+        for pick in probes:  # contexts that extend some node's path, as a harness's next call does
+            ctx = tree.path_tokens(f"c{pick % (i + 1)}").tolist() + probe
+            assert tree.match(ctx) == _brute_force(tree, ctx)
+            assert tree.match(ctx[: len(ctx) // 2]) == _brute_force(tree, ctx[: len(ctx) // 2])

@@ -12,6 +12,7 @@ from typing import Any
 from gyre_tito.conversation import Conversation, Turn
 from gyre_tito.incremental import EncodeState
 from gyre_tito.records import ExecutionRecords
+from gyre_tito.request_bytes import RequestHistory
 from gyre_tito.types import CallRecord
 
 __all__ = [
@@ -47,6 +48,8 @@ class TurnCache(dict):
         self.prefix: tuple[list, list, list[int]] | None = None
         """The last request's (messages, turns, turn count after each message): an unchanged prefix is not
         parsed or looked up again (`anthropic_api.parse_request`)."""
+        self.chat_prefix: tuple[list, list] | None = None
+        """The same for the OpenAI chat API: the last request's (messages, the turn of each message)."""
 
     def __setitem__(self, key: bytes, value) -> None:
         if key in self:
@@ -80,6 +83,8 @@ class Execution:
     metadata: dict[str, Any] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # guards tree reads against an append in flight
     turn_cache: TurnCache = field(default_factory=lambda: TurnCache())  # parsed messages (see anthropic_api)
+    # its last few request bodies, parsed: the next one parses only its new bytes (request_bytes.py)
+    request_history: RequestHistory = field(default_factory=RequestHistory)
     # the last request, encoded (incremental.py)
     encode_state: EncodeState = field(default_factory=EncodeState)
     inflight: int = 0  # calls between `Proxy.finish` start and end: an ended execution is unloaded only at 0

@@ -14,7 +14,15 @@ from typing import Any
 
 import orjson
 
-from gyre_tito.conversation import Conversation, Reply, Sampling, ToolCall, Turn, strip_volatile
+from gyre_tito.conversation import (
+    Conversation,
+    Reply,
+    Sampling,
+    ToolCall,
+    Turn,
+    common_prefix,
+    strip_volatile,
+)
 from gyre_tito.errors import ProtocolError
 
 __all__ = [
@@ -101,8 +109,14 @@ def _turn(i: int, m: Any) -> Turn:
     raise _bad(f"{where}.role: unsupported role {role!r}")
 
 
-def parse_request(body: Any, volatile_patterns) -> tuple[Conversation, Sampling, bool, dict[str, Any]]:
-    """Validate a /v1/chat/completions body; returns conversation, sampling, stream flag and output options."""
+def parse_request(
+    body: Any, volatile_patterns, cache: Any = None
+) -> tuple[Conversation, Sampling, bool, dict[str, Any]]:
+    """Validate a /v1/chat/completions body; returns conversation, sampling, stream flag and output options.
+
+    `cache` (an execution's `TurnCache`) keeps the last request's messages and their turns: the messages a new body
+    repeats as the same objects (`request_bytes.load_request`) keep their `Turn`s, which lets the encoder find its
+    unchanged prefix by identity (incremental.py)."""
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     msgs = body.get("messages")
@@ -110,7 +124,12 @@ def parse_request(body: Any, volatile_patterns) -> tuple[Conversation, Sampling,
         raise _bad("messages: must be a non-empty list")
     if not isinstance(body.get("model"), str):
         raise _bad("model: required string")
-    turns = [_turn(i, m) for i, m in enumerate(msgs)]
+    prefix = getattr(cache, "chat_prefix", None)
+    start = common_prefix(msgs, prefix[0]) if prefix else 0
+    turns = prefix[1][:start] if start else []
+    turns.extend(_turn(i, msgs[i]) for i in range(start, len(msgs)))
+    if cache is not None:
+        cache.chat_prefix = (msgs, list(turns))
     system = None
     removed: list[str] = []
     if turns[0].role == "system":

@@ -23,6 +23,7 @@ from gyre_tito import anthropic_api, openai_api
 from gyre_tito.admin import admin_router, has_admin_token
 from gyre_tito.errors import ProtocolError
 from gyre_tito.proxy import Proxy
+from gyre_tito.request_bytes import RequestHistory, load_request
 
 __all__ = ["create_app"]
 
@@ -37,8 +38,9 @@ def _credential(req: Request) -> str | None:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
-async def _json(req: Request, limit: int) -> Any:
-    """The JSON body, read in chunks and refused with 413 as soon as it exceeds `limit` bytes (before parsing)."""
+async def _json(req: Request, limit: int, history: RequestHistory | None = None) -> Any:
+    """The JSON body, read in chunks and refused with 413 as soon as it exceeds `limit` bytes (before parsing).
+    With an execution's `history`, only the bytes its recent bodies did not have are parsed (`request_bytes`)."""
     declared = req.headers.get("content-length")
     too_big = ProtocolError(413, "request_too_large", f"request body exceeds {limit} bytes")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -57,7 +59,7 @@ async def _json(req: Request, limit: int) -> Any:
         ) from None
     raw = b"".join(chunks)
     try:
-        return orjson.loads(raw)
+        return load_request(raw, history)
     except orjson.JSONDecodeError as e:
         raise ProtocolError(400, "invalid_request_error", f"request body is not valid JSON: {e}") from e
 
@@ -143,7 +145,7 @@ def create_app(proxy: Proxy) -> FastAPI:
     async def messages(req: Request) -> Response:
         try:
             ex = proxy.authenticate(_credential(req))
-            body = await _json(req, proxy.request_bytes_limit)
+            body = await _json(req, proxy.request_bytes_limit, ex.request_history)
             conv, sampling, stream = anthropic_api.parse_request(
                 body, proxy.config.volatile_patterns, ex.turn_cache
             )
@@ -184,8 +186,10 @@ def create_app(proxy: Proxy) -> FastAPI:
     async def chat(req: Request) -> Response:
         try:
             ex = proxy.authenticate(_credential(req))
-            body = await _json(req, proxy.request_bytes_limit)
-            conv, sampling, stream, opts = openai_api.parse_request(body, proxy.config.volatile_patterns)
+            body = await _json(req, proxy.request_bytes_limit, ex.request_history)
+            conv, sampling, stream, opts = openai_api.parse_request(
+                body, proxy.config.volatile_patterns, ex.turn_cache
+            )
             call = await proxy.prepare(
                 ex, conv, sampling, "openai", _headers_meta(req, body), body, dict(req.headers)
             )
