@@ -10,12 +10,15 @@
    (`raw_tcp_s`; `mooncake_of_raw_tcp` = raw / Mooncake read time).
 2. Publication from a core to 2 rollout engines (`publish` section), each a TorchEngine in its own process like a
    cell worker, on the tiny model and on a ~52M-parameter Qwen3 (`--quick`: ~4M): the core's `WeightPublisher.publish`
-   then both engines `pull_into_engine` concurrently, from the core's shared buffer (shm, what engines on the
-   core's host do) or over Mooncake TCP (what engines on other hosts do), vs the core's `save_pretrained` then both
-   engines `TorchEngine.update_weights_from_disk` concurrently (disk). Timed until both engines serve the new
-   version; the weights change before every publication (not timed), and every engine's parameters are checked
-   bit-equal to the core's after every publication. Paths alternate (shm, mooncake, disk, ...); medians;
-   ratio = disk / shm, ratio_mooncake_tcp = disk / mooncake.
+   then both engines `pull_into_engine` concurrently: bound to the core's newest shared buffer (shm, what engines on
+   the core's host do: pointer swaps, no copy), copying from it (shm_copy, the path before binding, and what an
+   engine of another dtype does), or over Mooncake TCP (what engines on other hosts do), vs the core's
+   `save_pretrained` then both engines `TorchEngine.update_weights_from_disk` concurrently (disk). Timed until both
+   engines serve the new version; the weights change before every publication and the copying paths start from
+   engines with memory of their own (neither timed), and every engine's parameters are checked bit-equal to the
+   core's after every publication. Paths alternate (shm, shm_copy, mooncake, disk, ...); medians; ratio = disk /
+   shm, ratio_shm_copy = disk / shm_copy, ratio_mooncake_tcp = disk / mooncake; core_publish_s = the core's
+   `publish` alone (copy into its buffer and finite check).
 3. Role switches of one cell on the CPU torch engine (`gyre-cell engine serve` subprocess, Qwen3 built offline):
    rollout -> training and training -> rollout with `CellRoleManager` (paper: 8.52 s and 3.46 s at 122B, 4-node cells).
 Each figure is the median of `--repeats` runs.
@@ -225,14 +228,17 @@ def bench_publish(label: str, model_cfg: TinyModelConfig, repeats: int, tmp: Pat
             assert all_call("subscribe", manifest, True) == [True] * engines  # they map the core's buffer
             assert all_call("subscribe", manifest, False) == [False] * engines  # they pull over Mooncake TCP
 
-            def pull(shared: bool) -> tuple[float, float]:
+            def pull(shared: bool, bind: bool = False) -> tuple[float, float]:
+                if not bind:  # memory of their own again, as an engine that never bound has (not timed)
+                    all_call("unbind")
                 t0 = time.perf_counter()
                 pub.publish(model, version=version)
                 t1 = time.perf_counter()
-                assert all_call("pull", shared) == [str(version)] * engines
+                assert all_call("pull", shared, bind) == [str(version)] * engines
                 return time.perf_counter() - t0, t1 - t0
 
             def disk() -> tuple[float, float]:
+                all_call("unbind")
                 out = tmp / f"{label}-v{version}"
                 t0 = time.perf_counter()
                 model.save_pretrained(out)
@@ -242,8 +248,18 @@ def bench_publish(label: str, model_cfg: TinyModelConfig, repeats: int, tmp: Pat
                 shutil.rmtree(out)
                 return dt
 
-            runs: dict[str, list[tuple[float, float]]] = {"shm": [], "mooncake": [], "disk": []}
-            paths = (("shm", lambda: pull(True)), ("mooncake", lambda: pull(False)), ("disk", disk))
+            runs: dict[str, list[tuple[float, float]]] = {
+                "shm": [],
+                "shm_copy": [],
+                "mooncake": [],
+                "disk": [],
+            }
+            paths = (
+                ("shm", lambda: pull(True, bind=True)),
+                ("shm_copy", lambda: pull(True)),
+                ("mooncake", lambda: pull(False)),
+                ("disk", disk),
+            )
             for r in range(repeats + 1):  # the first round warms up every path (connections, allocator)
                 for name, fn in paths:
                     version += 1
@@ -258,6 +274,7 @@ def bench_publish(label: str, model_cfg: TinyModelConfig, repeats: int, tmp: Pat
             p.close()
     mc = statistics.median(t for t, _ in runs["mooncake"])
     sh = statistics.median(t for t, _ in runs["shm"])
+    sc = statistics.median(t for t, _ in runs["shm_copy"])
     dk = statistics.median(t for t, _ in runs["disk"])
     return {
         "params": params,
@@ -265,13 +282,18 @@ def bench_publish(label: str, model_cfg: TinyModelConfig, repeats: int, tmp: Pat
         "engines": engines,
         "repeats": repeats,
         "shm_s": round(sh, 4),
+        "shm_copy_s": round(sc, 4),
         "mooncake_s": round(mc, 4),
-        "core_publish_s": round(statistics.median(c for _, c in runs["mooncake"] + runs["shm"]), 4),
+        "core_publish_s": round(
+            statistics.median(c for k in ("shm", "shm_copy", "mooncake") for _, c in runs[k]), 4
+        ),
         "disk_s": round(dk, 4),
         "disk_save_s": round(statistics.median(c for _, c in runs["disk"]), 4),
         "ratio": round(dk / sh, 2),
+        "ratio_shm_copy": round(dk / sc, 2),
         "ratio_mooncake_tcp": round(dk / mc, 2),
         "shm_runs_s": [round(t, 4) for t, _ in runs["shm"]],
+        "shm_copy_runs_s": [round(t, 4) for t, _ in runs["shm_copy"]],
         "mooncake_runs_s": [round(t, 4) for t, _ in runs["mooncake"]],
         "disk_runs_s": [round(t, 4) for t, _ in runs["disk"]],
         "bytes_equal": True,  # check() asserted it after every publication
@@ -413,11 +435,15 @@ def main(argv: list[str] | None = None) -> int:
                         "params",
                         "engines",
                         "shm_s",
+                        "shm_copy_s",
                         "mooncake_s",
                         "disk_s",
+                        "core_publish_s",
                         "ratio",
+                        "ratio_shm_copy",
                         "ratio_mooncake_tcp",
                         "shm_runs_s",
+                        "shm_copy_runs_s",
                         "mooncake_runs_s",
                         "disk_runs_s",
                         "bytes_equal",

@@ -142,9 +142,8 @@ class WeightStore:
             missing = sorted(set(self._params) - given)
             if missing:
                 raise WeightError(f"checkpoint lacks parameters: {missing[:5]}")
-        self._unbind(
-            keep_values=True
-        )  # bound views are read-only pages: the copy below needs memory of its own
+        # bound views are read-only pages: the copy below needs memory of its own
+        self.unbind()
         for p, t in targets:
             p.data.copy_(t)  # converts dtype and device itself: no intermediate tensor
         return len(targets)
@@ -188,7 +187,7 @@ class WeightStore:
         if previous is not None:
             previous.release()
 
-    def _unbind(self, *, keep_values: bool) -> None:
+    def unbind(self, *, keep_values: bool = True) -> None:
         """Private memory for bound parameters (their current values with `keep_values`), then drop the lease."""
         if self._lease is None:
             return
@@ -209,7 +208,7 @@ class WeightStore:
             self._cpu_backup = {n: p.detach().to("cpu", copy=True) for n, p in self._params.items()}
         elif mode == "disk":
             self._disk_backup = SpillFile(self._params)
-        self._unbind(keep_values=False)  # the backup above read the bound values
+        self.unbind(keep_values=False)  # the backup above read the bound values
         for p in self._params.values():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.released = True
@@ -234,8 +233,7 @@ class WeightStore:
         self.released = False
 
     def close(self) -> None:
-        self._unbind(
-            keep_values=True
-        )  # the model may outlive the engine: never leave it on pages it does not hold
+        # the model may outlive the engine: never leave it on pages it does not hold
+        self.unbind()
         if self._disk_backup is not None:
             self._disk_backup.close()

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..engine import TorchEngine
 
 
-def pull_into_engine(engine: TorchEngine, subscriber: WeightSubscriber) -> str:
+def pull_into_engine(engine: TorchEngine, subscriber: WeightSubscriber, *, bind: bool = True) -> str:
     """Read a consistent snapshot of HF-named weights and apply it to an in-process engine; return its version.
 
     On the publisher's host, when every parameter's dtype and shape match the manifest, the engine binds the newest
@@ -34,9 +34,9 @@ def pull_into_engine(engine: TorchEngine, subscriber: WeightSubscriber) -> str:
     every parameter must be in the snapshot (all-or-nothing: names and shapes are checked before any copy).
     The update lands between two engine steps: running requests continue on the new weights (their per-token
     weight-version spans show where), the prefix cache is flushed, and `/model_info` reports the new version.
-    Blocking (Mooncake read + copy): call it from a worker thread in async code.
+    Blocking (Mooncake read + copy): call it from a worker thread in async code. `bind=False` always copies.
     """
-    if subscriber.shared and engine.weights.bindable(_layout(subscriber)):
+    if bind and subscriber.shared and engine.weights.bindable(_layout(subscriber)):
         with subscriber.lock:
             held = subscriber.lease_newest()
         engine.bind_weights(held.tensors, held.lease, weight_version=str(held.version))

@@ -222,7 +222,8 @@ def engine_process(conn: Connection, model_dir: str, cpu_threads: int | None = 1
     """Child-process main: a TorchEngine on `model_dir` (not served over HTTP) that takes weight publications.
 
     ("subscribe", manifest_json[, shared_memory]) opens a WeightSubscriber -> whether it maps the publisher's
-    buffer; ("pull"[, shared_memory]) -> version (`pull_into_engine`, with that kind of subscriber if it has one);
+    buffer; ("pull"[, shared_memory[, bind]]) -> version (`pull_into_engine`, with that kind of subscriber if it has
+    one; bind=False copies even where it could bind); ("unbind",) gives bound parameters memory of their own;
     ("disk", path, version) -> version (`TorchEngine.update_weights_from_disk`); ("digest",) -> `params_digest`
     of the engine's model; ("version",) -> the served weight version; ("close",).
     """
@@ -255,7 +256,11 @@ def engine_process(conn: Connection, model_dir: str, cpu_threads: int | None = 1
                     sub = subs.get(bool(args[0]) if args else True) or next(iter(subs.values()), None)
                     if sub is None:
                         raise RuntimeError("no subscriber: send ('subscribe', manifest_json) first")
-                    value = pull_into_engine(engine, sub)
+                    value = pull_into_engine(engine, sub, bind=bool(args[1]) if len(args) > 1 else True)
+                elif cmd == "unbind":
+                    with engine.between_steps():
+                        engine.weights.unbind()
+                    value = None
                 elif cmd == "disk":
                     engine.update_weights_from_disk(
                         str(args[0]), weight_version=str(args[1]), flush_cache=True
