@@ -4,7 +4,7 @@
    paths alternating each round: Mooncake TCP on loopback (`WeightSubscriber.read` + copy into same-shaped tensors:
    `mooncake_s`; read alone, the whole cost for a model bound to the buffer with `WeightSubscriber.bind`:
    `mooncake_bound_s`), the publisher's shared buffer mapped here (`read_apply` copying straight into the tensors:
-   `shm_s`), and the baseline of safetensors written to disk by the publisher and loaded here (what
+   `shm_s`; holding its newest slot for a bound engine instead, no copy: `shm_lease_s`), and the baseline of safetensors written to disk by the publisher and loaded here (what
    `update_weights_from_disk` costs; it reads from the page cache, the file was just written, which flatters it).
    Beside them, raw TCP on loopback: the same bytes sent by another process into a preallocated buffer
    (`raw_tcp_s`; `mooncake_of_raw_tcp` = raw / Mooncake read time).
@@ -131,6 +131,10 @@ def bench_transfer(num_params: int, repeats: int, tmp: Path) -> dict:
     """Publisher in another process; into same-shaped tensors here: Mooncake TCP (read, then copy), the shared
     buffer (copy straight from it: `read_apply`), disk (save there, load here, copy); raw TCP beside them. ABAB."""
     peer = _Peer({"random": num_params, "seed": 0})
+    # One thread, as an engine runs (`cpu_threads`): on this shared 2-core machine torch's 2-thread copy of 4 MB
+    # tensors took 0.37 s for 200 MB against 0.03 s on one thread (its workers wait on each other under load).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         manifest = WeightManifest.model_validate_json(peer.call("manifest"))  # type: ignore[arg-type]
         target = {e.name: torch.empty(e.shape, dtype=torch.float32) for e in manifest.tensors}
@@ -139,7 +143,13 @@ def bench_transfer(num_params: int, repeats: int, tmp: Path) -> dict:
             for n, t in tensors.items():
                 target[n].copy_(t)
 
-        runs: dict[str, list[float]] = {"mooncake": [], "mooncake_read": [], "shm": [], "disk": []}
+        runs: dict[str, list[float]] = {
+            "mooncake": [],
+            "mooncake_read": [],
+            "shm": [],
+            "shm_lease": [],
+            "disk": [],
+        }
         tcp = WeightSubscriber(manifest, config=SubscriberConfig(shared_memory=False))
         shm = WeightSubscriber(manifest)
         assert shm.shared, "the publisher's buffer is not mapped here"
@@ -157,6 +167,11 @@ def bench_transfer(num_params: int, repeats: int, tmp: Path) -> dict:
                 shm.read_apply(copy_in)
                 runs["shm"].append(time.perf_counter() - t0)
                 same = all(torch.equal(mooncake_copy[n], target[n]) for n in target)
+                t0 = time.perf_counter()
+                held = shm.lease_newest()  # what a bound engine does instead of copying (then pointer swaps)
+                runs["shm_lease"].append(time.perf_counter() - t0)
+                same = same and all(torch.equal(mooncake_copy[n], held.tensors[n]) for n in target)
+                held.lease.release()
                 out = tmp / f"ckpt{i}"
                 t0 = time.perf_counter()
                 peer.call("save", str(out))
@@ -165,6 +180,7 @@ def bench_transfer(num_params: int, repeats: int, tmp: Path) -> dict:
                 (out / "model.safetensors").unlink()
                 same = same and all(torch.equal(mooncake_copy[n], target[n]) for n in target)
     finally:
+        torch.set_num_threads(threads)
         peer.close()
     runs["raw_tcp"] = raw_tcp(manifest.data_bytes, repeats)
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -175,6 +191,7 @@ def bench_transfer(num_params: int, repeats: int, tmp: Path) -> dict:
         "mooncake_read_s": med["mooncake_read"],
         "mooncake_gib_s": manifest.data_bytes / med["mooncake_read"] / 2**30,
         "shm_s": med["shm"],
+        "shm_lease_s": med["shm_lease"],
         "raw_tcp_s": med["raw_tcp"],
         "raw_tcp_gib_s": manifest.data_bytes / med["raw_tcp"] / 2**30,
         "mooncake_of_raw_tcp": med["raw_tcp"] / med["mooncake_read"],
@@ -410,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                     "mooncake_s": round(transfer["mooncake_s"], 4),
                     "mooncake_gib_s": round(transfer["mooncake_gib_s"], 3),
                     "shm_s": round(transfer["shm_s"], 4),
+                    "shm_lease_s": round(transfer["shm_lease_s"], 6),
                     "raw_tcp_s": round(transfer["raw_tcp_s"], 4),
                     "raw_tcp_gib_s": round(transfer["raw_tcp_gib_s"], 3),
                     "mooncake_of_raw_tcp": round(transfer["mooncake_of_raw_tcp"], 3),
