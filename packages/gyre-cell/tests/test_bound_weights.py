@@ -16,7 +16,7 @@ from gyre_cell.engine import EngineConfig, TorchEngine
 from gyre_cell.engine.weights import WeightStore, load_checkpoint_dir
 from gyre_cell.errors import TransferError
 from gyre_cell.transfer import SubscriberConfig, WeightPublisher, WeightSubscriber
-from gyre_cell.transfer.engine_loader import pull_into_engine
+from gyre_cell.transfer.engine_loader import bind_published, pull_into_engine
 from gyre_cell.transfer.peer import PeerProcess, engine_process
 
 
@@ -190,3 +190,23 @@ def test_tied_weights_keep_sharing_when_bound() -> None:
         assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
         store.close()
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_the_cores_own_engine_binds_its_publishers_newest_slot_read_only(
+    engine: TorchEngine, tiny_model: Path, tiny_model_b: Path
+) -> None:
+    a, b = load_checkpoint_dir(tiny_model), load_checkpoint_dir(tiny_model_b)
+    with WeightPublisher(a, version=7, lease_wait_s=0) as pub:
+        own = pub.tensors()  # what the core's worker hands its in-process engine
+        assert bind_published(engine, own, "7") and engine.weight_version == "7" and _serves(engine, a)
+        writable = {t.untyped_storage().data_ptr() for t in own.values()}
+        assert not writable & {
+            p.untyped_storage().data_ptr() for p in engine.model.parameters()
+        }  # own mapping
+        pub.publish(b, version=8)
+        with pytest.raises(TransferError, match="still serves version 7"):
+            pub.publish(a, version=9)
+        assert bind_published(engine, pub.tensors(), "8") and _serves(engine, b)
+        pub.publish(a, version=9)  # the engine moved to 8's slot
+        assert not bind_published(engine, own, "7")  # 7's slot holds 9 now: nothing binds, nothing changes
+        assert _serves(engine, b) and engine.weights.bound and engine.weight_version == "8"

@@ -81,9 +81,12 @@ class InProcessEngine:
         own: Mapping[str, torch.Tensor] | None,
         subscriber: WeightSubscriber | None,
     ) -> str:
-        if own is not None:  # the core: its own published buffer
-            # its publisher refused NaN/inf (`WeightPublisher.check_finite`)
-            self.engine.update_weights(own, weight_version=str(ref.version), check_finite=False)
+        if own is not None:  # the core: its own published buffer, served in place where it can be (no copy)
+            from gyre_cell.transfer.engine_loader import bind_published
+
+            if not bind_published(self.engine, own, str(ref.version)):
+                # its publisher refused NaN/inf (`WeightPublisher.check_finite`)
+                self.engine.update_weights(own, weight_version=str(ref.version), check_finite=False)
             return str(ref.version)
         if subscriber is not None:
             from gyre_cell.transfer.engine_loader import pull_into_engine

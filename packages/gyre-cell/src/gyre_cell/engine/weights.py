@@ -160,7 +160,7 @@ class WeightStore:
             except WeightError:
                 return False
             p = self._params[resolved]
-            if str(p.dtype).removeprefix("torch.") != dtype or list(p.shape) != list(shape):
+            if str(p.dtype).removeprefix("torch.") != dtype or list(p.shape) != list(shape):  # `dtype_name`
                 return False
             seen.add(resolved)
         return seen == set(self._params)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..client import RolloutEngine
+from ..weight_sync import dtype_name
 from .subscriber import WeightSubscriber
 
 if TYPE_CHECKING:
@@ -59,6 +60,21 @@ def pull_into_engine(engine: TorchEngine, subscriber: WeightSubscriber, *, bind:
 
 def _layout(subscriber: WeightSubscriber) -> list[tuple[str, str, list[int]]]:
     return [(e.name, e.dtype, e.shape) for e in subscriber.manifest.tensors]
+
+
+def bind_published(engine: TorchEngine, own: Mapping[str, torch.Tensor], weight_version: str) -> bool:
+    """The core's own engine (same process as the publisher): serve `own` (`WeightPublisher.tensors()`) as its
+    parameters, read-only views of that publication's slot under a lease, if dtypes and shapes match and the slot
+    still holds it. False: nothing changed, copy `own` in instead."""
+    hold = getattr(own, "hold", None)
+    layout = [(n, dtype_name(t.dtype), list(t.shape)) for n, t in own.items()]
+    if hold is None or not engine.weights.bindable(layout):
+        return False
+    held = hold()
+    if held is None:
+        return False
+    engine.bind_weights(held.tensors, held.lease, weight_version=weight_version)
+    return True
 
 
 def published_weights_loader(

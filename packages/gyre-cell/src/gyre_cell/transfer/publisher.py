@@ -11,7 +11,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -34,7 +34,7 @@ from .manifest import (
     tensor_views,
 )
 from .mooncake import MooncakeConfig, open_transfer_engine, peer_address
-from .shm import SharedBuffer
+from .shm import LeasedSlot, SharedBuffer, SharedMapping, SlotLease, map_shared
 
 MANIFEST_PATH = "/weights/manifest"
 FINITE_CHUNK = 1 << 17
@@ -76,6 +76,21 @@ class _Slot:
     header: torch.Tensor
     views: dict[str, torch.Tensor]
     shared: SharedBuffer | None
+    readonly: tuple[SharedMapping, dict[str, torch.Tensor]] | None = None
+    """The slot mapped again, read-only, for an engine in this process to bind (made once, on first use)."""
+
+
+class PublishedTensors(dict[str, torch.Tensor]):
+    """`WeightPublisher.tensors()`: the newest publication's views; `hold()` gives an engine in this process the
+    same publication as read-only views under a lease (`WeightStore.bind`), or None where it cannot (one slot in
+    private memory, a write open, or the publisher has moved on since)."""
+
+    def __init__(self, views: dict[str, torch.Tensor], hold: Callable[[], LeasedSlot | None]) -> None:
+        super().__init__(views)
+        self._hold = hold
+
+    def hold(self) -> LeasedSlot | None:
+        return self._hold()
 
 
 class WeightPublisher:
@@ -177,10 +192,33 @@ class WeightPublisher:
             finite_checked=self.check_finite,
         )
 
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self) -> PublishedTensors:
         """Views of the newest publication (read them only between writes: with one slot, the next write
         overwrites them; with two, the one after it)."""
-        return dict(self._slots[self._newest].views)
+        i = self._newest
+        generation = int(self._slots[i].header[GENERATION])
+        return PublishedTensors(self._slots[i].views, lambda: self._hold(i, generation))
+
+    def _hold(self, i: int, generation: int) -> LeasedSlot | None:
+        """Slot `i` as read-only views under a lease, if it still holds publication `generation`."""
+        slot = self._slots[i]
+        if slot.shared is None:
+            return None
+        if slot.readonly is None:
+            mapping = map_shared(slot.shared.ref, slot.buffer.numel())
+            if mapping is None:
+                return None
+            slot.readonly = mapping, tensor_views(mapping.tensor, self._entries)
+        mapping, views = slot.readonly
+        lease = SlotLease.take(slot.shared.ref.path, mapping.identity)
+        if lease is None:  # a write into it is open
+            return None
+        seq, version = int(slot.header[SEQ]), int(slot.header[VERSION])
+        if seq % 2 or int(slot.header[GENERATION]) != generation:  # written since `tensors()`, or aborted
+            lease.release()
+            return None
+        start = mapping.tensor.data_ptr()
+        return LeasedSlot(version, views, lease, (start, start + mapping.tensor.numel()))
 
     def begin_write(self) -> dict[str, torch.Tensor]:
         """Open a write into the slot not holding the newest publication and return its tensor views; readers of

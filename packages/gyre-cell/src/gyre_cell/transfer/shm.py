@@ -22,7 +22,7 @@ import mmap
 import os
 import secrets
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -180,3 +180,15 @@ def map_shared(ref: SharedMemoryRef, length: int) -> SharedMapping | None:
     if bytes(tensor[NONCE_SLICE].numpy()) != bytes.fromhex(ref.nonce):
         return None  # the same path in another process (a PID namespace): not this publisher's buffer
     return SharedMapping(tensor, ref.path, (st.st_dev, st.st_ino))
+
+
+@dataclass
+class LeasedSlot:
+    """The newest publication on this host, held: `tensors` are read-only views of the publisher's pages, which it
+    does not overwrite until `lease` is released (`WeightStore.bind` takes it over)."""
+
+    version: int
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+    lease: SlotLease
+    region: tuple[int, int]
+    """[start, end) addresses of the mapped slot in this process."""

@@ -30,7 +30,7 @@ from .manifest import (
     tensor_views,
 )
 from .mooncake import MooncakeConfig, open_transfer_engine
-from .shm import SharedMapping, SlotLease, map_shared
+from .shm import LeasedSlot, SharedMapping, SlotLease, map_shared
 
 
 class SubscriberConfig(BaseModel):
@@ -65,18 +65,6 @@ def fetch_manifest(url: str, *, timeout_s: float = 10.0) -> WeightManifest:
     if resp.status_code != 200:
         raise TransferError(f"manifest at {url} answered {resp.status_code}: {resp.text[:200]}")
     return WeightManifest.model_validate_json(resp.content)
-
-
-@dataclass
-class LeasedSlot:
-    """The newest publication on this host, held: `tensors` are read-only views of the publisher's pages, which it
-    does not overwrite until `lease` is released (`WeightStore.bind` takes it over)."""
-
-    version: int
-    tensors: dict[str, torch.Tensor] = field(repr=False)
-    lease: SlotLease
-    region: tuple[int, int]
-    """[start, end) addresses of the mapped slot in this process."""
 
 
 class WeightSubscriber:
