@@ -6,7 +6,7 @@ per attempt instead of RDMA/TCP reads. Nothing beyond the buffer is held: the bo
 memory as it is, and the reader checks the sequence number sent before the data against the one sent after it.
 
 Endpoints (every one needs `Authorization: Bearer <run secret>`; anything else is a 4xx, never a 5xx):
-- `GET /weights/manifest`: the `WeightManifest` (peer = this server's base URL, buffer_addr = the buffer's id).
+- `GET /weights/manifest`: the `WeightManifest` (peer = this server's base URL, one slot whose addr is the buffer's id).
 - `GET /weights/data?addr=A`: 200 with headers `x-gyre-seq`, `x-gyre-version` and a body of the buffer's data
   region (`length - HEADER_BYTES` bytes) followed by the 8-byte little-endian sequence number read after it; 503
   while a write is open; 409 when `addr` is not this buffer (a manifest of another publisher).
