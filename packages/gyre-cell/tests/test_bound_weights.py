@@ -1,11 +1,14 @@
 """Engines on the publisher's host serve its newest buffer as their parameters (`WeightStore.bind`): two alternating
-slots, a lease that keeps the publisher off the slot an engine serves, and every other weight path (disk update,
-release, resume, close, another dtype) working on read-only bound pages without a crash."""
+slots, a lease that keeps the publisher off the slot an engine serves (and an engine that missed a publication
+revoked, never serving torn weights), and every other weight path (disk update, release, resume, close, another
+dtype) working on read-only bound pages without a crash."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +16,8 @@ import pytest
 import torch
 
 from gyre_cell.engine import EngineConfig, TorchEngine
+from gyre_cell.engine.request import SamplingSpec
 from gyre_cell.engine.weights import WeightStore, load_checkpoint_dir
-from gyre_cell.errors import TransferError
 from gyre_cell.transfer import SubscriberConfig, WeightPublisher, WeightSubscriber
 from gyre_cell.transfer.engine_loader import bind_published, pull_into_engine
 from gyre_cell.transfer.peer import PeerProcess, engine_process
@@ -33,6 +36,25 @@ def engine(tiny_model_b: Path) -> Iterator[TorchEngine]:
 
 def _serves(engine: TorchEngine, expected: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(p.detach(), expected[n]) for n, p in engine.model.named_parameters())
+
+
+def _generate(engine: TorchEngine, rid: str) -> dict:
+    """One greedy request of 4 tokens; its final response."""
+    out: dict = {}
+    done = threading.Event()
+
+    def sink(response: dict, final: bool) -> None:
+        if final:
+            out.update(response)
+            done.set()
+
+    spec = SamplingSpec(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.submit(rid=rid, input_ids=[3, 1, 4], sampling=spec, return_logprob=False, stream=False, sink=sink)
+    assert done.wait(60)
+    return out
+
+
+_MISSED = "missed a publication"
 
 
 def _inside(engine: TorchEngine, sub: WeightSubscriber, slot: int) -> bool:
@@ -59,9 +81,6 @@ def test_a_bound_engine_keeps_its_version_while_the_next_is_written_then_binds_i
         assert _inside(engine, sub, 1) and _serves(engine, b)  # pointers swapped, nothing copied
 
         pub.publish(a, version=9)  # slot 0 again: the engine let go of it when it bound slot 1
-        with pytest.raises(TransferError, match="still serves version 8"):
-            pub.publish(a, version=10)  # slot 1 is the engine's (it lags at 8): refused, nothing written
-        assert pub.version == 9 and _serves(engine, b)
         assert pull_into_engine(engine, sub) == "9" and _inside(engine, sub, 0) and _serves(engine, a)
         pub.publish(b, version=10)  # the engine moved on: slot 1 is free
         engine.close()  # closing drops the lease on slot 0 (its parameters get memory of their own)
@@ -69,20 +88,69 @@ def test_a_bound_engine_keeps_its_version_while_the_next_is_written_then_binds_i
         pub.publish(a, version=11)
 
 
-def test_a_killed_engine_process_releases_its_lease(tiny_model: Path, tiny_model_b: Path) -> None:
+def test_an_engine_that_missed_a_publication_is_revoked_not_waited_for(
+    engine: TorchEngine,
+    tiny_model: Path,
+    tiny_model_b: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bound engine that lags two publications would stop the publisher for good: the write goes ahead after the
+    lease wait, and the engine finds its pages rewritten after the step that read them, keeps nothing that step
+    computed, ends its requests aborted and serves nothing until it loads again."""
     a, b = load_checkpoint_dir(tiny_model), load_checkpoint_dir(tiny_model_b)
-    with WeightPublisher(a, version=1, lease_wait_s=0) as pub:
+    with (
+        WeightPublisher(a, version=1, lease_wait_s=0) as pub,
+        WeightSubscriber(pub.manifest()) as sub,
+    ):
+        assert pull_into_engine(engine, sub) == "1" and _inside(engine, sub, 0)
+        served = _generate(engine, "before")
+        assert served["meta_info"]["finish_reason"]["type"] == "length"
+        pub.publish(b, version=2)  # slot 1; the engine misses it and keeps slot 0
+        assert engine.weights.intact() and not caplog.records
+        step = engine.runner.step
+
+        def step_then_publish(*args):  # the gate: version 3 is written while the engine is inside a step
+            logits = step(*args)
+            if pub.version == 2:
+                pub.publish(b, version=3)  # slot 0, still the engine's: written after the (zero) wait
+            return logits
+
+        monkeypatch.setattr(engine.runner, "step", step_then_publish)
+        with caplog.at_level(logging.WARNING):
+            revoked = _generate(engine, "revoked")
+        assert pub.version == 3 and _MISSED in caplog.text
+        assert revoked["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "revoked" in revoked["meta_info"]["finish_reason"]["message"]
+        assert revoked["output_ids"] == []  # the token of the step that read the rewritten pages is not kept
+        assert engine.weights.revoked and not engine.weights.bound
+        assert (
+            _generate(engine, "still")["meta_info"]["finish_reason"]["type"] == "abort"
+        )  # nothing until a load
+
+        assert pull_into_engine(engine, sub) == "3" and _serves(engine, b) and not engine.weights.revoked
+        again = _generate(engine, "after")
+        assert again["meta_info"]["finish_reason"]["type"] == "length" and len(again["output_ids"]) == 4
+
+
+def test_a_killed_engine_process_releases_its_lease(
+    tiny_model: Path, tiny_model_b: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = load_checkpoint_dir(tiny_model), load_checkpoint_dir(tiny_model_b)
+    with WeightPublisher(a, version=1, lease_wait_s=0) as pub, caplog.at_level(logging.WARNING):
         peer = PeerProcess(engine_process, str(tiny_model_b))
         try:
             assert peer.call("subscribe", pub.manifest().model_dump_json()) is True
             assert peer.call("pull") == "1"  # bound to slot 0
             pub.publish(b, version=2)  # slot 1
-            with pytest.raises(TransferError, match="still serves version 1"):
-                pub.publish(a, version=3)
+            pub.publish(a, version=3)  # slot 0, held by the engine: written anyway, the engine revoked
+            assert caplog.text.count(_MISSED) == 1
+            assert peer.call("pull") == "3"  # it loads again: bound to slot 0
+            pub.publish(b, version=4)  # slot 1 is free
             os.kill(peer.proc.pid, signal.SIGKILL)
             peer.proc.join()
-            pub.publish(a, version=3)  # the kernel dropped the dead engine's lock
-            assert pub.version == 3
+            pub.publish(a, version=5)  # slot 0: the kernel dropped the dead engine's lock, nothing revoked
+            assert pub.version == 5 and caplog.text.count(_MISSED) == 1
         finally:
             peer.close()
 
@@ -204,8 +272,6 @@ def test_the_cores_own_engine_binds_its_publishers_newest_slot_read_only(
             p.untyped_storage().data_ptr() for p in engine.model.parameters()
         }  # own mapping
         pub.publish(b, version=8)
-        with pytest.raises(TransferError, match="still serves version 7"):
-            pub.publish(a, version=9)
         assert bind_published(engine, pub.tensors(), "8") and _serves(engine, b)
         pub.publish(a, version=9)  # the engine moved to 8's slot
         assert not bind_published(engine, own, "7")  # 7's slot holds 9 now: nothing binds, nothing changes

@@ -18,6 +18,7 @@ import torch
 from pydantic import ValidationError
 
 from gyre_cell.engine.weights import load_checkpoint_dir
+from gyre_cell.errors import TransferError
 from gyre_cell.transfer import (
     MooncakeUnavailableError,
     SubscriberConfig,
@@ -27,7 +28,8 @@ from gyre_cell.transfer import (
     WeightSubscriber,
     fetch_manifest,
 )
-from gyre_cell.transfer.manifest import HEADER_BYTES, BufferSlot, plan_layout, tensor_views
+from gyre_cell.transfer.manifest import HEADER_BYTES, MAGIC, BufferSlot, plan_layout, tensor_views
+from gyre_cell.transfer.mooncake import read_pieces
 from gyre_cell.transfer.peer import publisher_process
 
 
@@ -328,3 +330,22 @@ def test_manifest_round_trips_and_rejects_malformed() -> None:
     for bad in bad_cases:
         with pytest.raises(ValidationError):
             WeightManifest.model_validate(bad)
+
+
+def test_a_read_the_publisher_refuses_fails_and_every_piece_has_ended(peer: Peer) -> None:
+    """`read_pieces` (asynchronous pieces, polled with pauses): a piece outside the publisher's registered buffer
+    fails as a TransferError, after the valid pieces beside it completed (no late write into the buffer)."""
+    manifest = fetch_manifest(peer.manifest_url())
+    with _subscriber(manifest, "mooncake") as sub:
+        local, remote = sub._buffer.data_ptr(), manifest.slots[0].addr
+        sub._buffer.zero_()
+        with pytest.raises(TransferError, match=r"1 failed|1 pieces refused"):
+            read_pieces(
+                sub._engine,
+                manifest.peer,
+                [local, local + 4096],
+                [remote, remote + manifest.length + (1 << 30)],  # the second lies outside what it registered
+                [4096, 4096],
+                timeout_s=60,
+            )
+        assert int(sub._buffer[:24].view(torch.int64)[2]) == MAGIC  # the valid piece (the header) arrived

@@ -27,6 +27,19 @@ def core() -> Iterator[PeerProcess]:
         yield c
 
 
+def test_over_mooncake_a_satellite_gets_the_subscribers_buffer_without_another_copy(
+    core: PeerProcess,
+) -> None:
+    """Across hosts the read lands in the subscriber's own buffer and `load` returns it (valid until the next load,
+    as the protocol says): the satellite copies it into its model, one copy after the transfer, not two."""
+    ref3 = core.call("publish", 3, N, 103)
+    with MooncakeSnapshotChannel(subscriber=SubscriberConfig(shared_memory=False)) as sat:
+        flat3 = sat.load(ref3)
+        assert torch.equal(flat3, random_flat(N, 103))
+        flat4 = sat.load(core.call("publish", 4, N, 104))
+        assert torch.equal(flat4, random_flat(N, 104)) and flat4.data_ptr() == flat3.data_ptr()
+
+
 @pytest.mark.slow
 def test_satellite_loads_each_batch_bit_exact_and_a_stale_ref_raises(core: PeerProcess) -> None:
     ref3 = core.call("publish", 3, N, 103)

@@ -20,6 +20,7 @@ __all__ = [
     "StaleSnapshotError",
     "TornSnapshotError",
     "TransferError",
+    "TransferTimeoutError",
     "VLLMEnvError",
     "WeightError",
     "ZygoteError",
@@ -81,6 +82,11 @@ class TornSnapshotError(RuntimeError):
 
 class TransferError(RuntimeError):
     """A Mooncake read failed (peer gone, address not registered, layout mismatch)."""
+
+
+class TransferTimeoutError(TransferError):
+    """A Mooncake read still running after its timeout: its late bytes may still land, so the buffer it was
+    reading into is unusable (the subscriber closes itself)."""
 
 
 class VLLMEnvError(RuntimeError):

@@ -28,7 +28,8 @@ class SnapshotChannel(Protocol):
         ...
 
     def load(self, ref: str) -> torch.Tensor:
-        """Satellite: the flat parameters the reference names (a consistent snapshot; raise on a torn or stale read)."""
+        """Satellite: the flat parameters the reference names (a consistent snapshot; raise on a torn or stale read).
+        The tensor may be the channel's own buffer, valid until its next `load`: copy it out before loading again."""
         ...
 
     def close(self) -> None: ...

@@ -384,7 +384,24 @@ class TorchEngine:
                 req.cached_tokens = seq.num_cached
             self.running.append(req)
 
+    def _revoked(self) -> bool:
+        """Bound weights whose buffer the publisher rewrote (the engine missed a publication): every request
+        ends, aborted, so its caller continues it elsewhere; nothing runs until a whole load (`WeightStore.revoke`).
+        """
+        if not self.weights.revoked and self.weights.intact():
+            return False
+        self.weights.revoke()
+        message = "engine weights revoked: this engine missed a publication; it serves again once it loads"
+        for req in list(self.running) + list(self.waiting):
+            self._finish(req, {"type": "abort", "message": message})
+        if self.kv.allocated:
+            self.migrator.drop_adopted()
+            self.kv.flush()
+        return True
+
     def _step(self) -> None:
+        if self._revoked():
+            return
         self._admit()
         batch: list[StepInput] = []
         for req in list(self.running):
@@ -406,6 +423,8 @@ class TorchEngine:
             return
         stepped = list(self.running)
         logits_BV = self.runner.step(batch, self.kv)
+        if self._revoked():  # the step read pages being rewritten: nothing it computed is kept
+            return
         params = [(r.sampling.temperature, r.sampling.top_p, r.sampling.top_k, r.generator) for r in stepped]
         forced = [r.forced.pop(0) if r.forced else None for r in stepped] if self.script is not None else None
         tokens, logprobs, failed = sample_batch(logits_BV, params, self._gen, forced)

@@ -7,7 +7,8 @@ or nothing with `none`).
 Bound parameters (`WeightStore.bind`): on the publisher's host the parameters can be read-only views of the
 publisher's newest buffer, held by a lease (`gyre_cell.transfer.shm.SlotLease`) so it is not overwritten. Writing
 into those pages would kill the process (SIGSEGV): every path that writes parameters (`apply`) or drops them
-(`release`, `close`) first gives them private memory or lets go of the views, and then of the lease.
+(`release`, `close`) first gives them private memory or lets go of the views, and then of the lease. A lease the
+publisher broke (the engine missed a publication) makes the engine revoke them (`intact`, `revoke`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class Lease(Protocol):
     """What keeps a bound buffer from being overwritten (`gyre_cell.transfer.shm.SlotLease`)."""
 
     def release(self) -> None: ...
+
+    def intact(self) -> bool:
+        """False once the publisher began rewriting the buffer anyway (the engine missed a publication)."""
+        ...
 
 
 def load_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
@@ -92,10 +97,30 @@ class WeightStore:
         self._meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._lease: Lease | None = None
         """Held while the parameters are read-only views of a publisher's buffer (`bind`)."""
+        self._meta_of = {n: (p.shape, p.dtype) for n, p in self._params.items()}
+        self.revoked = False
+        """The bound buffer was rewritten under the engine (`revoke`): nothing to serve until a whole load."""
 
     @property
     def bound(self) -> bool:
         return self._lease is not None
+
+    def intact(self) -> bool:
+        """False once the buffer the parameters are bound to is being rewritten (the publisher overwrote the slot of
+        an engine that missed a publication: `gyre_cell.transfer.shm`). Check it after the reads it vouches for."""
+        return self._lease is None or self._lease.intact()
+
+    def revoke(self) -> None:
+        """Stop using bound parameters whose buffer is being rewritten: they get private memory of the right
+        shape, holding nothing, and `revoked` stays set until a whole load (`bind`, or `apply` with `strict`)."""
+        if self._lease is None:
+            return
+        self.unbind(keep_values=False)
+        with torch.inference_mode(False):
+            for name, p in self._params.items():
+                shape, dtype = self._meta_of[name]
+                p.data = torch.empty(shape, dtype=dtype, device=self.device)
+        self.revoked = True
 
     def _resolve(self, name: str) -> torch.nn.Parameter:
         return self._params[self._resolve_name(name)]
@@ -142,10 +167,15 @@ class WeightStore:
             missing = sorted(set(self._params) - given)
             if missing:
                 raise WeightError(f"checkpoint lacks parameters: {missing[:5]}")
+        if self.revoked and not strict:
+            raise WeightError(
+                "weights are revoked (their buffer was rewritten): only a whole load restores them"
+            )
         # bound views are read-only pages: the copy below needs memory of its own
         self.unbind()
         for p, t in targets:
             p.data.copy_(t)  # converts dtype and device itself: no intermediate tensor
+        self.revoked = False
         return len(targets)
 
     def bindable(self, entries: Iterable[tuple[str, str, list[int]]]) -> bool:
@@ -183,6 +213,7 @@ class WeightStore:
                 )
         for name, p in self._params.items():
             p.data = views[name]
+        self.revoked = False
         previous, self._lease = self._lease, lease
         if previous is not None:
             previous.release()

@@ -8,6 +8,7 @@ this host can serve the newest slot's pages as its parameters (`WeightStore.bind
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -18,11 +19,10 @@ from typing import Any
 
 import torch
 
-from gyre_cell.errors import TransferError
-
 from ..engine.weights import all_finite
 from .manifest import (
     GENERATION,
+    HEADER_BYTES,
     MAGIC,
     MAGIC_SLOT,
     MAX_SLOTS,
@@ -37,6 +37,7 @@ from .mooncake import MooncakeConfig, open_transfer_engine, peer_address
 from .shm import LeasedSlot, SharedBuffer, SharedMapping, SlotLease, map_shared
 
 MANIFEST_PATH = "/weights/manifest"
+log = logging.getLogger(__name__)
 FINITE_CHUNK = 1 << 17
 """Values copied and checked at a time by `copy_finite` (512 KiB of float32: stays in L2)."""
 LOCK_POLL_S = (0.001, 0.05)
@@ -103,7 +104,7 @@ class WeightPublisher:
     `shared_memory=False` keeps the buffer in private memory (Mooncake only, one slot).
     `slots`: 2 (shared memory only) lets same-host engines bind the newest publication; 1 is a single buffer.
     `lease_wait_s`: how long a write waits for an engine still serving the target slot to move on (`SlotLease`)
-    before it raises TransferError.
+    before it writes anyway, revoking that engine's weights (`_lock_slot`).
     """
 
     def __init__(
@@ -115,7 +116,7 @@ class WeightPublisher:
         check_finite: bool = True,
         shared_memory: bool = True,
         slots: int = MAX_SLOTS,
-        lease_wait_s: float = 5.0,
+        lease_wait_s: float = 1.0,
     ) -> None:
         if not 1 <= slots <= MAX_SLOTS:
             raise ValueError(f"slots must be 1..{MAX_SLOTS}, got {slots}")
@@ -137,6 +138,7 @@ class WeightPublisher:
                 break
         self._newest = len(self._slots) - 1  # the first publication goes into slot 0
         self._target = 0
+        self._locked = False  # the target slot's exclusive lock is held (`_lock_slot`)
         self._generation = 0
         self._lock = threading.Lock()
         self._write_seq = 0
@@ -217,6 +219,7 @@ class WeightPublisher:
         if seq % 2 or int(slot.header[GENERATION]) != generation:  # written since `tensors()`, or aborted
             lease.release()
             return None
+        lease.watch(mapping.tensor[:HEADER_BYTES].view(torch.int64), seq)
         start = mapping.tensor.data_ptr()
         return LeasedSlot(version, views, lease, (start, start + mapping.tensor.numel()))
 
@@ -226,7 +229,7 @@ class WeightPublisher:
 
         The sequence number stays odd while a write is open, so a reader that saw any byte of a partial write
         sees a different sequence number afterwards. On x86 (TSO) stores become visible in program order.
-        Raises TransferError when an engine keeps serving the target slot past `lease_wait_s`.
+        An engine still serving the target slot after `lease_wait_s` has its weights revoked (`_lock_slot`).
         """
         self._lock.acquire()
         try:
@@ -242,7 +245,11 @@ class WeightPublisher:
         return self._slots[self._target].views
 
     def _lock_slot(self, slot: _Slot) -> None:
-        """The slot's exclusive lock (shared memory only): no engine serves its pages any more."""
+        """The slot's exclusive lock (shared memory only): no engine serves its pages any more. An engine that
+        still does after `lease_wait_s` missed a publication (a failed load, a hung process): the write goes ahead
+        without the lock, and that engine finds its lease broken after its next step (`SlotLease.intact`) and
+        serves nothing until it loads again, rather than every later publication stopping for it."""
+        self._locked = False
         if slot.shared is None:
             return
         deadline = time.monotonic() + self.lease_wait_s
@@ -250,18 +257,22 @@ class WeightPublisher:
         while not slot.shared.lock_exclusive():
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferError(
-                    f"not published: an engine still serves version {int(slot.header[VERSION])} from the slot "
-                    f"this publication would overwrite ({slot.shared.ref.path}; waited {self.lease_wait_s} s "
-                    "for it to load a newer one)"
+                log.warning(
+                    "an engine still serves version %d from the slot this publication overwrites (%s): it missed "
+                    "a publication; its weights are revoked until it loads again",
+                    int(slot.header[VERSION]),
+                    slot.shared.ref.path,
                 )
+                return
             time.sleep(min(pause, left))
             pause = min(pause * 2, LOCK_POLL_S[1])
+        self._locked = True
 
     def _unlock_slot(self) -> None:
         shared = self._slots[self._target].shared
-        if shared is not None:
+        if shared is not None and self._locked:
             shared.unlock()
+            self._locked = False
 
     def end_write(self, version: int) -> None:
         """Close the open write: its slot now holds `version`, the newest publication. A version the header cannot

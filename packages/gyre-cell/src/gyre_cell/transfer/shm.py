@@ -12,6 +12,13 @@ An engine whose parameters are views of a mapped buffer (`WeightStore.bind`) hol
 `flock` on its own open of the file (a separate open file description, so it conflicts with the publisher's). The
 publisher takes the exclusive lock before it writes a buffer (`SharedBuffer.lock_exclusive`): it never overwrites
 the weights an engine is serving, and the kernel drops a dead engine's lock with its process.
+
+An engine that missed a publication (its load failed, or it hung) would hold its lease forever and stop every
+publication after the next one. So the publisher waits for the lock only a bounded time, then writes anyway; the
+lease remembers the sequence number of what it holds (`SlotLease.watch`), and the engine checks it after every step
+(`WeightStore.intact`): a step that ran while its pages were being rewritten is thrown away and the engine serves
+nothing until it loads again (`TorchEngine` revokes its weights). A lagging engine fails its calls; it never serves
+torn weights.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .manifest import NONCE_SLICE, SharedMemoryRef
+from .manifest import NONCE_SLICE, SEQ, SharedMemoryRef
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -108,6 +115,18 @@ class SlotLease:
     def __init__(self, fd: int, path: str) -> None:
         self._fd: int | None = fd
         self.path = path
+        self._header: torch.Tensor | None = None
+        self._seq = 0
+
+    def watch(self, header: torch.Tensor, seq: int) -> None:
+        """`header`: the int64 words of the slot's header as mapped here; `seq`: its sequence number when taken."""
+        self._header, self._seq = header, seq
+
+    def intact(self) -> bool:
+        """Whether the publisher has not begun to rewrite the slot since the lease was taken (it does so only after
+        waiting for the lock in vain: the holder missed a publication). A seqlock read: check it after the reads
+        it vouches for."""
+        return self._header is None or int(self._header[SEQ]) == self._seq
 
     @classmethod
     def take(cls, path: str, identity: tuple[int, int]) -> SlotLease | None:

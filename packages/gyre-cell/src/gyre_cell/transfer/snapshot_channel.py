@@ -126,9 +126,11 @@ class MooncakeSnapshotChannel:
                 got: dict[str, torch.Tensor] = {}
 
                 def take(tensors: dict[str, torch.Tensor], _version: int) -> None:
-                    got[FLAT] = tensors[FLAT].clone()  # a write overlapping a mapped read runs this again
+                    # the mapped publisher's pages: a copy (a write overlapping it runs this again); the
+                    # subscriber's own buffer: itself, valid until its next read (the protocol's contract)
+                    got[FLAT] = tensors[FLAT].clone() if sub.shared else tensors[FLAT]
 
-                try:  # one copy, out of the mapped buffer or of the subscriber's own (refilled by its next read)
+                try:
                     version = sub.read_apply(take)
                 except TornSnapshotError as e:
                     raise SnapshotError(f"torn snapshot {ref!r}: {e}") from e

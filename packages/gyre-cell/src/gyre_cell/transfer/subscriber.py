@@ -17,7 +17,7 @@ import httpx
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from gyre_cell.errors import TornSnapshotError, TransferError
+from gyre_cell.errors import TornSnapshotError, TransferError, TransferTimeoutError
 
 from .manifest import (
     GENERATION,
@@ -29,7 +29,7 @@ from .manifest import (
     WeightManifest,
     tensor_views,
 )
-from .mooncake import MooncakeConfig, open_transfer_engine
+from .mooncake import MooncakeConfig, open_transfer_engine, read_pieces
 from .shm import LeasedSlot, SharedMapping, SlotLease, map_shared
 
 
@@ -39,7 +39,9 @@ class SubscriberConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     bucket_bytes: int = 32 << 20
-    """Size of one slice of the batched read (Mooncake moves the slices of one batch concurrently)."""
+    """Size of one piece of a Mooncake read (the pieces move concurrently: `mooncake.read_pieces`)."""
+    read_timeout_s: float = 120.0
+    """A Mooncake read still running after this raises TransferTimeoutError and closes the subscriber."""
     max_attempts: int = 50
     """Reads tried before giving up on a publisher that keeps writing."""
     retry_backoff_s: float = 0.01
@@ -170,13 +172,18 @@ class WeightSubscriber:
         bucket = self.config.bucket_bytes
         offsets = range(HEADER_BYTES, end, bucket)
         lengths = [min(bucket, end - o) for o in offsets]
-        rc = self._engine.batch_transfer_sync_read(
-            self.manifest.peer, [base_local + o for o in offsets], [base_peer + o for o in offsets], lengths
-        )
-        if rc != 0:
-            raise TransferError(
-                f"batch read of {self.manifest.data_bytes} bytes from {self.manifest.peer} failed"
+        try:
+            read_pieces(
+                self._engine,
+                self.manifest.peer,
+                [base_local + o for o in offsets],
+                [base_peer + o for o in offsets],
+                lengths,
+                timeout_s=self.config.read_timeout_s,
             )
+        except TransferTimeoutError:
+            self.close()  # pieces still running may write into the buffer later: nothing may read it again
+            raise
 
     def read(self, *, after_data: Callable[[], None] | None = None) -> Snapshot:
         """Pull a consistent snapshot (seqlock: header, data, header; retry if a write overlapped).
@@ -256,6 +263,7 @@ class WeightSubscriber:
                 lease = SlotLease.take(mapping.path, mapping.identity)
                 if lease is not None:
                     if self._seq_now(slot) == seq0:
+                        lease.watch(mapping.tensor[:HEADER_BYTES].view(torch.int64), seq0)
                         start = mapping.tensor.data_ptr()
                         return LeasedSlot(
                             version, self._shared_views[slot], lease, (start, start + mapping.tensor.numel())
