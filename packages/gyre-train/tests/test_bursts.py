@@ -223,3 +223,15 @@ def test_wait_claimed_holds_until_the_satellite_claimed_not_just_joined(tiny_mod
             coord.wait_claimed(1, timeout=0.01)
     finally:
         coord.close()
+
+
+def test_a_satellites_parameters_are_the_loaded_snapshot_itself(tiny_model) -> None:
+    """`load_flat_params` aliases a snapshot of the backend's dtype: a channel that returns its own buffer
+    (Mooncake across hosts) has the read land in the satellite's parameters, with no copy after the transfer."""
+    backend = TorchBackend(TorchBackendConfig(model_path=tiny_model, dtype="float64", optimizer=False))
+    flat = backend.flat_params() + 0.25
+    backend.load_flat_params(flat)
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
+    assert all(lo <= p.data_ptr() < hi for p in backend.params)
+    flat += 1.0  # the next snapshot read into the same buffer is what the parameters hold
+    assert torch.equal(backend.flat_params(), flat)

@@ -133,6 +133,8 @@ class TorchBackend:
         return torch.nn.utils.parameters_to_vector(self.params).detach().clone()
 
     def load_flat_params(self, flat: torch.Tensor) -> None:
+        """The parameters become views of `flat` when its dtype and device are theirs (no copy: a satellite's
+        snapshot load then lands straight in its parameters, `SnapshotChannel.load`); a converted copy otherwise."""
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(flat.to(self.device, self.params[0].dtype), self.params)
 
